@@ -1,0 +1,35 @@
+"""Shared pytest set-up.
+
+Tests marked ``gpu`` run only where JAX sees a CUDA device (the H200 machine:
+``python3 -m pytest -m gpu``); everywhere else they are skipped with a reason.
+"""
+
+import os
+
+# Deterministic CPU numerics and a quiet log; set before jax is imported.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python3 -m pytest -m gpu` on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
