@@ -1,0 +1,370 @@
+"""`quantize` and `QuantizedTensor`: one tensor, up to two quantized copies.
+
+Layout (docs/design/layouts.md): the input is viewed as 2-D (M, K), leading dims flattened. The
+rowwise copy has blocks along K and is stored (M, K); the columnwise copy has blocks along M and
+is stored transposed, (K, M), so that it is simply the rowwise quantization of xᵀ (rotated by the
+Hadamard transform first for NVFP4 inputs and gradients). Both copies are zero-padded up to block
+multiples; `dequantize` strips the padding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_qtrain import kernels
+from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
+from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.recipes import Recipe, Role
+
+Usage = Literal["rowwise", "columnwise"]
+USAGES: tuple[str, ...] = get_args(Usage)
+Backend = Literal["auto", "reference", "pallas"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+# How each format stores its scales, for repr and docs.
+_SCALE_STORAGE = {"fp8": "fp32", "fp8_block": "fp32", "mxfp8": "E8M0 bytes", "nvfp4": "E4M3"}
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedTensor:
+    """A quantized tensor: a rowwise and/or a columnwise copy, plus static metadata.
+
+    Array fields (pytree leaves; a copy that was not requested is None):
+      rowwise_data, rowwise_scale_inv: codes and scales of the rowwise copy, (M, K) layout.
+      columnwise_data, columnwise_scale_inv: the columnwise copy, stored transposed, (K, M).
+      rowwise_amax, columnwise_amax: NVFP4's float32 global amax of each copy (None otherwise).
+    Static metadata: `spec` (format and options), `shape` and `dtype` of the original tensor.
+
+    Codes: FP8 formats store real float8_e4m3fn / float8_e5m2 arrays (XLA's FP8 dot_general and
+    Mosaic GPU's wgmma consume them directly); NVFP4 stores two E2M1 codes per uint8, element 2i
+    in the low nibble, because Hopper kernels cannot emit float4 and packing halves the bytes.
+    Scales: float32 (FP8, FP8 block), E8M0 as uint8 bytes (MXFP8: JAX's e8m0 cast rounds to
+    nearest and has no zero, and Hopper kernels cannot emit it), float8_e4m3fn (NVFP4).
+    """
+
+    def __init__(
+        self,
+        *,
+        spec: QuantizerSpec,
+        shape: tuple[int, ...],
+        dtype,
+        rowwise_data: jax.Array | None = None,
+        rowwise_scale_inv: jax.Array | None = None,
+        columnwise_data: jax.Array | None = None,
+        columnwise_scale_inv: jax.Array | None = None,
+        rowwise_amax: jax.Array | None = None,
+        columnwise_amax: jax.Array | None = None,
+    ):
+        self.spec = spec
+        self.shape = tuple(shape)
+        self.dtype = jnp.dtype(dtype)
+        self.rowwise_data = rowwise_data
+        self.rowwise_scale_inv = rowwise_scale_inv
+        self.columnwise_data = columnwise_data
+        self.columnwise_scale_inv = columnwise_scale_inv
+        self.rowwise_amax = rowwise_amax
+        self.columnwise_amax = columnwise_amax
+
+    # --- pytree -------------------------------------------------------------------------------
+    _LEAF_FIELDS = (
+        "rowwise_data",
+        "rowwise_scale_inv",
+        "columnwise_data",
+        "columnwise_scale_inv",
+        "rowwise_amax",
+        "columnwise_amax",
+    )
+
+    def tree_flatten(self):
+        children = tuple(getattr(self, name) for name in self._LEAF_FIELDS)
+        return children, (self.spec, self.shape, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        spec, shape, dtype = aux
+        return cls(spec=spec, shape=shape, dtype=dtype, **dict(zip(cls._LEAF_FIELDS, children)))
+
+    # --- metadata -----------------------------------------------------------------------------
+    @property
+    def shape2d(self) -> tuple[int, int]:
+        """The (M, K) view: leading dims flattened."""
+        return (math.prod(self.shape[:-1]), self.shape[-1])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def usages(self) -> tuple[str, ...]:
+        """The copies this tensor holds, e.g. ("rowwise", "columnwise")."""
+        return tuple(u for u in USAGES if self._data(u) is not None)
+
+    def has_usage(self, usage: Usage) -> bool:
+        _check_usage(usage)
+        return self._data(usage) is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all copies: codes, scales and global amaxes."""
+        return sum(
+            int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree_util.tree_leaves(self)
+        )
+
+    def _data(self, usage: str):
+        return self.rowwise_data if usage == "rowwise" else self.columnwise_data
+
+    def _scale_inv(self, usage: str):
+        return self.rowwise_scale_inv if usage == "rowwise" else self.columnwise_scale_inv
+
+    def _amax(self, usage: str):
+        return self.rowwise_amax if usage == "rowwise" else self.columnwise_amax
+
+    def _require(self, usage: str) -> None:
+        _check_usage(usage)
+        if self._data(usage) is None:
+            raise ValueError(
+                f"usage={usage!r}: this tensor holds only {list(self.usages)}; quantize with "
+                f"{usage}=True to get that copy"
+            )
+
+    # --- views --------------------------------------------------------------------------------
+    def restrict_to(self, *usages: Usage) -> QuantizedTensor:
+        """The same tensor keeping only the named copies (e.g. the one a GEMM will read)."""
+        for usage in usages:
+            self._require(usage)
+        fields = {name: getattr(self, name) for name in self._LEAF_FIELDS}
+        for usage in USAGES:
+            if usage not in usages:
+                for part in ("data", "scale_inv", "amax"):
+                    fields[f"{usage}_{part}"] = None
+        return QuantizedTensor(spec=self.spec, shape=self.shape, dtype=self.dtype, **fields)
+
+    def dequantize_stored(self, usage: Usage = "rowwise") -> jax.Array:
+        """float32 values of one copy exactly as stored: 2-D, padded to block multiples, the
+        columnwise copy transposed (K', M') and, with the Hadamard transform, still rotated.
+
+        This is what a GEMM reads: two rotated copies contracted over the padded token axis give
+        the unrotated product (M·Mᵀ = I, and padding contributes zeros).
+        """
+        self._require(usage)
+        data, scale_inv = self._data(usage), self._scale_inv(usage)
+        fmt = self.spec.format
+        if fmt == "fp8":
+            return fp8_tensor.dequantize(data, scale_inv)
+        if fmt == "fp8_block":
+            return fp8_block.dequantize(data, scale_inv, self.spec)
+        if fmt == "mxfp8":
+            return mxfp8.dequantize(data, scale_inv)
+        return nvfp4.dequantize(data, scale_inv, self.spec, global_amax=self._amax(usage))
+
+    def dequantize(self, usage: Usage = "rowwise", dtype=None) -> jax.Array:
+        """Values of one copy in the original shape and layout, as `dtype` (default: the
+        original dtype). A rotated NVFP4 columnwise copy is rotated back (fp32 arithmetic, so
+        exact only up to fp32 rounding)."""
+        values = self.dequantize_stored(usage)
+        rows, cols = self.shape2d
+        if usage == "columnwise":
+            if self.spec.hadamard_columnwise:
+                values = nvfp4.inverse_hadamard16(values)
+            values = values[:cols, :rows].T
+        else:
+            values = values[:rows, :cols]
+        out_dtype = self.dtype if dtype is None else jnp.dtype(dtype)
+        return values.reshape(self.shape).astype(out_dtype)
+
+    def __repr__(self) -> str:
+        def describe(usage):
+            data, scale = self._data(usage), self._scale_inv(usage)
+            text = (
+                f"{usage}: data {_leaf_str(data)}, scale_inv {_leaf_str(scale)} "
+                f"({_SCALE_STORAGE[self.spec.format]})"
+            )
+            if self._amax(usage) is not None:
+                text += ", global amax float32[]"
+            return text
+
+        copies = ",\n  ".join(describe(u) for u in self.usages) or "no copies"
+        return (
+            f"QuantizedTensor({self.spec.describe()}, shape={self.shape}, dtype={self.dtype},\n"
+            f"  {copies},\n  nbytes={self.nbytes:,})"
+        )
+
+
+def _leaf_str(leaf) -> str:
+    return f"{jnp.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
+
+
+def _check_usage(usage) -> None:
+    if usage not in USAGES:
+        raise ValueError(f"usage must be one of {list(USAGES)}, got {usage!r}")
+
+
+def _validate_input(x) -> None:
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"x must be a JAX or NumPy array, got {type(x).__name__}")
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in common.SUPPORTED_INPUT_DTYPES:
+        raise TypeError(
+            f"x must have dtype float32, bfloat16 or float16 (the high-precision tensor to "
+            f"quantize), got {dtype}"
+        )
+    if len(x.shape) == 0:
+        raise ValueError("x must have at least one dimension, got a scalar")
+    if math.prod(x.shape) == 0:
+        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
+
+
+def _check_key(key, spec: QuantizerSpec) -> None:
+    if not spec.stochastic_rounding:
+        return
+    if key is None:
+        raise ValueError(
+            f"key is required: {spec.describe()} rounds stochastically (a gradient under "
+            "NVFP4BlockScaling); pass key=jax.random.key(...)"
+        )
+    if not (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (jnp.dtype(key.dtype) == jnp.uint32 and key.shape[-1:] == (2,))
+    ):
+        raise TypeError(f"key must be a jax.random key, got {key.dtype}{tuple(key.shape)}")
+
+
+def _copy_seed(key, usage: str) -> jax.Array:
+    return jax.random.bits(jax.random.fold_in(key, USAGES.index(usage)), (), jnp.uint32)
+
+
+def quantize_reference_copy(
+    source: jax.Array,
+    spec: QuantizerSpec,
+    *,
+    input_dtype,
+    tensor_amax: jax.Array | None = None,
+    seed: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The jnp reference for one copy: quantize the rows of a 2-D `source` (x for the rowwise
+    copy, the (rotated) xᵀ for the columnwise one). Returns (data, scale_inv, global amax or None).
+
+    `tensor_amax` is the copy's amax for per-tensor scales (FP8, NVFP4's global scale); it is
+    computed here when not given.
+    """
+    fmt = spec.format
+    if fmt in ("fp8", "nvfp4") and tensor_amax is None:
+        tensor_amax = common.amax(source)
+    if fmt == "fp8":
+        data, scale_inv = fp8_tensor.quantize(source, spec, tensor_amax=tensor_amax)
+        return common.materialize(data), scale_inv, None
+    if fmt == "fp8_block":
+        data, scale_inv = fp8_block.quantize(source, spec, input_dtype=input_dtype)
+        return common.materialize(data), scale_inv, None
+    if fmt == "mxfp8":
+        data, scale_inv = mxfp8.quantize(source, spec)
+        return common.materialize(data), scale_inv, None
+    data, scale_inv = nvfp4.quantize(source, spec, global_amax=tensor_amax, seed=seed)
+    return data, common.materialize(scale_inv), tensor_amax
+
+
+def columnwise_source(x2d: jax.Array, spec: QuantizerSpec) -> jax.Array:
+    """What the columnwise copy quantizes: xᵀ, rotated by the Hadamard transform if asked."""
+    source = x2d.T
+    if spec.hadamard_columnwise:
+        source = nvfp4.hadamard16(common.pad_to_blocks(source.astype(jnp.float32), 1, 16))
+    return source
+
+
+def quantize(
+    x: jax.Array,
+    recipe: Recipe | QuantizerSpec,
+    role: Role = "input",
+    rowwise: bool = True,
+    columnwise: bool = False,
+    key: jax.Array | None = None,
+    *,
+    backend: Backend = "auto",
+    amax_axis_name: str | tuple[str, ...] | None = None,
+) -> QuantizedTensor:
+    """Quantize `x` as `recipe` quantizes a tensor of this `role`.
+
+    Args:
+      x: float32 / bfloat16 / float16 array of any rank ≥ 1, viewed as 2-D (M, K).
+      recipe: a recipe (jax_qtrain.recipes), or a QuantizerSpec (then `role` is unused).
+      role: "input", "weight" or "grad"; picks the FP8 dtype, block shape, Hadamard transform
+        and stochastic rounding the recipe uses for that tensor.
+      rowwise, columnwise: which copies to produce (at least one).
+      key: jax.random key, required when the spec rounds stochastically (NVFP4 gradients); the
+        same key gives the same codes.
+      backend: "reference" (the jnp code here), "pallas" (the Hopper kernels; an error if there
+        is none for this format and shape), or "auto": kernels on GPU where they apply, else the
+        reference.
+      amax_axis_name: inside `shard_map`, a mesh axis (or axes) over which per-tensor amaxes
+        (FP8, NVFP4's global amax) are max-reduced, so quantizing shards equals quantizing the
+        whole tensor (block formats need no reduction when shards are block-aligned).
+    """
+    if isinstance(recipe, QuantizerSpec):
+        spec = recipe
+    elif isinstance(recipe, Recipe):
+        spec = recipe.spec(role)
+    else:
+        raise TypeError(
+            f"recipe must be a jax_qtrain recipe (e.g. MXFP8BlockScaling()) or a QuantizerSpec, "
+            f"got {type(recipe).__name__}"
+        )
+    _validate_input(x)
+    for name, flag in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise and columnwise are both False: ask for at least one copy")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    _check_key(key, spec)
+
+    x = jnp.asarray(x)
+    x2d = x.reshape(-1, x.shape[-1])
+    use_kernel = backend == "pallas" or (
+        backend == "auto" and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
+    )
+
+    def reduce_amax(value):
+        if amax_axis_name is None or value is None:
+            return value
+        return lax.pmax(value, amax_axis_name)
+
+    per_copy = {}
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not wanted:
+            continue
+        source = x2d if usage == "rowwise" else columnwise_source(x2d, spec)
+        tensor_amax = None
+        if spec.format in ("fp8", "nvfp4"):
+            tensor_amax = common.amax(source)
+            if amax_axis_name is not None:
+                tensor_amax = lax.pmax(tensor_amax, amax_axis_name)
+        seed = _copy_seed(key, usage) if spec.stochastic_rounding else None
+        per_copy[usage] = (source, tensor_amax, seed)
+
+    if use_kernel:
+        # The kernels read x once and write both copies; they get the (reduced) amaxes and seeds.
+        fields = kernels.quantize(
+            x2d,
+            spec,
+            input_dtype=x.dtype,
+            amaxes={usage: amax for usage, (_, amax, _) in per_copy.items()},
+            seeds={usage: seed for usage, (_, _, seed) in per_copy.items()},
+        )
+    else:
+        fields = {}
+        for usage, (source, tensor_amax, seed) in per_copy.items():
+            data, scale_inv, copy_amax = quantize_reference_copy(
+                source, spec, input_dtype=x.dtype, tensor_amax=tensor_amax, seed=seed
+            )
+            fields.update(
+                {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": copy_amax}
+            )
+    return QuantizedTensor(spec=spec, shape=x.shape, dtype=x.dtype, **fields)
