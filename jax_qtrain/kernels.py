@@ -27,7 +27,9 @@ def quantize_kernel_applies(spec: QuantizerSpec, shape2d: tuple[int, int], dtype
     return entry is not None and on_gpu() and entry[0](spec, shape2d, dtype)
 
 
-def quantize(x2d: jax.Array, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:
+def quantize(
+    x2d: jax.Array, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict
+) -> dict:
     """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
     in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
     """

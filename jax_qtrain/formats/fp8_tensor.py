@@ -48,7 +48,9 @@ def reciprocal_scale(scale: jax.Array, *, power_2_scale: bool) -> jax.Array:
     return jnp.float32(1.0) / scale
 
 
-def quantize(x2d: jax.Array, spec: QuantizerSpec, *, tensor_amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize(
+    x2d: jax.Array, spec: QuantizerSpec, *, tensor_amax: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Quantize a 2-D array with one scale. Returns (codes (R, C) spec.dtype, scale_inv () f32).
 
     `tensor_amax` is passed in (not recomputed) so a sharded caller can reduce it across devices

@@ -89,7 +89,9 @@ def quantize(x2d: jax.Array, spec: QuantizerSpec) -> tuple[jax.Array, jax.Array]
     """Rowwise copy of a 2-D array. Returns (codes (R, C') spec.dtype, E8M0 bytes (R, C'/32)
     uint8), C' = C padded to a multiple of 32."""
     padded = common.pad_to_blocks(x2d.astype(jnp.float32), 1, BLOCK_SIZE)
-    scale_bytes = e8m0_from_amax(common.block_amax(padded, 1, BLOCK_SIZE), common.fp8_max(spec.dtype))
+    scale_bytes = e8m0_from_amax(
+        common.block_amax(padded, 1, BLOCK_SIZE), common.fp8_max(spec.dtype)
+    )
     # Multiplier 2^(127 - e); byte 0xFF (NaN amax) gives NaN codes.
     exponent = 127 - scale_bytes.astype(jnp.int32)
     exponent = jnp.where(scale_bytes == 0xFF, 128, exponent)

@@ -194,7 +194,9 @@ def quantize(
     s_dec = jnp.float32(1.0) / s_enc
     t = s_enc * _ONE_SIXTH
     block_amax = common.block_amax(padded, block_rows, block_cols)
-    block_scale = jnp.minimum(block_amax * t, jnp.float32(common.E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    block_scale = jnp.minimum(block_amax * t, jnp.float32(common.E4M3_MAX)).astype(
+        jnp.float8_e4m3fn
+    )
     block_scale_f32 = common.materialize(block_scale).astype(jnp.float32)
     encode = jnp.minimum(jnp.float32(1.0) / (block_scale_f32 * s_dec), jnp.float32(common.FLT_MAX))
     blocks = common.split_blocks(padded, block_rows, block_cols)

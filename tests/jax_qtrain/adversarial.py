@@ -8,7 +8,12 @@ F32_TINY = np.float32(2.0**-126)
 
 
 def adversarial_matrix(
-    rows: int, cols: int, seed: int, *, block: int = 32, subnormals: bool = False,
+    rows: int,
+    cols: int,
+    seed: int,
+    *,
+    block: int = 32,
+    subnormals: bool = False,
     specials: bool = True,
 ) -> np.ndarray:
     """A float32 (rows, cols) matrix whose blocks of `block` columns each stress one rule.

@@ -46,9 +46,9 @@ def _fp8_block_case(x, dtype, block, pow2):
 
 def _fp8_tensor_case(x, dtype, pow2):
     spec = QuantizerSpec("fp8", dtype, power_2_scale=pow2)
-    codes, scale_inv = jax.jit(
-        lambda v: fp8_tensor.quantize(v, spec, tensor_amax=common.amax(v))
-    )(x)
+    codes, scale_inv = jax.jit(lambda v: fp8_tensor.quantize(v, spec, tensor_amax=common.amax(v)))(
+        x
+    )
     want_codes, want_scale_inv = oracle.fp8_tensor(x, dtype, pow2=pow2)
     assert int(as_words(scale_inv)) == int(want_scale_inv)
     np.testing.assert_array_equal(as_bytes(codes), want_codes)
