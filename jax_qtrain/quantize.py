@@ -88,7 +88,12 @@ class QuantizedTensor:
     @classmethod
     def tree_unflatten(cls, aux, children):
         spec, shape, dtype = aux
-        return cls(spec=spec, shape=shape, dtype=dtype, **dict(zip(cls._LEAF_FIELDS, children)))
+        return cls(
+            spec=spec,
+            shape=shape,
+            dtype=dtype,
+            **dict(zip(cls._LEAF_FIELDS, children, strict=True)),
+        )
 
     # --- metadata -----------------------------------------------------------------------------
     @property
