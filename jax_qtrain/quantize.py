@@ -9,6 +9,7 @@ multiples; `dequantize` strips the padding.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, get_args
 
@@ -159,30 +160,14 @@ class QuantizedTensor:
         the unrotated product (M·Mᵀ = I, and padding contributes zeros).
         """
         self._require(usage)
-        data, scale_inv = self._data(usage), self._scale_inv(usage)
-        fmt = self.spec.format
-        if fmt == "fp8":
-            return fp8_tensor.dequantize(data, scale_inv)
-        if fmt == "fp8_block":
-            return fp8_block.dequantize(data, scale_inv, self.spec)
-        if fmt == "mxfp8":
-            return mxfp8.dequantize(data, scale_inv)
-        return nvfp4.dequantize(data, scale_inv, self.spec, global_amax=self._amax(usage))
+        return _dequantize_stored(self, usage)
 
     def dequantize(self, usage: Usage = "rowwise", dtype=None) -> jax.Array:
         """Values of one copy in the original shape and layout, as `dtype` (default: the
         original dtype). A rotated NVFP4 columnwise copy is rotated back (fp32 arithmetic, so
         exact only up to fp32 rounding)."""
-        values = self.dequantize_stored(usage)
-        rows, cols = self.shape2d
-        if usage == "columnwise":
-            if self.spec.hadamard_columnwise:
-                values = nvfp4.inverse_hadamard16(values)
-            values = values[:cols, :rows].T
-        else:
-            values = values[:rows, :cols]
-        out_dtype = self.dtype if dtype is None else jnp.dtype(dtype)
-        return values.reshape(self.shape).astype(out_dtype)
+        self._require(usage)
+        return _dequantize(self, usage, self.dtype if dtype is None else jnp.dtype(dtype))
 
     def __repr__(self) -> str:
         def describe(usage):
@@ -200,6 +185,32 @@ class QuantizedTensor:
             f"QuantizedTensor({self.spec.describe()}, shape={self.shape}, dtype={self.dtype},\n"
             f"  {copies},\n  nbytes={self.nbytes:,})"
         )
+
+
+@functools.partial(jax.jit, static_argnames=("usage",))
+def _dequantize_stored(q: QuantizedTensor, usage: str) -> jax.Array:
+    data, scale_inv = q._data(usage), q._scale_inv(usage)
+    fmt = q.spec.format
+    if fmt == "fp8":
+        return fp8_tensor.dequantize(data, scale_inv)
+    if fmt == "fp8_block":
+        return fp8_block.dequantize(data, scale_inv, q.spec)
+    if fmt == "mxfp8":
+        return mxfp8.dequantize(data, scale_inv)
+    return nvfp4.dequantize(data, scale_inv, q.spec, global_amax=q._amax(usage))
+
+
+@functools.partial(jax.jit, static_argnames=("usage", "dtype"))
+def _dequantize(q: QuantizedTensor, usage: str, dtype) -> jax.Array:
+    values = _dequantize_stored(q, usage)
+    rows, cols = q.shape2d
+    if usage == "columnwise":
+        if q.spec.hadamard_columnwise:
+            values = nvfp4.inverse_hadamard16(values)
+        values = values[:cols, :rows].T
+    else:
+        values = values[:rows, :cols]
+    return values.reshape(q.shape).astype(dtype)
 
 
 def _leaf_str(leaf) -> str:
@@ -330,16 +341,26 @@ def quantize(
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     _check_key(key, spec)
 
-    x = jnp.asarray(x)
+    return _quantize(
+        jnp.asarray(x),
+        key,
+        spec=spec,
+        rowwise=bool(rowwise),
+        columnwise=bool(columnwise),
+        backend=backend,
+        amax_axis_name=amax_axis_name,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("spec", "rowwise", "columnwise", "backend", "amax_axis_name")
+)
+def _quantize(x, key, *, spec, rowwise, columnwise, backend, amax_axis_name) -> QuantizedTensor:
+    # Jitted so that eager calls compile once per shape (inside a caller's jit it is inlined).
     x2d = x.reshape(-1, x.shape[-1])
     use_kernel = backend == "pallas" or (
         backend == "auto" and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
     )
-
-    def reduce_amax(value):
-        if amax_axis_name is None or value is None:
-            return value
-        return lax.pmax(value, amax_axis_name)
 
     per_copy = {}
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
