@@ -319,7 +319,7 @@ def test_amax_axis_name_makes_sharded_quantization_equal_the_whole():
             in_specs=jax.P("fsdp"),
             out_specs=(jax.P("fsdp"), jax.P()),
         )
-        def shard_quantize(shard, recipe=recipe):
+        def shard_quantize(shard, recipe=recipe, name=name):
             q = jq.quantize(shard, recipe, "weight", amax_axis_name="fsdp")
             return q.rowwise_data, q.rowwise_scale_inv if name == "fp8" else q.rowwise_amax
 
