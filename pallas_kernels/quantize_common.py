@@ -1,0 +1,259 @@
+"""Pieces shared by the Hopper (sm_90) quantize / dequantize kernels.
+
+Register layout: "one thread owns one line"
+-------------------------------------------
+Every kernel works on 128×128 tiles of the 2-D input, one warpgroup (128 threads) per tile. The
+tile is copied into shared memory once (TMA, swizzled), then read twice into registers with the
+"row per thread" layout ``RPT(v)`` (Mosaic GPU's ``tmem_native_layout(v)``): thread ``t`` holds
+row ``t`` of a ``(128·n, c)`` array, in vectors of ``v`` consecutive elements.
+
+- rowwise copy: the tile itself, ``RPT(8)`` (16-byte shared-memory loads);
+- columnwise copy: the *transposed view* of the tile, ``RPT(1)``: thread ``t`` holds column
+  ``t`` of the tile, i.e. row ``t`` of the transposed copy (2- or 4-byte loads; the 32 lanes
+  of a warp read 32 consecutive elements of one tile row, so there are no bank conflicts).
+
+So both copies are "quantize the rows of a register array", every block reduction (amax, the
+Hadamard butterfly, nibble packing) stays inside one thread, and each thread writes the bytes
+of its own output row with 16-byte vector stores straight to global memory. Switching between
+``RPT(1)`` and ``RPT(v)`` only regroups a thread's registers (no data movement).
+
+Numerics follow ../shared/reference/numerics.md and the jnp references in jax_qtrain/formats
+(this package never imports jax_qtrain; tests compare the two bit for bit). Amaxes are taken on
+float32 bit patterns (``bits & 0x7FFFFFFF``, max as uint32): NaN-propagating and immune to
+flush-to-zero, exactly like the references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# One warpgroup per tile; the row-per-thread layout maps its 128 threads onto 128 rows.
+LINES_PER_WARPGROUP = 128
+TILE = 128
+
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+# The NaN byte jnp/XLA produce for a *positive* NaN cast to each FP8 dtype (ml_dtypes'
+# canonical quiet NaN). Hopper's cvt.satfinite always gives 0x7F, so E5M2 needs a fix-up.
+FP8_POSITIVE_NAN_BYTE = {jnp.dtype(jnp.float8_e4m3fn): 0x7F, jnp.dtype(jnp.float8_e5m2): 0x7E}
+FLT_MAX = float(np.finfo(np.float32).max)
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+F32_INF_BITS = 0x7F800000
+ABS_MASK = 0x7FFFFFFF
+
+
+def row_per_thread(vector: int) -> plgpu.Layout:
+    """Register layout: thread t holds row t (mod 128) in vectors of `vector` elements."""
+    return plgpu.Layout.TCGEN05_TMEM_NATIVE(vector)
+
+
+RPT1 = row_per_thread(1)
+
+
+def interpret_params(interpret: bool):
+    """What `plgpu.kernel(interpret=...)` takes: the Mosaic GPU interpreter or the hardware."""
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+    # Unwritten outputs come back NaN / all-ones in the interpreter, so tests catch them.
+    return plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None
+
+
+def tile_smem(dtype, rows: int = TILE, cols: int = TILE) -> plgpu.SMEM:
+    """Shared-memory buffer for one input tile, tiled and swizzled so that both the 16-byte
+    row loads (8 consecutive rows hit 8 distinct 16-byte bank groups) and the one-element
+    column loads (32 consecutive elements of one row) are free of bank conflicts, and so that
+    it can be sliced in 32-column steps."""
+    dtype = jnp.dtype(dtype)
+    elems_per_32_cols = 32
+    swizzle = elems_per_32_cols * dtype.itemsize  # 64 B for 16-bit, 128 B for 32-bit
+    transforms = (
+        plgpu.TilingTransform((8, elems_per_32_cols)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    return plgpu.SMEM((rows, cols), dtype, transforms=transforms)
+
+
+def vector_for(dtype) -> int:
+    """Elements per 16-byte vector."""
+    return 16 // jnp.dtype(dtype).itemsize
+
+
+def rows_layout(dtype) -> plgpu.Layout:
+    """Layout of a tile slice loaded row-per-thread (16-byte vectors)."""
+    return row_per_thread(vector_for(dtype))
+
+
+def load_rows(ref, dtype) -> jax.Array:
+    """Load a (128·n, c) slice of a tile buffer row-per-thread, as float32 (layout
+    `rows_layout(dtype)`)."""
+    return plgpu.load(ref, layout=rows_layout(dtype)).astype(jnp.float32)
+
+
+def load_columns(ref) -> jax.Array:
+    """Load a (rows, 128·n) slice of a tile buffer transposed: thread t gets column t (RPT1)."""
+    return plgpu.load(ref.T, layout=RPT1).astype(jnp.float32)
+
+
+def abs_bits(v: jax.Array) -> jax.Array:
+    """|v| as uint32 bits; integer order = float order, NaN above +Inf."""
+    return lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(ABS_MASK)
+
+
+def f32_from_bits(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def row_amax_bits(v: jax.Array) -> jax.Array:
+    """Per-row max|v| of a (R, C) float32 array, as uint32 bits (in-thread in RPT layouts)."""
+    return jnp.max(abs_bits(v), axis=1)
+
+
+def is_nan_bits(bits: jax.Array) -> jax.Array:
+    return bits > jnp.uint32(F32_INF_BITS)
+
+
+def is_inf_bits(bits: jax.Array) -> jax.Array:
+    return bits == jnp.uint32(F32_INF_BITS)
+
+
+def broadcast_rows(values: jax.Array, shape: tuple[int, int], layout) -> jax.Array:
+    """(R,) per-row values → (R, c) in `layout` (Mosaic's lane semantics needs the target
+    layout of every broadcast spelled out)."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), layout)
+
+
+def column(values: jax.Array) -> jax.Array:
+    """(R,) per-row values → (R, 1) in RPT1."""
+    return broadcast_rows(values, (values.shape[0], 1), RPT1)
+
+
+def iota(shape: tuple[int, int], dimension: int, layout) -> jax.Array:
+    return plgpu.broadcasted_iota(jnp.uint32, shape, dimension, layout=layout)
+
+
+def saturating_fp8(v: jax.Array, fp8_dtype) -> jax.Array:
+    """RNE cast to FP8, saturating to ±max, NaN → NaN (Hopper's cvt.rn.satfinite; the clip makes
+    the interpreter, which uses XLA's non-saturating cast, agree)."""
+    limit = FP8_MAX[jnp.dtype(fp8_dtype)]
+    return jnp.clip(v, -limit, limit).astype(fp8_dtype)
+
+
+def store_line_bytes(dst_ref, values: jax.Array) -> None:
+    """Store a (128·n, c) array held row-per-thread with the widest vectors that fit."""
+    itemsize = jnp.dtype(values.dtype).itemsize
+    vector = math.gcd(values.shape[1], max(1, 16 // itemsize))
+    dst_ref[...] = plgpu.layout_cast(values, row_per_thread(vector))
+
+
+def concat_columns(parts: list[jax.Array]) -> jax.Array:
+    """(R, 1) arrays → (R, n), in RPT1 (a per-thread register regrouping)."""
+    parts = [plgpu.layout_cast(p, RPT1) for p in parts]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def compiler_params() -> plgpu.CompilerParams:
+    """Lane semantics (layouts are chosen explicitly here, so Mosaic's layout inference, which
+    is slow on these fully unrolled bodies, is not needed), and no automatic barriers: threads
+    only read shared memory, which only the TMA writes."""
+    return plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True
+    )
+
+
+def pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Zero-pad a 2-D array up to (rows, cols); zeros never change a block amax."""
+    pad_rows, pad_cols = rows - x.shape[0], cols - x.shape[1]
+    if pad_rows == 0 and pad_cols == 0:
+        return x
+    return jnp.pad(x, ((0, pad_rows), (0, pad_cols)))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def check_input(x, name: str = "x") -> None:
+    """Kernels read a 2-D bfloat16 or float32 array."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16 or float32, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (flatten leading dims first), got shape {x.shape}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {x.shape}")
+
+
+def check_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(fp8_dtype)
+    except TypeError as err:
+        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {fp8_dtype!r}") from err
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    return dtype
+
+
+def check_copies(rowwise, columnwise) -> None:
+    for name, flag in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise and columnwise are both False: ask for at least one copy")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tiling shared by the quantize kernels.
+
+    Attributes:
+      tile_m: rows of x per CTA (a multiple of 128: each of the warpgroup's threads owns
+        tile_m / 128 rows of the rowwise copy).
+      tile_k: columns of x per CTA (a multiple of 128: each thread owns tile_k / 128 rows of
+        the transposed columnwise copy).
+    """
+
+    tile_m: int = TILE
+    tile_k: int = TILE
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value <= 0 or value % LINES_PER_WARPGROUP or value > 256:
+                raise ValueError(f"{name} must be 128 or 256, got {value}")
+
+    def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
+
+    def smem_bytes(self, dtype) -> int:
+        return self.tile_m * self.tile_k * jnp.dtype(dtype).itemsize
+
+
+def tile_origin(config: TileConfig) -> tuple[jax.Array, jax.Array]:
+    """(first row, first column) of this CTA's tile."""
+    return lax.axis_index("m") * config.tile_m, lax.axis_index("k") * config.tile_k
+
+
+def copy_tile_in(x_gmem, x_smem, barrier, config: TileConfig) -> None:
+    """TMA the CTA's input tile into shared memory and wait for it."""
+    m0, k0 = tile_origin(config)
+    plgpu.copy_gmem_to_smem(
+        x_gmem.at[pl.ds(m0, config.tile_m), pl.ds(k0, config.tile_k)], x_smem, barrier
+    )
+    plgpu.barrier_wait(barrier)
+
+
+def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:
+    """plgpu.kernel grid arguments for a (rows, cols) input padded to whole tiles."""
+    return dict(grid=(rows // config.tile_m, cols // config.tile_k), grid_names=("m", "k"))

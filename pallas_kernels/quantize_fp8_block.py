@@ -1,0 +1,311 @@
+"""FP8 block-scaling quantize kernel (Mosaic GPU, Hopper): 1×128 and 128×128 blocks.
+
+DeepSeek-V3 / TransformerEngine `Float8BlockScaling` (numerics.md §2). Reads a bf16 / f32 (M, K)
+array once and writes, in the same pass,
+  rowwise:    codes (M, K) E4M3/E5M2 and float32 scale_inv (M, K/128) [1×128] or
+              (M/128, K/128) [128×128];
+  columnwise: codes (K, M) and scale_inv (K, M/128) [the 1×128 rowwise quantization of xᵀ, i.e.
+              128×1 blocks of x] or (K/128, M/128) [128×128: the transpose, same scales].
+Per block, TransformerEngine's `compute_scale_from_amax` as in jax_qtrain/formats/fp8_tensor.py:
+  amax = max(amax, eps); scale = fp8_max / amax; Inf → the input dtype's max;
+  amax 0 / Inf / NaN → 1; power-of-2: bits &= 0xFF800000; q = sat_RNE(x · scale);
+  scale_inv = 1 / scale (exact from bits for powers of two: 2^127 → 2^-127).
+A NaN element keeps its sign in the code (0x7F/0xFF E4M3, 0x7E/0xFE E5M2), like XLA's cast; that
+fix-up only runs in tiles that contain a NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import quantize_common as qc
+
+BLOCK = 128
+CHUNK = 32  # columns (rows, for the columnwise copy) per shared-memory read
+BLOCK_SHAPES = ((1, 128), (128, 128))
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8BlockQuantizeConfig(qc.TileConfig):
+    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+
+
+class FP8BlockQuantized(NamedTuple):
+    """Outputs of `quantize_fp8_block`; a copy that was not requested is None."""
+
+    rowwise_data: jax.Array | None
+    rowwise_scale_inv: jax.Array | None
+    columnwise_data: jax.Array | None
+    columnwise_scale_inv: jax.Array | None
+
+
+def input_dtype_max(dtype) -> float:
+    """The scale that replaces an overflowing one: the input dtype's largest finite value."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return qc.BF16_MAX
+    if dtype == jnp.float16:
+        return 65504.0
+    return qc.FLT_MAX
+
+
+def scale_from_amax_bits(amax_bits, *, fp8_max, power_2_scale, amax_epsilon, overflow_scale):
+    """(scale, scale_inv) float32 from amaxes given as uint32 bits (TE's rule, per block)."""
+    amax = qc.f32_from_bits(amax_bits)
+    if amax_epsilon > 0:
+        amax = jnp.maximum(amax, jnp.float32(amax_epsilon))
+    bits = qc.abs_bits(amax)
+    scale = jnp.float32(fp8_max) / amax
+    scale = jnp.where(qc.is_inf_bits(qc.abs_bits(scale)), jnp.float32(overflow_scale), scale)
+    degenerate = (bits == 0) | (bits >= jnp.uint32(qc.F32_INF_BITS))  # 0, Inf or NaN
+    scale = jnp.where(degenerate, jnp.float32(1.0), scale)
+    if not power_2_scale:
+        return scale, jnp.float32(1.0) / scale
+    scale_bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
+    scale = qc.f32_from_bits(scale_bits)
+    reciprocal_exponent = jnp.int32(254) - (scale_bits >> 23).astype(jnp.int32)
+    normal = lax.bitcast_convert_type(jnp.maximum(reciprocal_exponent, 1) << 23, jnp.float32)
+    scale_inv = jnp.where(
+        reciprocal_exponent >= 1, normal, qc.f32_from_bits(jnp.uint32(0x00400000))
+    )
+    return scale, scale_inv
+
+
+def _codes(v, scale_b, fp8_dtype, fix_nan: bool):
+    codes = qc.saturating_fp8(v * scale_b, fp8_dtype)
+    if not fix_nan:
+        return codes
+    # XLA's cast keeps a NaN's sign (cvt.satfinite does not) and gives 0x7E for E5M2.
+    v_bits = lax.bitcast_convert_type(v, jnp.uint32)
+    is_nan = qc.is_nan_bits(v_bits & jnp.uint32(qc.ABS_MASK))
+    nan_code = jnp.uint32(qc.FP8_POSITIVE_NAN_BYTE[jnp.dtype(fp8_dtype)]) | ((v_bits >> 31) << 7)
+    keep = jnp.where(is_nan, jnp.uint32(0), jnp.uint32(0xFF)).astype(jnp.uint8)
+    fix = jnp.where(is_nan, nan_code, jnp.uint32(0)).astype(jnp.uint8)
+    bits = (lax.bitcast_convert_type(codes, jnp.uint8) & keep) | fix
+    return lax.bitcast_convert_type(bits, fp8_dtype)
+
+
+def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
+    """Quantize with and without the NaN fix-up under a tile-uniform predicate."""
+
+    @pl.when(tile_has_nan)
+    def _():
+        qc.store_line_bytes(dst_ref, _codes(v, scale_b, fp8_dtype, True))
+
+    @pl.when(jnp.logical_not(tile_has_nan))
+    def _():
+        qc.store_line_bytes(dst_ref, _codes(v, scale_b, fp8_dtype, False))
+
+
+def _kernel(x_gmem, *refs, config, in_dtype, fp8_dtype, two_d, rowwise, columnwise, scale_rule):
+    outs = list(refs[:-2])
+    x_smem, barrier = refs[-2:]
+    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
+    m0, k0 = qc.tile_origin(config)
+    tm, tk = config.tile_m, config.tile_k
+    row_layout = qc.rows_layout(in_dtype)
+
+    def row_chunk(c):  # (tm, 32) rowwise slice
+        return qc.load_rows(x_smem.at[:, pl.ds(c * CHUNK, CHUNK)], in_dtype)
+
+    def column_chunk(c):  # (tk, 32) slice of the transposed tile
+        return qc.load_columns(x_smem.at[pl.ds(c * CHUNK, CHUNK), :])
+
+    def chunked_amax(load, chunks):
+        amax = None
+        for c in chunks:
+            m = qc.row_amax_bits(load(c))
+            amax = m if amax is None else jnp.maximum(amax, m)
+        return amax
+
+    if two_d:
+        # One 128×128 block per tile: one scale for both copies.
+        row_amax = chunked_amax(row_chunk, range(tk // CHUNK))
+        tile_amax = jnp.max(row_amax)
+        tile_has_nan = qc.is_nan_bits(tile_amax)
+        scale, scale_inv = scale_rule(tile_amax)
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        if rowwise:
+            data_gmem, scale_gmem = outs[:2]
+            outs = outs[2:]
+            for c in range(tk // CHUNK):
+                _store_codes(
+                    row_chunk(c),
+                    scale,
+                    fp8_dtype,
+                    tile_has_nan,
+                    data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + c * CHUNK, CHUNK)],
+                )
+            scale_gmem[i, j] = scale_inv
+        if columnwise:
+            data_gmem, scale_gmem = outs[:2]
+            for c in range(tm // CHUNK):
+                _store_codes(
+                    column_chunk(c),
+                    scale,
+                    fp8_dtype,
+                    tile_has_nan,
+                    data_gmem.at[pl.ds(k0, tk), pl.ds(m0 + c * CHUNK, CHUNK)],
+                )
+            scale_gmem[j, i] = scale_inv
+        return
+
+    per_block = BLOCK // CHUNK
+    for copy in ("rowwise", "columnwise"):
+        if not {"rowwise": rowwise, "columnwise": columnwise}[copy]:
+            continue
+        data_gmem, scale_gmem = outs[:2]
+        outs = outs[2:]
+        if copy == "rowwise":
+            load, layout, lines, line0, n_blocks, col0 = (
+                row_chunk,
+                row_layout,
+                tm,
+                m0,
+                tk // BLOCK,
+                k0,
+            )
+        else:
+            load, layout, lines, line0, n_blocks, col0 = (
+                column_chunk,
+                qc.RPT1,
+                tk,
+                k0,
+                tm // BLOCK,
+                m0,
+            )
+        scale_invs = []
+        for b in range(n_blocks):
+            chunks = range(b * per_block, (b + 1) * per_block)
+            amax = chunked_amax(load, chunks)  # first pass: the block amax per line
+            tile_has_nan = qc.is_nan_bits(jnp.max(amax))
+            scale, scale_inv = scale_rule(amax)
+            for c in chunks:  # second pass: re-read shared memory and quantize
+                v = load(c)
+                _store_codes(
+                    v,
+                    qc.broadcast_rows(scale, v.shape, layout),
+                    fp8_dtype,
+                    tile_has_nan,
+                    data_gmem.at[pl.ds(line0, lines), pl.ds(col0 + c * CHUNK, CHUNK)],
+                )
+            scale_invs.append(qc.column(scale_inv))
+        qc.store_line_bytes(
+            scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
+            qc.concat_columns(scale_invs),
+        )
+
+
+def quantize_fp8_block(
+    x: jax.Array,
+    *,
+    block_shape: tuple[int, int] = (1, 128),
+    rowwise: bool = True,
+    columnwise: bool = False,
+    fp8_dtype=jnp.float8_e4m3fn,
+    power_2_scale: bool = True,
+    amax_epsilon: float = 0.0,
+    input_dtype=None,
+    config: FP8BlockQuantizeConfig | None = None,
+    interpret: bool = False,
+) -> FP8BlockQuantized:
+    """FP8-block-quantize a 2-D bf16/f32 array: both copies in one pass over x.
+
+    `input_dtype` (default x.dtype) picks the scale that replaces an overflowing one. Shapes:
+    rowwise data (M, K') and columnwise (K, M') with K', M' padded to 128 for 1×128 blocks
+    (both dims padded for 128×128); scale_inv as in the module docstring.
+    """
+    qc.check_input(x)
+    qc.check_copies(rowwise, columnwise)
+    fp8_dtype = qc.check_fp8_dtype(fp8_dtype)
+    if tuple(block_shape) not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
+    if not isinstance(power_2_scale, bool):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
+    if not isinstance(amax_epsilon, int | float) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon must be a float >= 0, got {amax_epsilon!r}")
+    if config is None:
+        config = FP8BlockQuantizeConfig()
+    if not isinstance(config, FP8BlockQuantizeConfig):
+        raise TypeError(f"config must be an FP8BlockQuantizeConfig, got {type(config).__name__}")
+    two_d = tuple(block_shape) == (128, 128)
+    if two_d and (config.tile_m, config.tile_k) != (BLOCK, BLOCK):
+        raise ValueError("config: 128×128 blocks need tile_m = tile_k = 128")
+    input_dtype = jnp.dtype(x.dtype if input_dtype is None else input_dtype)
+    scale_rule = functools.partial(
+        scale_from_amax_bits,
+        fp8_max=qc.FP8_MAX[fp8_dtype],
+        power_2_scale=power_2_scale,
+        amax_epsilon=float(amax_epsilon),
+        overflow_scale=input_dtype_max(input_dtype),
+    )
+    rows, cols = x.shape
+    pr, pc = config.padded_shape(rows, cols)
+    xp = qc.pad_to(x, pr, pc)
+    out_types = []
+    if rowwise:
+        scale_shape = (pr // BLOCK, pc // BLOCK) if two_d else (pr, pc // BLOCK)
+        out_types += [
+            jax.ShapeDtypeStruct((pr, pc), fp8_dtype),
+            jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+        ]
+    if columnwise:
+        scale_shape = (pc // BLOCK, pr // BLOCK) if two_d else (pc, pr // BLOCK)
+        out_types += [
+            jax.ShapeDtypeStruct((pc, pr), fp8_dtype),
+            jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+        ]
+    kernel = functools.partial(
+        _kernel,
+        config=config,
+        in_dtype=jnp.dtype(x.dtype),
+        fp8_dtype=fp8_dtype,
+        two_d=two_d,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale_rule=scale_rule,
+    )
+    outs = list(
+        plgpu.kernel(
+            kernel,
+            out_type=tuple(out_types),
+            scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+            interpret=qc.interpret_params(interpret),
+            compiler_params=qc.compiler_params(),
+            **qc.tile_grid(pr, pc, config),
+        )(xp)
+    )
+    # Block-padded extents of each copy (layouts.md).
+    r_rows = qc.round_up(rows, BLOCK) if two_d else rows
+    c_rows = qc.round_up(cols, BLOCK) if two_d else cols
+    result = {}
+    if rowwise:
+        data, scale = outs[:2]
+        outs = outs[2:]
+        result["rowwise_data"] = data[:r_rows, : qc.round_up(cols, BLOCK)]
+        result["rowwise_scale_inv"] = (scale[: r_rows // BLOCK] if two_d else scale[:r_rows])[
+            :, : qc.round_up(cols, BLOCK) // BLOCK
+        ]
+    if columnwise:
+        data, scale = outs[:2]
+        result["columnwise_data"] = data[:c_rows, : qc.round_up(rows, BLOCK)]
+        result["columnwise_scale_inv"] = (scale[: c_rows // BLOCK] if two_d else scale[:c_rows])[
+            :, : qc.round_up(rows, BLOCK) // BLOCK
+        ]
+    return FP8BlockQuantized(
+        rowwise_data=result.get("rowwise_data"),
+        rowwise_scale_inv=result.get("rowwise_scale_inv"),
+        columnwise_data=result.get("columnwise_data"),
+        columnwise_scale_inv=result.get("columnwise_scale_inv"),
+    )

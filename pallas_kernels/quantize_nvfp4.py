@@ -1,0 +1,482 @@
+"""NVFP4 quantize kernels (Mosaic GPU, Hopper): 1×16 blocks, rowwise and columnwise copies.
+
+`quantize_nvfp4` reads a bf16 / f32 (M, K) array once and writes, in the same pass,
+  rowwise:    packed E2M1 codes (M, K/2) uint8 (element 2i in the low nibble) and E4M3 block
+              scales (M, K/16);
+  columnwise: the same for xᵀ, (K, M/2) and (K, M/16), optionally rotated first by the 16-point
+              Hadamard transform along M (numerics.md §4) and optionally rounded stochastically.
+Each copy has its own float32 global amax, which must be known before quantizing: get it from
+`nvfp4_amax` (a separate reduction kernel that reads x once for both copies, rotating the
+columnwise copy on the fly) or from any other reduction (jax_qtrain computes it with jnp).
+
+Exact float32 operation order (TransformerEngine's, as in jax_qtrain/formats/nvfp4.py):
+  S_enc = min(fp32(2688 / gamax), FLT_MAX) (1 if gamax is 0 or S_enc is 0); S_dec = fp32(1/S_enc)
+  t = fp32(S_enc · fp32(1/6)); s_b = e4m3_RNE(min(fp32(vmax_b · t), 448))
+  enc_b = min(fp32(1 / fp32(fp32(s_b) · S_dec)), FLT_MAX); q = e2m1(clamp(fp32(x · enc_b), ±6))
+The sign nibble bit is set when fp32(x·enc_b) is negative and nonzero, decided on
+(x·2^64)·enc_b like the reference so flushed subnormal products agree. Stochastic rounding
+uses the reference's counter hash of the element's (row, col) in the copy and a uint32 seed, so
+kernel and reference draw the same bits.
+
+Weights' 16×16 blocks are not implemented here (jax_qtrain falls back to its reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import quantize_common as qc
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+ONE_SIXTH = np.float32(1.0 / 6.0)  # 0x3E2AAAAB
+# TransformerEngine's fixed Hadamard sign vector (bitmask 0xD7E8).
+HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+# E2M1 round-to-nearest-even thresholds (TE's cast_to_fp4x2): (threshold, inclusive).
+_RNE_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# 1 / (distance to the next E2M1 value); exact powers of two.
+_E2M1_INVERSE_STEPS = (2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 0.5, 1.0)
+# Rows of the per-copy scalar table passed to the kernel.
+_T, _S_DEC = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4QuantizeConfig(qc.TileConfig):
+    """Tuning knobs of the NVFP4 kernels (see `qc.TileConfig`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+
+
+class NVFP4Quantized(NamedTuple):
+    """Outputs of `quantize_nvfp4`; a copy that was not requested is None."""
+
+    rowwise_data: jax.Array | None
+    rowwise_scale: jax.Array | None
+    columnwise_data: jax.Array | None
+    columnwise_scale: jax.Array | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-copy global scales (plain jnp, outside the kernel; same expressions as the reference).
+
+
+def global_encode_scale(global_amax: jax.Array) -> jax.Array:
+    """S_enc = min(fp32(2688 / gamax), FLT_MAX); 1 when gamax is 0 or S_enc is 0."""
+    global_amax = jnp.asarray(global_amax, jnp.float32)
+    s_enc = jnp.fmin(jnp.float32(E2M1_MAX * E4M3_MAX) / global_amax, jnp.float32(qc.FLT_MAX))
+    is_zero = (lax.bitcast_convert_type(global_amax, jnp.uint32) & jnp.uint32(qc.ABS_MASK)) == 0
+    return jnp.where(is_zero | (s_enc == 0), jnp.float32(1.0), s_enc)
+
+
+def copy_scalars(global_amax: jax.Array) -> jax.Array:
+    """[t, S_dec] of one copy as a float32 vector."""
+    s_enc = global_encode_scale(global_amax)
+    return jnp.stack([s_enc * ONE_SIXTH, jnp.float32(1.0) / s_enc])
+
+
+# ----------------------------------------------------------------------------------------------
+# In-kernel pieces. Every array is (R, c) held row-per-thread: all work stays in one thread.
+
+
+def hadamard16_lines(v: jax.Array) -> jax.Array:
+    """x ⊙ s, then butterflies of strides 1, 2, 4, 8 ((a, b) → (a + b, a − b)), then × 0.25,
+    along each row of a (R, 16) float32 array: the reference's exact operation order."""
+    lines = [v[:, i : i + 1] for i in range(BLOCK)]
+    lines = [-line if sign < 0 else line for line, sign in zip(lines, HADAMARD_SIGNS, strict=True)]
+    for stride in (1, 2, 4, 8):
+        out = list(lines)
+        for start in range(0, BLOCK, 2 * stride):
+            for i in range(start, start + stride):
+                a, b = lines[i], lines[i + stride]
+                out[i], out[i + stride] = a + b, a - b
+        lines = out
+    return qc.concat_columns([line * jnp.float32(0.25) for line in lines])
+
+
+def _count(conditions) -> jax.Array:
+    """Number of true conditions, as uint32 (selects: bool casts do not lower everywhere)."""
+    total = None
+    for condition in conditions:
+        term = jnp.where(condition, jnp.uint32(1), jnp.uint32(0))
+        total = term if total is None else total + term
+    return total
+
+
+def _select_by_index(index: jax.Array, table) -> jax.Array:
+    """table[index] for a small static float table and a uint32 index array."""
+    out = jnp.full(index.shape, table[0], jnp.float32)
+    for i, value in enumerate(table[1:], start=1):
+        if value != table[i - 1]:
+            out = jnp.where(index >= i, jnp.float32(value), out)
+    return out
+
+
+def e2m1_magnitude_nearest(a: jax.Array) -> jax.Array:
+    """E2M1 magnitude code (0..7) of |v| ≤ 6, round to nearest even; NaN → 0."""
+    return _count(a >= t if inclusive else a > t for t, inclusive in _RNE_THRESHOLDS)
+
+
+def e2m1_magnitude_stochastic(a: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """Round |v| ≤ 6 up with probability (a − lower) / step; NaN → 0."""
+    lower = _count(a >= value for value in _E2M1_VALUES[1:])
+    frac = (a - _select_by_index(lower, _E2M1_VALUES)) * _select_by_index(
+        lower, _E2M1_INVERSE_STEPS
+    )
+    return lower + jnp.where(uniforms < frac, jnp.uint32(1), jnp.uint32(0))
+
+
+def hash_uniforms(rows: jax.Array, cols: jax.Array, seed: jax.Array) -> jax.Array:
+    """The reference's counter-based uniforms in [0, 1) (24 bits) for uint32 (row, col)."""
+    h = (rows * jnp.uint32(0x9E3779B1)) ^ (cols * jnp.uint32(0x85EBCA77)) ^ seed
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+_TWO_POW_64 = np.float32(2.0**64)
+_MAGIC_FLOOR_BITS = (22 + 64 + 127) << 23  # 2^86: float32 ulp 2^63, i.e. 0.5 · 2^64
+_SCALED_E2M1_MAX = np.float32(E2M1_MAX * 2.0**64)
+
+
+def e2m1_nearest_scaled(p64: jax.Array) -> jax.Array:
+    """E2M1 magnitude code (0..7, uint32) of clamp(p, ±6) rounded to nearest even, from
+    p64 = p · 2^64 (|p64| ≥ 2^62 whenever the code is nonzero, so nothing here is subnormal).
+
+    Float addition rounds to nearest even: adding C = 2^(e+22) (e = exponent of |p64|, at least
+    2^86) rounds |p64| to the E2M1 spacing of its binade (0.5 below 2, 1 in [2, 4), 2 in
+    [4, 6]). The low bits of the sum are then the step count k above C, and the code is
+    k + 2·log2(C / 2^86). The same ties as TransformerEngine's thresholds (.25, 1.25, 2.5, 5
+    down; .75, 1.75, 3.5 up). NaN is handled by the caller."""
+    a = jnp.minimum(jnp.abs(p64), _SCALED_E2M1_MAX)
+    a_bits = lax.bitcast_convert_type(a, jnp.uint32)
+    magic_bits = jnp.maximum(
+        (a_bits & jnp.uint32(qc.F32_INF_BITS)) + jnp.uint32(22 << 23),
+        jnp.uint32(_MAGIC_FLOOR_BITS),
+    )
+    rounded_bits = lax.bitcast_convert_type(a + qc.f32_from_bits(magic_bits), jnp.uint32)
+    binade_offset = (magic_bits - jnp.uint32(_MAGIC_FLOOR_BITS)) >> 22
+    return (rounded_bits - magic_bits) + binade_offset
+
+
+def quantize_block_lines(v, layout, t, s_dec, uniforms=None) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
+
+    Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
+    block_amax = qc.f32_from_bits(qc.row_amax_bits(v))
+    block_scale = jnp.minimum(block_amax * t, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    encode = jnp.minimum(
+        jnp.float32(1.0) / (block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
+    )
+    encode_b = qc.broadcast_rows(encode, v.shape, layout)
+    # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc.
+    p64 = (v * _TWO_POW_64) * encode_b
+    negative = p64 < jnp.float32(-(2.0**-86))
+    if uniforms is None:
+        magnitude = e2m1_nearest_scaled(p64)
+        magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p64)), jnp.uint32(0), magnitude)
+    else:
+        a = jnp.abs(jnp.clip(v * encode_b, -E2M1_MAX, E2M1_MAX))
+        magnitude = e2m1_magnitude_stochastic(a, uniforms)
+    codes = plgpu.layout_cast(
+        magnitude | jnp.where(negative, jnp.uint32(8), jnp.uint32(0)), qc.RPT1
+    )
+    low = qc.concat_columns([codes[:, i : i + 1] for i in range(0, BLOCK, 2)])
+    high = qc.concat_columns([codes[:, i : i + 1] for i in range(1, BLOCK, 2)])
+    packed = (low | (high << 4)).astype(jnp.uint8)
+    return packed, block_scale
+
+
+def _quantize_copy(
+    load_block,
+    layout,
+    n_blocks,
+    lines,
+    line0,
+    col0,
+    data_gmem,
+    scale_gmem,
+    scalars,
+    seed,
+    hadamard,
+):
+    """Quantize `n_blocks` consecutive 16-column blocks of `lines` rows (global row `line0`,
+    first global column `col0`), storing packed codes and block scales."""
+    t, s_dec = scalars
+    scales = []
+    for b in range(n_blocks):
+        v = load_block(b)
+        if hadamard:
+            v = hadamard16_lines(v)
+        uniforms = None
+        if seed is not None:
+            rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
+            cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
+            uniforms = hash_uniforms(rows, cols, seed)
+        packed, block_scale = quantize_block_lines(v, layout, t, s_dec, uniforms)
+        qc.store_line_bytes(
+            data_gmem.at[pl.ds(line0, lines), pl.ds((col0 + b * BLOCK) // 2, BLOCK // 2)], packed
+        )
+        scales.append(qc.column(block_scale))
+    qc.store_line_bytes(
+        scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
+        qc.concat_columns(scales),
+    )
+
+
+def _kernel(
+    x_gmem,
+    scalars_gmem,
+    seeds_gmem,
+    *refs,
+    config,
+    in_dtype,
+    rowwise,
+    columnwise,
+    hadamard,
+    stochastic,
+):
+    outs = list(refs[:-2])
+    x_smem, barrier = refs[-2:]
+    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
+    m0, k0 = qc.tile_origin(config)
+    tm, tk = config.tile_m, config.tile_k
+    for copy in ("rowwise", "columnwise"):
+        if not {"rowwise": rowwise, "columnwise": columnwise}[copy]:
+            continue
+        data_gmem, scale_gmem = outs[:2]
+        outs = outs[2:]
+        c = 0 if copy == "rowwise" else 1
+        scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
+        seed = seeds_gmem[c] if stochastic else None
+        if copy == "rowwise":
+
+            def load_row_block(b):
+                pair = x_smem.at[:, pl.ds((b // 2) * 32, 32)]  # 32-column slices only
+                v = qc.load_rows(pair, in_dtype)
+                return v[:, (b % 2) * BLOCK : (b % 2 + 1) * BLOCK]
+
+            _quantize_copy(
+                load_row_block,
+                qc.rows_layout(in_dtype),
+                tk // BLOCK,
+                tm,
+                m0,
+                k0,
+                data_gmem,
+                scale_gmem,
+                scalars,
+                seed,
+                hadamard=False,
+            )
+        else:
+
+            def load_column_block(b):
+                return qc.load_columns(x_smem.at[pl.ds(b * BLOCK, BLOCK), :])
+
+            _quantize_copy(
+                load_column_block,
+                qc.RPT1,
+                tm // BLOCK,
+                tk,
+                k0,
+                m0,
+                data_gmem,
+                scale_gmem,
+                scalars,
+                seed,
+                hadamard=hadamard,
+            )
+
+
+def _check_amax(value, name: str):
+    if value is None:
+        raise ValueError(f"{name} is required for that copy (use nvfp4_amax)")
+    value = jnp.asarray(value)
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float scalar, got {value.dtype}{value.shape}")
+    return value.astype(jnp.float32)
+
+
+def _check_seed(value, name: str):
+    if value is None:
+        raise ValueError(f"{name} is required with stochastic_rounding=True")
+    value = jnp.asarray(value)
+    if value.shape != () or value.dtype != jnp.uint32:
+        raise TypeError(f"{name} must be a uint32 scalar, got {value.dtype}{value.shape}")
+    return value
+
+
+def quantize_nvfp4(
+    x: jax.Array,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    rowwise_amax: jax.Array | None = None,
+    columnwise_amax: jax.Array | None = None,
+    hadamard_columnwise: bool = False,
+    stochastic_rounding: bool = False,
+    rowwise_seed: jax.Array | None = None,
+    columnwise_seed: jax.Array | None = None,
+    config: NVFP4QuantizeConfig | None = None,
+    interpret: bool = False,
+) -> NVFP4Quantized:
+    """NVFP4-quantize a 2-D bf16/f32 array (1×16 blocks): both copies in one pass over x.
+
+    `rowwise_amax` / `columnwise_amax` are each copy's global amax (float32 scalars; the
+    columnwise one taken after the Hadamard rotation when `hadamard_columnwise`). With
+    `stochastic_rounding`, each copy needs a uint32 seed. Shapes (layouts.md): rowwise data
+    (M, K16/2) uint8 and scales (M, K16/16) float8_e4m3fn; columnwise (K, M16/2) and
+    (K, M16/16), with K16 / M16 rounded up to 16.
+    """
+    qc.check_input(x)
+    qc.check_copies(rowwise, columnwise)
+    for name, flag in (
+        ("hadamard_columnwise", hadamard_columnwise),
+        ("stochastic_rounding", stochastic_rounding),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if config is None:
+        config = NVFP4QuantizeConfig()
+    if not isinstance(config, NVFP4QuantizeConfig):
+        raise TypeError(f"config must be an NVFP4QuantizeConfig, got {type(config).__name__}")
+    scalars = [jnp.ones((2,), jnp.float32), jnp.ones((2,), jnp.float32)]
+    seeds = [jnp.uint32(0), jnp.uint32(0)]
+    if rowwise:
+        scalars[0] = copy_scalars(_check_amax(rowwise_amax, "rowwise_amax"))
+        if stochastic_rounding:
+            seeds[0] = _check_seed(rowwise_seed, "rowwise_seed")
+    if columnwise:
+        scalars[1] = copy_scalars(_check_amax(columnwise_amax, "columnwise_amax"))
+        if stochastic_rounding:
+            seeds[1] = _check_seed(columnwise_seed, "columnwise_seed")
+    rows, cols = x.shape
+    padded_rows, padded_cols = config.padded_shape(rows, cols)
+    xp = qc.pad_to(x, padded_rows, padded_cols)
+    out_types = []
+    if rowwise:
+        out_types += [
+            jax.ShapeDtypeStruct((padded_rows, padded_cols // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((padded_rows, padded_cols // BLOCK), jnp.float8_e4m3fn),
+        ]
+    if columnwise:
+        out_types += [
+            jax.ShapeDtypeStruct((padded_cols, padded_rows // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.float8_e4m3fn),
+        ]
+    kernel = functools.partial(
+        _kernel,
+        config=config,
+        in_dtype=jnp.dtype(x.dtype),
+        rowwise=rowwise,
+        columnwise=columnwise,
+        hadamard=hadamard_columnwise,
+        stochastic=stochastic_rounding,
+    )
+    outs = list(
+        plgpu.kernel(
+            kernel,
+            out_type=tuple(out_types),
+            scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+            interpret=qc.interpret_params(interpret),
+            compiler_params=qc.compiler_params(),
+            **qc.tile_grid(padded_rows, padded_cols, config),
+        )(xp, jnp.stack(scalars), jnp.stack(seeds))
+    )
+    rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
+    result = {}
+    if rowwise:
+        data, scale = outs[:2]
+        outs = outs[2:]
+        result["rowwise_data"] = data[:rows, : cols16 // 2]
+        result["rowwise_scale"] = scale[:rows, : cols16 // BLOCK]
+    if columnwise:
+        data, scale = outs[:2]
+        result["columnwise_data"] = data[:cols, : rows16 // 2]
+        result["columnwise_scale"] = scale[:cols, : rows16 // BLOCK]
+    return NVFP4Quantized(
+        rowwise_data=result.get("rowwise_data"),
+        rowwise_scale=result.get("rowwise_scale"),
+        columnwise_data=result.get("columnwise_data"),
+        columnwise_scale=result.get("columnwise_scale"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Global amax: a reduction kernel that reads x once for both copies.
+
+
+def _amax_kernel(x_gmem, out_gmem, x_smem, barrier, *, config, in_dtype, hadamard):
+    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
+    i, j = lax.axis_index("m"), lax.axis_index("k")
+    row_max = None
+    for c in range(config.tile_k // 32):
+        v = qc.load_rows(x_smem.at[:, pl.ds(c * 32, 32)], in_dtype)
+        m = qc.row_amax_bits(v)
+        row_max = m if row_max is None else jnp.maximum(row_max, m)
+    col_max = None
+    for b in range(config.tile_m // BLOCK):
+        v = qc.load_columns(x_smem.at[pl.ds(b * BLOCK, BLOCK), :])
+        if hadamard:
+            v = hadamard16_lines(v)
+        m = qc.row_amax_bits(v)
+        col_max = m if col_max is None else jnp.maximum(col_max, m)
+    out_gmem[i, j, 0] = jnp.max(row_max)
+    out_gmem[i, j, 1] = jnp.max(col_max)
+
+
+def nvfp4_amax(
+    x: jax.Array,
+    *,
+    hadamard_columnwise: bool = False,
+    config: NVFP4QuantizeConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Global amaxes (float32 scalars) of NVFP4's rowwise copy (max|x|) and columnwise copy
+    (max|hadamard16(xᵀ)| when `hadamard_columnwise`, else the same as rowwise), in one pass
+    over x: per-tile maxima from the kernel, then a tiny jnp max. NaN-propagating."""
+    qc.check_input(x)
+    if not isinstance(hadamard_columnwise, bool):
+        raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
+    if config is None:
+        config = NVFP4QuantizeConfig()
+    if not isinstance(config, NVFP4QuantizeConfig):
+        raise TypeError(f"config must be an NVFP4QuantizeConfig, got {type(config).__name__}")
+    padded_rows, padded_cols = config.padded_shape(*x.shape)
+    xp = qc.pad_to(x, padded_rows, padded_cols)
+    grid = qc.tile_grid(padded_rows, padded_cols, config)
+    partial = plgpu.kernel(
+        functools.partial(
+            _amax_kernel, config=config, in_dtype=jnp.dtype(x.dtype), hadamard=hadamard_columnwise
+        ),
+        out_type=jax.ShapeDtypeStruct((*grid["grid"], 2), jnp.uint32),
+        scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+        interpret=qc.interpret_params(interpret),
+        compiler_params=qc.compiler_params(),
+        **grid,
+    )(xp)
+    amax = lax.bitcast_convert_type(jnp.max(partial, axis=(0, 1)), jnp.float32)
+    return amax[0], amax[1]
