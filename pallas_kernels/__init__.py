@@ -1,0 +1,17 @@
+"""Pallas (Mosaic GPU) kernels for Hopper. Never imports jax_qtrain."""
+
+# Quantize / dequantize kernels (issue 4).
+from pallas_kernels.dequantize import DequantizeConfig as DequantizeConfig
+from pallas_kernels.dequantize import dequantize_fp8_block as dequantize_fp8_block
+from pallas_kernels.dequantize import dequantize_mxfp8 as dequantize_mxfp8
+from pallas_kernels.dequantize import dequantize_nvfp4 as dequantize_nvfp4
+from pallas_kernels.quantize_fp8_block import FP8BlockQuantizeConfig as FP8BlockQuantizeConfig
+from pallas_kernels.quantize_fp8_block import FP8BlockQuantized as FP8BlockQuantized
+from pallas_kernels.quantize_fp8_block import quantize_fp8_block as quantize_fp8_block
+from pallas_kernels.quantize_mxfp8 import MXFP8QuantizeConfig as MXFP8QuantizeConfig
+from pallas_kernels.quantize_mxfp8 import MXFP8Quantized as MXFP8Quantized
+from pallas_kernels.quantize_mxfp8 import quantize_mxfp8 as quantize_mxfp8
+from pallas_kernels.quantize_nvfp4 import NVFP4QuantizeConfig as NVFP4QuantizeConfig
+from pallas_kernels.quantize_nvfp4 import NVFP4Quantized as NVFP4Quantized
+from pallas_kernels.quantize_nvfp4 import nvfp4_amax as nvfp4_amax
+from pallas_kernels.quantize_nvfp4 import quantize_nvfp4 as quantize_nvfp4

@@ -1,0 +1,289 @@
+"""Dequantize kernels (Mosaic GPU, Hopper) for MXFP8, NVFP4 and FP8 block copies.
+
+Each takes one stored copy exactly as the quantize kernels (and jax_qtrain) lay it out —
+2-D, block-padded, a columnwise copy still transposed — and returns its float32 values (or
+bf16, rounded from float32), bit-identical to `QuantizedTensor.dequantize_stored`:
+  MXFP8:      q · 2^(byte − 127)   (2^-127 applied as 2^-63·2^-64; byte 0xFF → NaN)
+  NVFP4:      (e2m1(q) · fp32(s_b)) · S_dec,  S_dec = fp32(1 / S_enc(global amax))
+  FP8 block:  q · scale_inv[block]
+Every thread owns one row of a 128×128 tile (quantize_common.py): it reads its row's codes and
+scales with vector loads straight from global memory and writes 16-byte vectors of results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import quantize_common as qc
+from pallas_kernels.quantize_nvfp4 import global_encode_scale
+
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+CHUNK = 32  # columns dequantized at a time per thread
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantizeConfig(qc.TileConfig):
+    """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+
+
+def _check_out_dtype(out_dtype) -> jnp.dtype:
+    dtype = jnp.dtype(out_dtype)
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {dtype}")
+    return dtype
+
+
+def _check_config(config):
+    if config is None:
+        return DequantizeConfig()
+    if not isinstance(config, DequantizeConfig):
+        raise TypeError(f"config must be a DequantizeConfig, got {type(config).__name__}")
+    return config
+
+
+def _check_2d(a, name: str, dtypes) -> None:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {a.shape}")
+    if jnp.dtype(a.dtype) not in tuple(jnp.dtype(d) for d in dtypes):
+        raise TypeError(
+            f"{name} must have dtype in {[str(jnp.dtype(d)) for d in dtypes]}, got {a.dtype}"
+        )
+
+
+def _load(ref, dtype) -> jax.Array:
+    """Row-per-thread load of a (128·n, c) global-memory slice, widest vectors that fit."""
+    vector = max(1, min(ref.shape[1], 16 // jnp.dtype(dtype).itemsize))
+    # (Global-memory loads have no bank-conflict-free "optimized" plan; plain vector loads.)
+    return plgpu.load(ref, layout=qc.row_per_thread(vector), optimized=False)
+
+
+def _run(kernel, out_shape, out_dtype, operands, config, interpret):
+    rows, cols = out_shape
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        interpret=qc.interpret_params(interpret),
+        compiler_params=qc.compiler_params(),
+        **qc.tile_grid(rows, cols, config),
+    )(*operands)
+
+
+def _padded(a, rows, cols):
+    return qc.pad_to(a, rows, cols)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8
+
+
+def _per_row(values: jax.Array, j: int) -> jax.Array:
+    """Column j of a (R, c) RPT1 array as an (R,) array (a one-element in-thread reduction)."""
+    return jnp.max(values[:, j : j + 1], axis=1)
+
+
+def _mxfp8_kernel(data_gmem, scale_gmem, out_gmem, *, config, out_dtype):
+    m0, k0 = qc.tile_origin(config)
+    tm, tk = config.tile_m, config.tile_k
+    scale_bytes = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 32, tk // 32)], jnp.uint8)
+    scale_bytes = plgpu.layout_cast(scale_bytes.astype(jnp.int32), qc.RPT1)
+    layout = qc.row_per_thread(16)
+    for j in range(tk // CHUNK):
+        q = _load(data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], data_gmem.dtype)
+        q = q.astype(jnp.float32)
+        exponent = _per_row(scale_bytes, j) - 127
+        # x · 2^exponent as the reference does it: 2^-127 split in two normal factors.
+        direct = lax.bitcast_convert_type((jnp.clip(exponent, -126, 127) + 127) << 23, jnp.float32)
+        first = jnp.where(exponent == -127, jnp.float32(2.0**-63), direct)
+        first = jnp.where(exponent == 128, jnp.float32(jnp.nan), first)
+        second = jnp.where(exponent == -127, jnp.float32(2.0**-64), jnp.float32(1.0))
+        values = (q * qc.broadcast_rows(first, q.shape, layout)) * qc.broadcast_rows(
+            second, q.shape, layout
+        )
+        qc.store_line_bytes(
+            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], values.astype(out_dtype)
+        )
+
+
+def dequantize_mxfp8(
+    data: jax.Array,
+    scale: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    config: DequantizeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Values of an MXFP8 copy: data (R, C) E4M3/E5M2, scale (R, C/32) E8M0 bytes (uint8)."""
+    _check_2d(data, "data", qc.FP8_DTYPES)
+    _check_2d(scale, "scale", (jnp.uint8,))
+    rows, cols = data.shape
+    if cols % 32 or scale.shape != (rows, cols // 32):
+        raise ValueError(
+            f"scale must have shape (R, C/32) = ({rows}, {cols // 32}) for data of shape "
+            f"{data.shape} (C a multiple of 32), got {scale.shape}"
+        )
+    out_dtype = _check_out_dtype(out_dtype)
+    config = _check_config(config)
+    pr, pc = config.padded_shape(rows, cols)
+    out = _run(
+        functools.partial(_mxfp8_kernel, config=config, out_dtype=out_dtype),
+        (pr, pc),
+        out_dtype,
+        (_padded(data, pr, pc), _padded(scale, pr, pc // 32)),
+        config,
+        interpret,
+    )
+    return out[:rows, :cols]
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4
+
+
+def e2m1_value_bits(codes: jax.Array) -> jax.Array:
+    """float32 bit pattern of each E2M1 code (uint32 0..15): exponent field E = (c >> 1) & 3,
+    mantissa bit m = c & 1; E = 0 is 0 or 0.5, else 2^(E-1)·(1 + m/2); bit 3 is the sign."""
+    exponent = (codes >> 1) & jnp.uint32(3)
+    mantissa = codes & jnp.uint32(1)
+    normal = ((exponent + jnp.uint32(126)) << 23) | (mantissa << 22)
+    subnormal = jnp.where(mantissa != 0, jnp.uint32(0x3F000000), jnp.uint32(0))
+    magnitude = jnp.where(exponent == 0, subnormal, normal)
+    return magnitude | ((codes & jnp.uint32(8)) << 28)
+
+
+def _nvfp4_kernel(data_gmem, scale_gmem, s_dec_gmem, out_gmem, *, config, out_dtype):
+    m0, k0 = qc.tile_origin(config)
+    tm, tk = config.tile_m, config.tile_k
+    s_dec = s_dec_gmem[0]
+    block_scales = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 16, tk // 16)], jnp.uint8)
+    block_scales = lax.bitcast_convert_type(block_scales, jnp.float8_e4m3fn).astype(jnp.float32)
+    block_scales = plgpu.layout_cast(block_scales, qc.RPT1)
+    for b in range(tk // 16):
+        packed = _load(data_gmem.at[pl.ds(m0, tm), pl.ds((k0 + 16 * b) // 2, 8)], jnp.uint8)
+        packed = plgpu.layout_cast(packed.astype(jnp.uint32), qc.RPT1)
+        codes = []
+        for i in range(8):  # element 2i in the low nibble
+            byte = packed[:, i : i + 1]
+            codes += [byte & jnp.uint32(0xF), byte >> 4]
+        q = qc.f32_from_bits(e2m1_value_bits(qc.concat_columns(codes)))
+        scale = qc.broadcast_rows(_per_row(block_scales, b), q.shape, qc.RPT1)
+        values = (q * scale) * s_dec
+        qc.store_line_bytes(
+            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + 16 * b, 16)], values.astype(out_dtype)
+        )
+
+
+def dequantize_nvfp4(
+    data: jax.Array,
+    scale: jax.Array,
+    global_amax: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    config: DequantizeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Values of an NVFP4 copy with 1×16 blocks: data (R, C/2) packed uint8, scale (R, C/16)
+    float8_e4m3fn, and the copy's float32 global amax. Returns (R, C)."""
+    _check_2d(data, "data", (jnp.uint8,))
+    _check_2d(scale, "scale", (jnp.float8_e4m3fn,))
+    rows, half_cols = data.shape
+    cols = 2 * half_cols
+    if cols % 16 or scale.shape != (rows, cols // 16):
+        raise ValueError(
+            f"scale must have shape (R, C/16) = ({rows}, {cols // 16}) for packed data of "
+            f"shape {data.shape} (C = {cols} a multiple of 16), got {scale.shape}"
+        )
+    global_amax = jnp.asarray(global_amax)
+    if global_amax.shape != () or not jnp.issubdtype(global_amax.dtype, jnp.floating):
+        raise TypeError(f"global_amax must be a float scalar, got {global_amax.dtype}")
+    out_dtype = _check_out_dtype(out_dtype)
+    config = _check_config(config)
+    s_dec = (jnp.float32(1.0) / global_encode_scale(global_amax)).reshape(1)
+    pr, pc = config.padded_shape(rows, cols)
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)
+    out = _run(
+        functools.partial(_nvfp4_kernel, config=config, out_dtype=out_dtype),
+        (pr, pc),
+        out_dtype,
+        (_padded(data, pr, pc // 2), _padded(scale_bytes, pr, pc // 16), s_dec),
+        config,
+        interpret,
+    )
+    return out[:rows, :cols]
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 block
+
+
+def _fp8_block_kernel(data_gmem, scale_gmem, out_gmem, *, config, out_dtype, two_d):
+    m0, k0 = qc.tile_origin(config)
+    tm, tk = config.tile_m, config.tile_k
+    layout = qc.row_per_thread(16)
+    if two_d:
+        tile_scale = scale_gmem[lax.axis_index("m"), lax.axis_index("k")]
+    else:
+        scales = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 128, tk // 128)], jnp.float32)
+        scales = plgpu.layout_cast(scales, qc.RPT1)
+    for j in range(tk // CHUNK):
+        q = _load(data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], data_gmem.dtype)
+        q = q.astype(jnp.float32)
+        if two_d:
+            values = q * tile_scale
+        else:
+            block = (j * CHUNK) // 128
+            values = q * qc.broadcast_rows(_per_row(scales, block), q.shape, layout)
+        qc.store_line_bytes(
+            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], values.astype(out_dtype)
+        )
+
+
+def dequantize_fp8_block(
+    data: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    block_shape: tuple[int, int] = (1, 128),
+    out_dtype=jnp.float32,
+    config: DequantizeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Values of an FP8 block copy: data (R, C) E4M3/E5M2 (C a multiple of 128; R too for
+    128×128 blocks) and float32 scale_inv (R, C/128) or (R/128, C/128)."""
+    _check_2d(data, "data", qc.FP8_DTYPES)
+    _check_2d(scale_inv, "scale_inv", (jnp.float32,))
+    if tuple(block_shape) not in ((1, 128), (128, 128)):
+        raise ValueError(f"block_shape must be (1, 128) or (128, 128), got {block_shape!r}")
+    two_d = tuple(block_shape) == (128, 128)
+    rows, cols = data.shape
+    want = (rows // 128 if two_d else rows, cols // 128)
+    if cols % 128 or (two_d and rows % 128) or scale_inv.shape != want:
+        raise ValueError(
+            f"scale_inv must have shape {want} for data of shape {data.shape} and blocks "
+            f"{block_shape} (data dims must be block multiples), got {scale_inv.shape}"
+        )
+    out_dtype = _check_out_dtype(out_dtype)
+    config = _check_config(config)
+    if two_d and (config.tile_m, config.tile_k) != (128, 128):
+        raise ValueError("config: 128×128 blocks need tile_m = tile_k = 128")
+    pr, pc = config.padded_shape(rows, cols)
+    scale_pad = (pr // 128, pc // 128) if two_d else (pr, pc // 128)
+    out = _run(
+        functools.partial(_fp8_block_kernel, config=config, out_dtype=out_dtype, two_d=two_d),
+        (pr, pc),
+        out_dtype,
+        (_padded(data, pr, pc), _padded(scale_inv, *scale_pad)),
+        config,
+        interpret,
+    )
+    return out[:rows, :cols]
