@@ -1,6 +1,9 @@
 """jax_qtrain: TransformerEngine-style quantized training for JAX and Flax NNX."""
 
+from jax_qtrain import nn
 from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.nn.dot_general import dot_general, einsum
+from jax_qtrain.ops import autocast, current_recipe, dense, saved_residuals
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.recipes import (
     Float8BlockScaling,
@@ -23,6 +26,13 @@ __all__ = [
     "QuantizedTensor",
     "QuantizerSpec",
     "Recipe",
+    "autocast",
+    "current_recipe",
+    "dense",
+    "dot_general",
+    "einsum",
+    "nn",
     "quantize",
     "recipe_from_name",
+    "saved_residuals",
 ]

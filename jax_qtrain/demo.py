@@ -77,7 +77,9 @@ def run_demo() -> list[dict]:
 def main() -> int:
     rows = run_demo()
     print(f"jax_qtrain demo on {jax.default_backend()} (relative error = ‖dq(q(x)) - x‖ / ‖x‖)")
-    header = f"{'array':34} {'format':28} {'err row':>8} {'err col':>8} {'B/el row':>8} {'B/el both':>9}"
+    header = (
+        f"{'array':34} {'format':28} {'err row':>8} {'err col':>8} {'B/el row':>8} {'B/el both':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:

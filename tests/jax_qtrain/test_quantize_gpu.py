@@ -58,7 +58,12 @@ def test_gpu_and_cpu_give_identical_bits(recipe, role, seed):
     cpu = jax.devices("cpu")[0]
     gpu_q = jq.quantize(jnp.asarray(x), recipe, role, True, True, key=key, backend="reference")
     cpu_q = jq.quantize(
-        jax.device_put(x, cpu), recipe, role, True, True, key=jax.device_put(key, cpu),
+        jax.device_put(x, cpu),
+        recipe,
+        role,
+        True,
+        True,
+        key=jax.device_put(key, cpu),
         backend="reference",
     )
     assert gpu_q.rowwise_data.devices() != cpu_q.rowwise_data.devices()

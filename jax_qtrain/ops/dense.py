@@ -1,0 +1,242 @@
+"""`dense`: a quantized linear op whose custom_vjp saves what TransformerEngine's Linear saves.
+
+y = x @ kernel (+ bias), x of shape (..., K), kernel (K, N). What backward reads depends on the
+recipe's `backward_override` (../shared/reference/te_semantics.md §1):
+
+  None (default)    saves x's columnwise quantized copy only (or, with save_original_input, the
+                    raw x, re-quantized in backward) and the kernel's rowwise quantized copy;
+                    dy is quantized (E5M2 with HYBRID) and both backward GEMMs are quantized.
+  "high_precision"  forces save_original_input=True: saves the raw x and the raw kernel; the
+                    backward GEMMs run in the compute dtype on the raw dy.
+  "dequantized"     forces save_original_input=False: saves the forward-quantized operands (x's
+                    rowwise copy only, the kernel's columnwise copy), dequantizes them in
+                    backward and runs the GEMMs in the compute dtype on the raw dy.
+
+Under an override the forward quantizes only what it reads (x rowwise, the kernel columnwise).
+The bias gradient is always the sum of the raw dy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_qtrain.ops import residuals as names
+from jax_qtrain.ops.context import resolve_recipe
+from jax_qtrain.ops.gemm import matmul_nt
+from jax_qtrain.quantize import QuantizedTensor, quantize
+from jax_qtrain.recipes import Recipe
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseConfig:
+    """Static configuration of one dense call (hashable: a nondiff argument of the custom_vjp)."""
+
+    recipe: Recipe
+    save_original_input: bool  # after the override forced it
+    x_dtype: np.dtype
+    kernel_dtype: np.dtype
+    bias_dtype: np.dtype | None
+    out_dtype: np.dtype
+
+    @property
+    def mode(self) -> str | None:
+        return self.recipe.backward_override
+
+
+def effective_save_original_input(recipe: Recipe, save_original_input: bool) -> bool:
+    """TE #3141: "high_precision" forces True, "dequantized" forces False."""
+    if recipe.backward_override == "high_precision":
+        return True
+    if recipe.backward_override == "dequantized":
+        return False
+    return save_original_input
+
+
+def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Array:
+    """A GEMM in the operands' (promoted) dtype with float32 accumulation."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32
+    )
+
+
+_NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
+_TN = (((0,), (0,)), ((), ()))  # a (c, m), b (c, n) -> (m, n)
+_NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
+
+
+def _add_bias(acc: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def stochastic_rounding_key(key: jax.Array | None, grad: jax.Array) -> jax.Array:
+    """The key for rounding `grad` stochastically: the caller's, or, without one, a key seeded
+    by a hash of the gradient's bits (reproducible, and different whenever the gradient is)."""
+    if key is not None:
+        return key
+    bits = lax.bitcast_convert_type(grad.astype(jnp.float32), jnp.uint32)
+    seed = jnp.sum(bits * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15), dtype=jnp.uint32)
+    return jax.random.key(seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dense(x2d, kernel, bias, key, config: _DenseConfig):
+    y, _ = _dense_fwd(x2d, kernel, bias, key, config)
+    return y
+
+
+def _dense_fwd(x2d, kernel, bias, key, config: _DenseConfig):
+    """Forward. Residuals: (saved_input, saved_kernel, key), each named (ops/residuals.py):
+
+    - saved_input (INPUT): QuantizedTensor with only the columnwise copy (mode None), the raw
+      x2d (mode None with save_original_input, and "high_precision"), or the forward-quantized
+      QuantizedTensor with only the rowwise copy ("dequantized");
+    - saved_kernel (KERNEL): QuantizedTensor with only the rowwise copy (mode None), the raw
+      kernel ("high_precision"), or the forward-quantized columnwise copy ("dequantized");
+    - key (SR_KEY): the caller's stochastic-rounding key, or None.
+    """
+    recipe, mode = config.recipe, config.mode
+    keep_x_columnwise = mode is None and not config.save_original_input
+    qx = quantize(x2d, recipe, "input", rowwise=True, columnwise=keep_x_columnwise)
+    qw = quantize(kernel, recipe, "weight", rowwise=mode is None, columnwise=True)
+    rows, cols = x2d.shape[0], kernel.shape[1]
+    y = _add_bias(
+        matmul_nt(qx, "rowwise", qw, "columnwise", rows=rows, cols=cols), bias, config.out_dtype
+    )
+
+    if mode is None:
+        saved_input = x2d if config.save_original_input else qx.restrict_to("columnwise")
+        saved_kernel = qw.restrict_to("rowwise")
+    elif mode == "high_precision":
+        saved_input, saved_kernel = x2d, kernel
+    else:  # "dequantized": the operands the forward GEMM read
+        saved_input, saved_kernel = qx.restrict_to("rowwise"), qw.restrict_to("columnwise")
+    residuals = (
+        checkpoint_name(saved_input, names.INPUT),
+        checkpoint_name(saved_kernel, names.KERNEL),
+        None if key is None else checkpoint_name(key, names.SR_KEY),
+    )
+    return y, residuals
+
+
+def _dense_bwd(config: _DenseConfig, residuals, dy):
+    saved_input, saved_kernel, key = residuals
+    recipe, mode = config.recipe, config.mode
+    rows, in_features = dy.shape[0], saved_kernel.shape[0]
+    out_features = dy.shape[1]
+
+    if mode is None:
+        qdy = quantize(
+            dy,
+            recipe,
+            "grad",
+            rowwise=True,
+            columnwise=True,
+            key=stochastic_rounding_key(key, dy)
+            if recipe.spec("grad").stochastic_rounding
+            else None,
+        )
+        qx = saved_input
+        if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize in backward
+            qx = quantize(qx, recipe, "input", rowwise=False, columnwise=True)
+        dx = matmul_nt(qdy, "rowwise", saved_kernel, "rowwise", rows=rows, cols=in_features)
+        dw = matmul_nt(qx, "columnwise", qdy, "columnwise", rows=in_features, cols=out_features)
+    else:
+        compute_dtype = jnp.promote_types(config.x_dtype, config.kernel_dtype)
+        if mode == "high_precision":
+            x_values, kernel_values = saved_input, saved_kernel
+        else:  # "dequantized"
+            x_values = saved_input.dequantize("rowwise", compute_dtype)
+            kernel_values = saved_kernel.dequantize("columnwise", compute_dtype)
+        dy_c = dy.astype(compute_dtype)
+        dx = _high_precision_dot(dy_c, kernel_values, _NT)
+        dw = _high_precision_dot(x_values, dy_c, _TN)
+
+    dbias = None
+    if config.bias_dtype is not None:
+        dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(config.bias_dtype)
+    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _validate(x, kernel, bias) -> None:
+    for name, value in (("x", x), ("kernel", kernel)):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+        if jnp.dtype(value.dtype) not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (..., in_features)")
+    if kernel.ndim != 2:
+        raise ValueError(
+            f"kernel must have shape (in_features, out_features), got rank {kernel.ndim} "
+            f"{tuple(kernel.shape)}"
+        )
+    if x.shape[-1] != kernel.shape[0]:
+        raise ValueError(
+            f"x's last dim ({x.shape[-1]}) must equal kernel's in_features ({kernel.shape[0]})"
+        )
+    if bias is not None:
+        if not hasattr(bias, "shape") or tuple(bias.shape) != (kernel.shape[1],):
+            got = tuple(bias.shape) if hasattr(bias, "shape") else type(bias).__name__
+            raise ValueError(f"bias must have shape ({kernel.shape[1]},), got {got}")
+        if jnp.dtype(bias.dtype) not in _FLOAT_DTYPES:
+            raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+
+
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    recipe: Recipe | None = None,
+    save_original_input: bool = False,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Quantized `x @ kernel + bias` with TransformerEngine's backward semantics.
+
+    Args:
+      x: (..., in_features) float array.
+      kernel: (in_features, out_features), Flax's layout.
+      bias: optional (out_features,).
+      recipe: the quantization recipe; None uses the active `autocast` recipe, and with none
+        active the op is a plain high-precision dense layer.
+      save_original_input: in the default mode, save the raw input and re-quantize it in
+        backward instead of saving its columnwise copy (overridden by `backward_override`).
+      key: jax.random key for stochastic rounding of the output gradient (NVFP4). Without one,
+        the seed is a hash of the gradient itself.
+
+    Returns: (..., out_features) in the promoted dtype of x and kernel.
+    """
+    _validate(x, kernel, bias)
+    if not isinstance(save_original_input, bool):
+        raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
+    recipe = resolve_recipe(recipe)
+    out_dtype = jnp.promote_types(x.dtype, kernel.dtype)
+    x2d = x.reshape(-1, x.shape[-1])
+    if recipe is None:
+        y2d = _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, out_dtype)
+    else:
+        config = _DenseConfig(
+            recipe=recipe,
+            save_original_input=effective_save_original_input(recipe, save_original_input),
+            x_dtype=jnp.dtype(x.dtype),
+            kernel_dtype=jnp.dtype(kernel.dtype),
+            bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
+            out_dtype=out_dtype,
+        )
+        y2d = _dense(x2d, kernel, bias, key, config)
+    return y2d.reshape(*x.shape[:-1], kernel.shape[1])

@@ -1,0 +1,88 @@
+"""GEMMs on quantized copies.
+
+With the stored layouts (docs/design/layouts.md) every GEMM of a linear layer is "NT":
+`out[i, j] = Σ_c A[i, c] · B[j, c]`, both copies contiguous along the contraction c:
+
+  fprop  y  = x rowwise  · (W columnwise)ᵀ      (M, K) · (N, K)ᵀ
+  dgrad  dx = dy rowwise · (W rowwise)ᵀ         (M, N) · (K, N)ᵀ
+  wgrad  dW = x columnwise · (dy columnwise)ᵀ   (K, M) · (N, M)ᵀ
+
+Per-tensor FP8 runs as XLA's FP8 dot_general (cuBLASLt on the GPU) with the two scales applied
+to the float32 result. The block formats run as a high-precision dot on exactly-dequantized
+operands with float32 accumulation: MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and power-of-2 FP8-block
+values are exact in bfloat16, so products are exact and only the accumulation order differs from
+a native block-scaled GEMM; NVFP4's two global scales multiply the result. FP8-block with float32
+scales dequantizes to float32 and uses a float32 (HIGHEST) dot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qtrain.formats import nvfp4
+from jax_qtrain.quantize import QuantizedTensor, Usage
+
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _copy(q: QuantizedTensor, usage: Usage):
+    return (
+        (q.rowwise_data, q.rowwise_scale_inv, q.rowwise_amax)
+        if usage == "rowwise"
+        else (q.columnwise_data, q.columnwise_scale_inv, q.columnwise_amax)
+    )
+
+
+def _block_operand(q: QuantizedTensor, usage: Usage) -> tuple[jax.Array, jax.Array | None]:
+    """(operand values exact in their dtype, float32 factor for the output or None)."""
+    spec = q.spec
+    if spec.format == "nvfp4":
+        data, block_scale, amax = _copy(q, usage)
+        br, bc = spec.block_shape
+        codes = nvfp4.code_values(nvfp4.unpack_codes(data))
+        scale = jnp.repeat(jnp.repeat(block_scale.astype(jnp.float32), br, 0), bc, 1)
+        # e2m1 · e4m3 has at most 6 significant bits: exact in bfloat16.
+        return (codes * scale).astype(jnp.bfloat16), nvfp4.global_decode_scale(amax)
+    values = q.dequantize_stored(usage)
+    if spec.format == "fp8_block" and not spec.power_2_scale:
+        return values, None  # fp32 scales: values are not bf16-exact
+    return values.astype(jnp.bfloat16), None
+
+
+def matmul_nt(
+    a: QuantizedTensor, a_usage: Usage, b: QuantizedTensor, b_usage: Usage, *, rows: int, cols: int
+) -> jax.Array:
+    """float32 `A · Bᵀ` of two stored copies, cropped to (rows, cols) (the copies may be padded).
+
+    Both tensors must use the same format. Padding along the contraction is zeros (or, for two
+    Hadamard-rotated copies, the same rotated length), so it adds nothing.
+    """
+    if a.spec.format != b.spec.format:
+        raise ValueError(f"matmul_nt: formats differ ({a.spec.format} vs {b.spec.format})")
+    if a.spec.format == "fp8":
+        a_data, a_scale_inv, _ = _copy(a, a_usage)
+        b_data, b_scale_inv, _ = _copy(b, b_usage)
+        out = lax.dot_general(a_data, b_data, _NT, preferred_element_type=jnp.float32)
+        return out[:rows, :cols] * (a_scale_inv * b_scale_inv)
+
+    a_values, a_factor = _block_operand(a, a_usage)
+    b_values, b_factor = _block_operand(b, b_usage)
+    depth = min(a_values.shape[1], b_values.shape[1])
+    if a_values.shape[1] != b_values.shape[1] and (
+        a.spec.hadamard_columnwise or b.spec.hadamard_columnwise
+    ):
+        raise ValueError("rotated copies must have the same padded contraction length")
+    precision = lax.Precision.HIGHEST if a_values.dtype == jnp.float32 else None
+    out = lax.dot_general(
+        a_values[:rows, :depth],
+        b_values[:cols, :depth].astype(a_values.dtype),
+        _NT,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    for factor in (a_factor, b_factor):
+        if factor is not None:
+            out = out * factor
+    return out
