@@ -144,7 +144,7 @@ def dequantize_mxfp8(
         config,
         interpret,
     )
-    return out[:rows, :cols]
+    return qc.crop(out, rows, cols)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def dequantize_nvfp4(
         config,
         interpret,
     )
-    return out[:rows, :cols]
+    return qc.crop(out, rows, cols)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,4 +286,4 @@ def dequantize_fp8_block(
         config,
         interpret,
     )
-    return out[:rows, :cols]
+    return qc.crop(out, rows, cols)

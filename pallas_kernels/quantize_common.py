@@ -177,6 +177,19 @@ def pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
     return jnp.pad(x, ((0, pad_rows), (0, pad_cols)))
 
 
+def crop(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    """a[:rows, :cols], bit-exact: sliced as unsigned integers, because XLA:CPU rewrites NaN
+    payloads when it copies float8 arrays (an E5M2 0x7E comes back as 0x7F)."""
+    if a.shape == (rows, cols):
+        return a
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(a.dtype).itemsize]
+        return lax.bitcast_convert_type(
+            lax.bitcast_convert_type(a, unsigned)[:rows, :cols], a.dtype
+        )
+    return a[:rows, :cols]
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -289,20 +289,19 @@ def quantize_fp8_block(
     # Block-padded extents of each copy (layouts.md).
     r_rows = qc.round_up(rows, BLOCK) if two_d else rows
     c_rows = qc.round_up(cols, BLOCK) if two_d else cols
+    r_cols, c_cols = qc.round_up(cols, BLOCK), qc.round_up(rows, BLOCK)
     result = {}
-    if rowwise:
+    for copy, wanted, lines, width in (
+        ("rowwise", rowwise, r_rows, r_cols),
+        ("columnwise", columnwise, c_rows, c_cols),
+    ):
+        if not wanted:
+            continue
         data, scale = outs[:2]
         outs = outs[2:]
-        result["rowwise_data"] = data[:r_rows, : qc.round_up(cols, BLOCK)]
-        result["rowwise_scale_inv"] = (scale[: r_rows // BLOCK] if two_d else scale[:r_rows])[
-            :, : qc.round_up(cols, BLOCK) // BLOCK
-        ]
-    if columnwise:
-        data, scale = outs[:2]
-        result["columnwise_data"] = data[:c_rows, : qc.round_up(rows, BLOCK)]
-        result["columnwise_scale_inv"] = (scale[: c_rows // BLOCK] if two_d else scale[:c_rows])[
-            :, : qc.round_up(rows, BLOCK) // BLOCK
-        ]
+        result[f"{copy}_data"] = qc.crop(data, lines, width)
+        scale_lines = lines // BLOCK if two_d else lines
+        result[f"{copy}_scale_inv"] = qc.crop(scale, scale_lines, width // BLOCK)
     return FP8BlockQuantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale_inv=result.get("rowwise_scale_inv"),

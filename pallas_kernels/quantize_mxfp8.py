@@ -100,7 +100,7 @@ def multipliers(byte: jax.Array) -> tuple[jax.Array, jax.Array]:
     clamped = jnp.clip(exponent, -126, 127)
     direct = lax.bitcast_convert_type((clamped + 127) << 23, jnp.float32)
     is_inf_block = exponent == -127
-    is_nan_block = exponent == 128
+    is_nan_block = byte == 0xFF
     first = jnp.where(is_inf_block, jnp.float32(2.0**-63), direct)
     first = jnp.where(is_nan_block, jnp.float32(jnp.nan), first)
     second = jnp.where(is_inf_block, jnp.float32(2.0**-64), jnp.float32(1.0))
@@ -219,12 +219,12 @@ def quantize_mxfp8(
     if rowwise:
         data, scale = outs[:2]
         outs = outs[2:]
-        result["rowwise_data"] = data[:rows, :cols32]
-        result["rowwise_scale"] = scale[:rows, : cols32 // BLOCK]
+        result["rowwise_data"] = qc.crop(data, rows, cols32)
+        result["rowwise_scale"] = qc.crop(scale, rows, cols32 // BLOCK)
     if columnwise:
         data, scale = outs[:2]
-        result["columnwise_data"] = data[:cols, :rows32]
-        result["columnwise_scale"] = scale[:cols, : rows32 // BLOCK]
+        result["columnwise_data"] = qc.crop(data, cols, rows32)
+        result["columnwise_scale"] = qc.crop(scale, cols, rows32 // BLOCK)
     return MXFP8Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

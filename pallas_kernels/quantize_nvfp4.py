@@ -157,20 +157,19 @@ def hash_uniforms(rows: jax.Array, cols: jax.Array, seed: jax.Array) -> jax.Arra
 
 
 _TWO_POW_64 = np.float32(2.0**64)
-_MAGIC_FLOOR_BITS = (22 + 64 + 127) << 23  # 2^86: float32 ulp 2^63, i.e. 0.5 · 2^64
-_SCALED_E2M1_MAX = np.float32(E2M1_MAX * 2.0**64)
+_MAGIC_FLOOR_BITS = (22 + 127) << 23  # 2^22, whose float32 ulp is 0.5
 
 
-def e2m1_nearest_scaled(p64: jax.Array) -> jax.Array:
-    """E2M1 magnitude code (0..7, uint32) of clamp(p, ±6) rounded to nearest even, from
-    p64 = p · 2^64 (|p64| ≥ 2^62 whenever the code is nonzero, so nothing here is subnormal).
+def e2m1_nearest(p: jax.Array) -> jax.Array:
+    """E2M1 magnitude code (0..7, uint32) of clamp(p, ±6) rounded to nearest even.
 
-    Float addition rounds to nearest even: adding C = 2^(e+22) (e = exponent of |p64|, at least
-    2^86) rounds |p64| to the E2M1 spacing of its binade (0.5 below 2, 1 in [2, 4), 2 in
-    [4, 6]). The low bits of the sum are then the step count k above C, and the code is
-    k + 2·log2(C / 2^86). The same ties as TransformerEngine's thresholds (.25, 1.25, 2.5, 5
-    down; .75, 1.75, 3.5 up). NaN is handled by the caller."""
-    a = jnp.minimum(jnp.abs(p64), _SCALED_E2M1_MAX)
+    Float addition rounds to nearest even: adding C = 2^(e+22) (e = exponent of |p|, at least
+    2^22) rounds |p| to the E2M1 spacing of its binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]).
+    The low bits of the sum are then the step count k above C, and the code is
+    k + 2·log2(C / 2^22): the same ties as TransformerEngine's thresholds (.25, 1.25, 2.5, 5
+    go down; .75, 1.75, 3.5 up), in 8 integer/float operations instead of 7 compares and
+    selects. NaN is handled by the caller."""
+    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
     a_bits = lax.bitcast_convert_type(a, jnp.uint32)
     magic_bits = jnp.maximum(
         (a_bits & jnp.uint32(qc.F32_INF_BITS)) + jnp.uint32(22 << 23),
@@ -191,14 +190,16 @@ def quantize_block_lines(v, layout, t, s_dec, uniforms=None) -> tuple[jax.Array,
         jnp.float32(1.0) / (block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
     )
     encode_b = qc.broadcast_rows(encode, v.shape, layout)
-    # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc.
-    p64 = (v * _TWO_POW_64) * encode_b
-    negative = p64 < jnp.float32(-(2.0**-86))
+    p = v * encode_b
+    # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc so
+    # that a product XLA:CPU would flush to -0 still counts. Only the sign comes from it: XLA
+    # may reassociate that product, and 2^64·enc can overflow.
+    negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     if uniforms is None:
-        magnitude = e2m1_nearest_scaled(p64)
-        magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p64)), jnp.uint32(0), magnitude)
+        magnitude = e2m1_nearest(p)
+        magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p)), jnp.uint32(0), magnitude)
     else:
-        a = jnp.abs(jnp.clip(v * encode_b, -E2M1_MAX, E2M1_MAX))
+        a = jnp.abs(jnp.clip(p, -E2M1_MAX, E2M1_MAX))
         magnitude = e2m1_magnitude_stochastic(a, uniforms)
     codes = plgpu.layout_cast(
         magnitude | jnp.where(negative, jnp.uint32(8), jnp.uint32(0)), qc.RPT1
@@ -411,12 +412,12 @@ def quantize_nvfp4(
     if rowwise:
         data, scale = outs[:2]
         outs = outs[2:]
-        result["rowwise_data"] = data[:rows, : cols16 // 2]
-        result["rowwise_scale"] = scale[:rows, : cols16 // BLOCK]
+        result["rowwise_data"] = qc.crop(data, rows, cols16 // 2)
+        result["rowwise_scale"] = qc.crop(scale, rows, cols16 // BLOCK)
     if columnwise:
         data, scale = outs[:2]
-        result["columnwise_data"] = data[:cols, : rows16 // 2]
-        result["columnwise_scale"] = scale[:cols, : rows16 // BLOCK]
+        result["columnwise_data"] = qc.crop(data, cols, rows16 // 2)
+        result["columnwise_scale"] = qc.crop(scale, cols, rows16 // BLOCK)
     return NVFP4Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

@@ -1,0 +1,505 @@
+"""Quantize / dequantize kernels (pallas_kernels, issue 4) against the jnp references, bit for bit.
+
+- CPU: the kernels run in Mosaic GPU's interpreter on small shapes (a few tiles; unwritten
+  outputs come back NaN / 0xFF there, so they cannot pass), and every kernel × option is
+  cross-lowered for an H200 (Pallas → Mosaic GPU → LLVM-level IR) to catch lowering errors.
+- GPU (`-m gpu`, the H200): large random and adversarial inputs, outputs landing in memory that
+  was filled with 0xFF just before the call, compared with the references run on the GPU and on
+  the CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import mesh as mesh_lib
+
+import pallas_kernels as pk
+from jax_qtrain.formats import common, fp8_block, mxfp8, nvfp4
+from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.quantize import columnwise_source
+
+from ..jax_qtrain.adversarial import adversarial_matrix
+
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+INTERPRET = not ON_GPU
+
+
+def bits(a) -> np.ndarray:
+    """Bit pattern of any array (uint8/16/32 view), for NaN- and -0-exact comparisons."""
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_bits(got, want, what: str) -> None:
+    got_b, want_b = bits(got), bits(want)
+    assert got_b.shape == want_b.shape, f"{what}: shape {got_b.shape} != {want_b.shape}"
+    bad = np.argwhere(got_b != want_b)
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} of {got_b.size} differ; first at {tuple(bad[0])}: "
+        f"got {got_b[tuple(bad[0])]:#x}, want {want_b[tuple(bad[0])]:#x}"
+    )
+
+
+def sample(shape, dtype, seed, *, block=32, adversarial=True, subnormals=False):
+    if adversarial:
+        x = adversarial_matrix(*shape, seed, block=block, subnormals=subnormals)
+    else:
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
+    return jnp.asarray(x).astype(dtype)
+
+
+# --- references --------------------------------------------------------------------------------
+def ref_mxfp8(x, fp8_dtype):
+    spec = QuantizerSpec("mxfp8", fp8_dtype, (1, 32))
+    f = jax.jit(lambda v: (*mxfp8.quantize(v, spec), *mxfp8.quantize(v.T, spec)))
+    return f(x)
+
+
+def ref_nvfp4(x, *, rht, sr, seeds):
+    spec = QuantizerSpec(
+        "nvfp4", jnp.float4_e2m1fn, (1, 16), hadamard_columnwise=rht, stochastic_rounding=sr
+    )
+
+    def f(v):
+        col = columnwise_source(v, spec)
+        row_amax, col_amax = common.amax(v), common.amax(col)
+        rd, rs = nvfp4.quantize(v, spec, global_amax=row_amax, seed=seeds[0])
+        cd, cs = nvfp4.quantize(col, spec, global_amax=col_amax, seed=seeds[1])
+        return (rd, rs, cd, cs), (row_amax, col_amax)
+
+    return jax.jit(f)(x)
+
+
+def ref_fp8_block(x, fp8_dtype, block, pow2):
+    spec = QuantizerSpec("fp8_block", fp8_dtype, block, power_2_scale=pow2)
+    q = lambda v: fp8_block.quantize(v, spec, input_dtype=x.dtype)
+    return jax.jit(lambda v: (*q(v), *q(v.T)))(x)
+
+
+def run_mxfp8(x, fp8_dtype, **kw):
+    return jax.jit(
+        lambda v: pk.quantize_mxfp8(
+            v, rowwise=True, columnwise=True, fp8_dtype=fp8_dtype, interpret=INTERPRET, **kw
+        )
+    )(x)
+
+
+def run_nvfp4(x, *, rht, sr, amaxes, seeds, **kw):
+    return jax.jit(
+        lambda v: pk.quantize_nvfp4(
+            v,
+            rowwise=True,
+            columnwise=True,
+            rowwise_amax=amaxes[0],
+            columnwise_amax=amaxes[1],
+            hadamard_columnwise=rht,
+            stochastic_rounding=sr,
+            rowwise_seed=seeds[0],
+            columnwise_seed=seeds[1],
+            interpret=INTERPRET,
+            **kw,
+        )
+    )(x)
+
+
+def run_fp8_block(x, fp8_dtype, block, pow2, **kw):
+    return jax.jit(
+        lambda v: pk.quantize_fp8_block(
+            v,
+            block_shape=block,
+            rowwise=True,
+            columnwise=True,
+            fp8_dtype=fp8_dtype,
+            power_2_scale=pow2,
+            interpret=INTERPRET,
+            **kw,
+        )
+    )(x)
+
+
+NAMES = ("rowwise data", "rowwise scale", "columnwise data", "columnwise scale")
+SEEDS = (jnp.uint32(0x1234567), jnp.uint32(0x9ABCDEF))
+
+
+def check_mxfp8(x, fp8_dtype):
+    for got, want, name in zip(
+        run_mxfp8(x, fp8_dtype), ref_mxfp8(x, fp8_dtype), NAMES, strict=True
+    ):
+        assert_same_bits(got, want, f"mxfp8 {name}")
+
+
+def check_nvfp4(x, rht, sr):
+    want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS)
+    got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 {name}")
+    kernel_amaxes = jax.jit(
+        lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht, interpret=INTERPRET)
+    )(x)
+    for g, w, name in zip(kernel_amaxes, amaxes, ("rowwise", "columnwise"), strict=True):
+        assert_same_bits(g, w, f"nvfp4 {name} global amax")
+
+
+def check_fp8_block(x, fp8_dtype, block, pow2):
+    got = run_fp8_block(x, fp8_dtype, block, pow2)
+    for g, w, name in zip(got, ref_fp8_block(x, fp8_dtype, block, pow2), NAMES, strict=True):
+        assert_same_bits(g, w, f"fp8_block {name}")
+
+
+# --- CPU: interpreter ----------------------------------------------------------------------------
+cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "shape, dtype, fp8_dtype, seed",
+    [
+        ((256, 256), jnp.bfloat16, E4M3, 0),  # 2×2 tiles
+        ((128, 384), jnp.float32, E5M2, 1),  # 1×3 tiles
+        ((200, 136), jnp.bfloat16, E4M3, 2),  # padding: neither dim a multiple of 128 (or 32)
+    ],
+)
+def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed):
+    check_mxfp8(sample(shape, dtype, seed, block=32), fp8_dtype)
+
+
+@cpu_only
+def test_mxfp8_interpret_edge_blocks():
+    # Block maxima at and around 448·2^k, zero / NaN / Inf blocks, tiny normal maxima.
+    x = np.zeros((128, 128), np.float32)
+    peaks = [448.0, 449.0, 500.0, 896.0, 1.0, 2.0**-118, 2.0**-119, 3.0e38, 2.0**-100]
+    for i, peak in enumerate(peaks):
+        for k, p in enumerate(
+            [
+                peak,
+                np.nextafter(np.float32(peak), np.float32(0)),
+                np.nextafter(np.float32(peak), np.float32(np.inf)),
+            ]
+        ):
+            x[i * 3 + k, :32] = np.linspace(-p, p, 32, dtype=np.float32)
+    x[40, 32:64] = np.nan
+    x[41, 64] = np.inf
+    x[42, 96] = -np.inf
+    x[43, 100] = np.nan
+    x[44, 101] = -np.nan
+    for fp8_dtype in (E4M3, E5M2):
+        check_mxfp8(jnp.asarray(x), fp8_dtype)
+        check_mxfp8(jnp.asarray(x.T.copy()), fp8_dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "rht, sr, dtype, shape",
+    [
+        (False, False, jnp.bfloat16, (256, 128)),
+        (True, False, jnp.float32, (128, 256)),
+        (True, True, jnp.bfloat16, (128, 256)),
+        (True, False, jnp.bfloat16, (144, 160)),  # padding
+    ],
+)
+def test_nvfp4_interpret(rht, sr, dtype, shape):
+    check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr)
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "block, fp8_dtype, pow2, shape",
+    [
+        ((1, 128), E4M3, True, (256, 256)),
+        ((1, 128), E5M2, False, (200, 130)),  # padding
+        ((128, 128), E4M3, False, (256, 128)),
+        ((128, 128), E5M2, True, (128, 256)),
+    ],
+)
+def test_fp8_block_interpret(block, fp8_dtype, pow2, shape):
+    x = sample(shape, jnp.float32, 11, block=128)
+    check_fp8_block(x, fp8_dtype, block, pow2)
+
+
+@cpu_only
+def test_fp8_block_interpret_edge_blocks():
+    # One 128-column block per row: zero, NaN (both signs), Inf, huge (scale overflow) and
+    # tiny maxima, and maxima at 448·2^k ± 1 ulp; pow2 and fp32 scales.
+    x = np.random.default_rng(3).standard_normal((128, 256)).astype(np.float32)
+    x[0] = 0.0
+    x[1, 5], x[2, 6], x[3, 7] = np.nan, -np.nan, np.inf
+    x[4] *= np.float32(2.0**-120)
+    x[5] = np.float32(1e-38)
+    x[6, 0] = np.float32(448.0 * 2.0**10)
+    x[7, 0] = np.nextafter(np.float32(448.0), np.float32(np.inf))
+    for pow2 in (True, False):
+        for block in ((1, 128), (128, 128)):
+            check_fp8_block(jnp.asarray(x), E4M3, block, pow2)
+
+
+@cpu_only
+def test_dequantize_interpret():
+    x = sample((256, 256), jnp.float32, 5, block=32)
+    for fp8_dtype in (E4M3, E5M2):
+        d, s, *_ = ref_mxfp8(x, fp8_dtype)
+        s = s.at[0, 0].set(0).at[1, 1].set(254).at[2, 2].set(255)  # 2^-127, Inf- and NaN-blocks
+        got = pk.dequantize_mxfp8(d, s, interpret=True)
+        assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize")
+    spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
+    amax = common.amax(x)
+    d, s = nvfp4.quantize(x, spec, global_amax=amax)
+    got = pk.dequantize_nvfp4(d, s, amax, interpret=True)
+    assert_same_bits(got, nvfp4.dequantize(d, s, spec, global_amax=amax), "nvfp4 dequantize")
+    for block in ((1, 128), (128, 128)):
+        spec = QuantizerSpec("fp8_block", E4M3, block, power_2_scale=False)
+        d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
+        want = fp8_block.dequantize(d, s, spec)
+        got = pk.dequantize_fp8_block(d, s, block_shape=block, interpret=True)
+        assert_same_bits(got, want, f"fp8_block {block} dequantize")
+        got16 = pk.dequantize_fp8_block(
+            d, s, block_shape=block, out_dtype=jnp.bfloat16, interpret=True
+        )
+        assert_same_bits(got16, want.astype(jnp.bfloat16), "fp8_block dequantize to bf16")
+
+
+# --- CPU: argument validation --------------------------------------------------------------------
+def test_wrappers_reject_bad_arguments():
+    x = jnp.zeros((128, 128), jnp.bfloat16)
+    with pytest.raises(TypeError, match="x must be bfloat16 or float32"):
+        pk.quantize_mxfp8(x.astype(jnp.int32))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        pk.quantize_mxfp8(x.reshape(-1))
+    with pytest.raises(ValueError, match="rowwise and columnwise are both False"):
+        pk.quantize_mxfp8(x, rowwise=False)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        pk.quantize_mxfp8(x, fp8_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="tile_m must be 128 or 256"):
+        pk.MXFP8QuantizeConfig(tile_m=64)
+    with pytest.raises(TypeError, match="tile_k must be an int"):
+        pk.NVFP4QuantizeConfig(tile_k=128.0)
+    with pytest.raises(TypeError, match="config must be an MXFP8QuantizeConfig"):
+        pk.quantize_mxfp8(x, config=pk.NVFP4QuantizeConfig())
+    with pytest.raises(ValueError, match="rowwise_amax is required"):
+        pk.quantize_nvfp4(x)
+    with pytest.raises(ValueError, match="columnwise_seed is required"):
+        pk.quantize_nvfp4(
+            x,
+            rowwise=False,
+            columnwise=True,
+            columnwise_amax=jnp.float32(1),
+            stochastic_rounding=True,
+        )
+    with pytest.raises(TypeError, match="rowwise_seed must be a uint32 scalar"):
+        pk.quantize_nvfp4(
+            x, rowwise_amax=jnp.float32(1), stochastic_rounding=True, rowwise_seed=jnp.int32(1)
+        )
+    with pytest.raises(ValueError, match="block_shape must be one of"):
+        pk.quantize_fp8_block(x, block_shape=(1, 32))
+    with pytest.raises(ValueError, match="128×128 blocks need tile_m = tile_k = 128"):
+        pk.quantize_fp8_block(
+            x, block_shape=(128, 128), config=pk.FP8BlockQuantizeConfig(tile_k=256)
+        )
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        pk.quantize_fp8_block(x, amax_epsilon=-1.0)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        pk.dequantize_mxfp8(x.astype(E4M3), jnp.zeros((128, 3), jnp.uint8))
+    with pytest.raises(TypeError, match="out_dtype must be float32 or bfloat16"):
+        pk.dequantize_mxfp8(x.astype(E4M3), jnp.zeros((128, 4), jnp.uint8), out_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="scale must have dtype"):
+        pk.dequantize_nvfp4(jnp.zeros((128, 64), jnp.uint8), jnp.zeros((128, 8)), 1.0)
+
+
+# --- CPU: cross-lowering for the H200 ------------------------------------------------------------
+def _cross_lower(fn, *args) -> None:
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+_AMAX = jnp.float32(3.0)
+_X = {dt: jax.ShapeDtypeStruct((256, 384), dt) for dt in (jnp.bfloat16, jnp.float32)}
+_TILE_256 = dict(tile_m=256, tile_k=256)
+
+CROSS_LOWERED = {
+    "mxfp8 e4m3 row+col": (lambda x: pk.quantize_mxfp8(x, columnwise=True), jnp.bfloat16),
+    "mxfp8 e5m2 col": (
+        lambda x: pk.quantize_mxfp8(x, rowwise=False, columnwise=True, fp8_dtype=E5M2),
+        jnp.float32,
+    ),
+    "mxfp8 row 256x256 tiles": (
+        lambda x: pk.quantize_mxfp8(x, config=pk.MXFP8QuantizeConfig(**_TILE_256)),
+        jnp.bfloat16,
+    ),
+    "nvfp4 row+col": (
+        lambda x: pk.quantize_nvfp4(x, columnwise=True, rowwise_amax=_AMAX, columnwise_amax=_AMAX),
+        jnp.bfloat16,
+    ),
+    "nvfp4 rht+sr row+col": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            hadamard_columnwise=True,
+            stochastic_rounding=True,
+            rowwise_seed=jnp.uint32(1),
+            columnwise_seed=jnp.uint32(2),
+        ),
+        jnp.float32,
+    ),
+    "nvfp4 rht col": (
+        lambda x: pk.quantize_nvfp4(
+            x, rowwise=False, columnwise=True, columnwise_amax=_AMAX, hadamard_columnwise=True
+        ),
+        jnp.bfloat16,
+    ),
+    "nvfp4 amax rht": (lambda x: pk.nvfp4_amax(x, hadamard_columnwise=True), jnp.bfloat16),
+    "nvfp4 amax": (lambda x: pk.nvfp4_amax(x), jnp.float32),
+    "fp8_block 1x128 row+col": (lambda x: pk.quantize_fp8_block(x, columnwise=True), jnp.bfloat16),
+    "fp8_block 1x128 fp32 scales e5m2": (
+        lambda x: pk.quantize_fp8_block(
+            x, columnwise=True, power_2_scale=False, fp8_dtype=E5M2, amax_epsilon=1e-6
+        ),
+        jnp.float32,
+    ),
+    "fp8_block 128x128 row+col": (
+        lambda x: pk.quantize_fp8_block(x, block_shape=(128, 128), columnwise=True),
+        jnp.bfloat16,
+    ),
+    "fp8_block 1x128 256x256 tiles": (
+        lambda x: pk.quantize_fp8_block(
+            x, columnwise=True, config=pk.FP8BlockQuantizeConfig(**_TILE_256)
+        ),
+        jnp.bfloat16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_LOWERED))
+def test_cross_lowers_for_h200(name):
+    fn, dtype = CROSS_LOWERED[name]
+    _cross_lower(fn, _X[dtype])
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_dequantize_cross_lowers_for_h200(out_dtype):
+    codes = jax.ShapeDtypeStruct((256, 384), E4M3)
+    _cross_lower(
+        lambda d, s: pk.dequantize_mxfp8(d, s, out_dtype=out_dtype),
+        codes,
+        jax.ShapeDtypeStruct((256, 12), jnp.uint8),
+    )
+    _cross_lower(
+        lambda d, s: pk.dequantize_nvfp4(d, s, _AMAX, out_dtype=out_dtype),
+        jax.ShapeDtypeStruct((256, 192), jnp.uint8),
+        jax.ShapeDtypeStruct((256, 24), E4M3),
+    )
+    for block, scale_shape in (((1, 128), (256, 3)), ((128, 128), (2, 3))):
+        _cross_lower(
+            lambda d, s, b=block: pk.dequantize_fp8_block(d, s, block_shape=b, out_dtype=out_dtype),
+            codes,
+            jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+        )
+
+
+# --- GPU: the H200 -------------------------------------------------------------------------------
+def poison_device_memory(nbytes: int) -> None:
+    """Fill, then free, device buffers so that the next allocations likely reuse memory holding
+    0xFF bytes: an output element a kernel never writes then shows up as a mismatch."""
+    chunks = [jnp.full((nbytes // 4 + 1,), 0xFFFFFFFF, jnp.uint32) for _ in range(4)]
+    jax.block_until_ready(chunks)
+    del chunks
+
+
+def cpu_reference(fn, *args):
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return jax.tree.map(np.asarray, fn(*[jax.device_put(a, cpu) for a in args]))
+
+
+gpu_cases = pytest.mark.gpu
+
+
+@gpu_cases
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype):
+    for x in (
+        sample((4096, 2048), dtype, 0, adversarial=False),
+        sample((1024, 768), dtype, 1, block=32, subnormals=True),
+        sample((1000, 520), dtype, 2, block=32, subnormals=True),  # padding
+    ):
+        want = ref_mxfp8(x, fp8_dtype)
+        poison_device_memory(2 * x.size)
+        got = run_mxfp8(x, fp8_dtype)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            assert_same_bits(g, w, f"mxfp8 {name} (vs GPU reference)")
+    want_cpu = cpu_reference(lambda v: ref_mxfp8(v, fp8_dtype), x)
+    for g, w, name in zip(got, want_cpu, NAMES, strict=True):
+        assert_same_bits(g, w, f"mxfp8 {name} (vs CPU reference)")
+
+
+@gpu_cases
+@pytest.mark.parametrize("rht, sr", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_nvfp4_bit_exact(rht, sr, dtype):
+    for x in (
+        sample((4096, 2048), dtype, 3, adversarial=False),
+        sample((1024, 768), dtype, 4, block=16, subnormals=True),
+        sample((1008, 520), dtype, 5, block=16, subnormals=True),  # padding
+    ):
+        (want, amaxes) = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS)
+        poison_device_memory(2 * x.size)
+        got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            assert_same_bits(g, w, f"nvfp4 {name}")
+        kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht))(x)
+        for g, w in zip(kernel_amaxes, amaxes, strict=True):
+            assert_same_bits(g, w, "nvfp4 global amax")
+
+
+@gpu_cases
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("fp8_dtype, pow2", [(E4M3, True), (E4M3, False), (E5M2, True)])
+def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2):
+    for x in (
+        sample((4096, 2048), jnp.bfloat16, 6, adversarial=False),
+        sample((1024, 768), jnp.float32, 7, block=128, subnormals=True),
+        sample((1000, 520), jnp.bfloat16, 8, block=128, subnormals=True),  # padding
+    ):
+        want = ref_fp8_block(x, fp8_dtype, block, pow2)
+        poison_device_memory(2 * x.size)
+        got = run_fp8_block(x, fp8_dtype, block, pow2)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            assert_same_bits(g, w, f"fp8_block {name}")
+    want_cpu = cpu_reference(lambda v: ref_fp8_block(v, fp8_dtype, block, pow2), x)
+    for g, w, name in zip(got, want_cpu, NAMES, strict=True):
+        assert_same_bits(g, w, f"fp8_block {name} (vs CPU reference)")
+
+
+@gpu_cases
+def test_gpu_dequantize_bit_exact():
+    x = sample((2048, 1024), jnp.float32, 9, block=32, subnormals=True)
+    for fp8_dtype in (E4M3, E5M2):
+        d, s, *_ = ref_mxfp8(x, fp8_dtype)
+        poison_device_memory(4 * x.size)
+        assert_same_bits(pk.dequantize_mxfp8(d, s), mxfp8.dequantize(d, s), "mxfp8 dequant")
+    spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
+    amax = common.amax(x)
+    d, s = nvfp4.quantize(x, spec, global_amax=amax)
+    poison_device_memory(4 * x.size)
+    assert_same_bits(
+        pk.dequantize_nvfp4(d, s, amax),
+        nvfp4.dequantize(d, s, spec, global_amax=amax),
+        "nvfp4 dequant",
+    )
+    for block in ((1, 128), (128, 128)):
+        spec = QuantizerSpec("fp8_block", E4M3, block)
+        d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
+        poison_device_memory(4 * x.size)
+        assert_same_bits(
+            pk.dequantize_fp8_block(d, s, block_shape=block),
+            fp8_block.dequantize(d, s, spec),
+            "fp8_block dequant",
+        )
