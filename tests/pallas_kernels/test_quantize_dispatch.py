@@ -1,0 +1,88 @@
+"""`jax_qtrain.quantize` routes to the Pallas kernels (jax_qtrain/kernels.py) and gets the
+reference's bits: on CPU through Mosaic GPU's interpreter with backend="pallas", on the H200
+with backend="auto"."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jax_qtrain as jq
+from jax_qtrain import kernels
+
+from ..jax_qtrain.adversarial import adversarial_matrix
+
+ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+CASES = [
+    (jq.MXFP8BlockScaling(), "input"),
+    (jq.MXFP8BlockScaling(fp8_format="hybrid"), "grad"),
+    (jq.NVFP4BlockScaling(), "input"),  # Hadamard on the columnwise copy
+    (jq.NVFP4BlockScaling(), "grad"),  # Hadamard + stochastic rounding
+    (jq.Float8BlockScaling(), "input"),  # 1×128
+    (jq.Float8BlockScaling(power_2_scale=False), "weight"),  # 128×128, fp32 scales
+]
+
+
+def leaf_bits(q) -> list[np.ndarray]:
+    return [np.atleast_1d(np.asarray(leaf)).view(np.uint8) for leaf in jax.tree.leaves(q)]
+
+
+def assert_same(got, want) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(leaf_bits(got), leaf_bits(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def sample(shape, dtype, seed):
+    return jnp.asarray(adversarial_matrix(*shape, seed, block=16)).astype(dtype)
+
+
+def test_kernels_cover_the_block_formats():
+    x_shape = (256, 256)
+    on = kernels.on_gpu()
+    for recipe, role in CASES:
+        spec = recipe.spec(role)
+        assert kernels.quantize_kernel_applies(spec, x_shape, jnp.bfloat16) == on
+        assert not kernels.quantize_kernel_applies(spec, x_shape, jnp.float16)
+    # No kernel: NVFP4 16×16 weight blocks, per-tensor FP8.
+    assert not kernels.quantize_kernel_applies(
+        jq.NVFP4BlockScaling().spec("weight"), x_shape, jnp.bfloat16
+    )
+    assert not kernels.quantize_kernel_applies(
+        jq.Float8CurrentScaling().spec("input"), x_shape, jnp.bfloat16
+    )
+
+
+def test_pallas_backend_refuses_what_it_cannot_do():
+    x = jnp.ones((128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="does not cover"):
+        jq.quantize(x, jq.NVFP4BlockScaling(), "weight", backend="pallas")
+    with pytest.raises(NotImplementedError, match="no Pallas quantize kernel"):
+        jq.quantize(x, jq.Float8CurrentScaling(), backend="pallas")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU's")
+@pytest.mark.parametrize("recipe, role", CASES, ids=lambda c: getattr(c, "name", c))
+def test_pallas_backend_matches_reference_in_interpreter(recipe, role):
+    x = sample((144, 256), jnp.bfloat16, 3)  # padded to 256×256 inside the kernels
+    key = jax.random.key(7)
+    want = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="reference")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="pallas")
+    assert_same(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe, role", CASES, ids=lambda c: getattr(c, "name", c))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_auto_backend_uses_kernels_on_gpu_and_matches_reference(recipe, role, dtype):
+    assert kernels.quantize_kernel_applies(recipe.spec(role), (1024, 1536), dtype)
+    x = sample((1024, 1536), dtype, 4)
+    key = jax.random.key(8)
+    want = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="reference")
+    got = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="auto")
+    assert_same(got, want)
