@@ -1,0 +1,98 @@
+"""`jax_qtrain.dense` forward and forward+backward per recipe, against plain bf16 XLA.
+
+TFLOP/s counts 2·M·K·N per GEMM (1 forward, 3 forward+backward), including the quantization
+work inside the op, so it is the layer's effective rate.
+
+    python -m benchmarks.bench_dense [--small] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jax_qtrain as jq
+from benchmarks.timing import device_description, median_seconds
+
+RECIPES = {
+    "bf16 (XLA)": None,
+    "fp8": jq.Float8CurrentScaling(),
+    "fp8-block": jq.Float8BlockScaling(),
+    "mxfp8": jq.MXFP8BlockScaling(),
+    "nvfp4": jq.NVFP4BlockScaling(),
+}
+
+
+def run(tokens: int, features: int, iters: int) -> list[dict]:
+    keys = jax.random.split(jax.random.key(0), 6)
+    argument_sets = [
+        (
+            jax.random.normal(keys[2 * i], (tokens, features), jnp.bfloat16),
+            (jax.random.normal(keys[2 * i + 1], (features, features), jnp.float32) * 0.02).astype(
+                jnp.bfloat16
+            ),
+        )
+        for i in range(3)
+    ]
+    flops = 2 * tokens * features * features
+    rows = []
+    for name, recipe in RECIPES.items():
+        forward = jax.jit(lambda x, w, r=recipe: jq.dense(x, w, recipe=r))
+        train = jax.jit(
+            jax.grad(
+                lambda x, w, r=recipe: jq.dense(x, w, recipe=r).astype(jnp.float32).sum(),
+                argnums=(0, 1),
+            )
+        )
+        fwd_s = median_seconds(forward, argument_sets, iters=iters)
+        train_s = median_seconds(train, argument_sets, iters=iters)
+        rows.append(
+            {
+                "recipe": name,
+                "forward_ms": fwd_s * 1e3,
+                "forward_tflops": flops / fwd_s / 1e12,
+                "fwd_bwd_ms": train_s * 1e3,
+                "fwd_bwd_tflops": 3 * flops / train_s / 1e12,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict], tokens: int, features: int) -> str:
+    lines = [
+        f"`dense`, x {tokens}×{features} bf16, kernel {features}×{features} bf16, "
+        f"{device_description()}",
+        "",
+        "| recipe | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['recipe']} | {r['forward_ms']:.3f} | {r['forward_tflops']:.0f} | "
+        f"{r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, small: bool = False) -> str:
+    tokens, features, iters = (256, 256, 3) if small else (8192, 4096, 20)
+    rows = run(tokens, features, iters)
+    text = markdown(rows, tokens, features)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "bench_dense.json").write_text(json.dumps(rows, indent=2))
+        (Path(out_dir) / "bench_dense.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    main(args.out, args.small)
