@@ -1,0 +1,361 @@
+"""Effective bandwidth of the Pallas quantize / dequantize kernels (issue 4) on the H200.
+
+Effective bandwidth = (bytes the operation must read + bytes it must write) / time: the input
+once, every output once. The NVFP4 pipelines also re-read x for the global amax; that traffic is
+*not* counted (it is what the "amax" rows cost on their own). Every case is timed as the median
+over many runs after a warm-up, with CUPTI kernel times (jax.experimental.mosaic.gpu.profiler;
+the sum of the kernels one call launches), falling back to wall-clock around
+block_until_ready where CUPTI is unavailable. The jnp references (jax_qtrain, under jit) and
+two copy baselines run in the same process.
+
+    PYTHONPATH=. python3 benchmarks/bench_quantize.py OUT_DIR
+writes OUT_DIR/bench_quantize.json and OUT_DIR/bench_quantize.md, and prints the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jax_qtrain as jq
+import pallas_kernels as pk
+from jax_qtrain.formats import common, nvfp4
+from pallas_kernels import quantize_common as qc
+
+SHAPES = ((8192, 8192), (16384, 4096))
+
+
+# --- timing -------------------------------------------------------------------------------------
+def _wall_clock_ms(fn, args, iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def time_ms(fn: Callable, *args, iters: int = 30) -> tuple[float, str]:
+    """Median time of one call of jitted `fn` (ms) and the clock used."""
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(*args))  # compile + warm up
+    jax.block_until_ready(jitted(*args))
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(jitted, iterations=iters)(*args)
+        if times and all(t is not None for t in times):
+            return statistics.median(times), "cupti"
+    except Exception as err:  # CUPTI missing or busy: fall back to the host clock
+        print(f"  (cupti unavailable: {type(err).__name__}: {err}; using wall clock)")
+    return statistics.median(_wall_clock_ms(jitted, args, iters)), "wall"
+
+
+# --- baselines ----------------------------------------------------------------------------------
+def pallas_copy(x: jax.Array) -> jax.Array:
+    """The quantize kernels' skeleton with no arithmetic: TMA a tile in, read it row-per-thread,
+    store it back with 16-byte stores. Its bandwidth is the ceiling of that structure."""
+    config = qc.TileConfig()
+    rows, cols = x.shape
+
+    def kernel(x_gmem, out_gmem, x_smem, barrier):
+        qc.copy_tile_in(x_gmem, x_smem, barrier, config)
+        m0, k0 = qc.tile_origin(config)
+        for j in range(config.tile_k // 32):
+            v = plgpu.load(x_smem.at[:, pl.ds(32 * j, 32)], layout=qc.rows_layout(x.dtype))
+            qc.store_line_bytes(out_gmem.at[pl.ds(m0, 128), pl.ds(k0 + 32 * j, 32)], v)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_types=(qc.tile_smem(x.dtype), plgpu.Barrier()),
+        compiler_params=qc.compiler_params(),
+        **qc.tile_grid(rows, cols, config),
+    )(x)
+
+
+# --- cases --------------------------------------------------------------------------------------
+def _nvfp4_xla_amaxes(x, rht: bool):
+    """What jax_qtrain.quantize computes before calling the kernel: jnp amaxes of x and of the
+    (rotated) xᵀ."""
+    col = nvfp4.hadamard16(x.T) if rht else x.T
+    return common.amax(x), common.amax(col)
+
+
+def cases_for(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]]:
+    """(group, name, implementation, fn, args, bytes moved)."""
+    m, k = x.shape
+    n = m * k
+    xb = n * x.dtype.itemsize
+    key = jax.random.key(0)
+    mx_row = xb + n + n // 32
+    nv_row = xb + n // 2 + n // 16
+    fb_row = xb + n + 4 * (n // 128)
+    out = [
+        ("copy", "x + 1 (XLA fusion)", "xla", lambda v: v + jnp.bfloat16(1), (x,), 2 * xb),
+        ("copy", "tile skeleton", "pallas", pallas_copy, (x,), 2 * xb),
+    ]
+
+    def add_quantize(group, recipe, role, columnwise, nbytes):
+        for impl, backend in (("pallas", "pallas"), ("reference", "reference")):
+            fn = functools.partial(
+                jq.quantize, recipe=recipe, role=role, columnwise=columnwise, backend=backend
+            )
+            name = "row+col" if columnwise else "row"
+            out.append((group, name, impl, lambda v, f=fn: f(v, key=key), (x,), nbytes))
+
+    add_quantize("mxfp8 e4m3", jq.MXFP8BlockScaling(), "input", True, 2 * mx_row - xb)
+    add_quantize("mxfp8 e4m3", jq.MXFP8BlockScaling(), "input", False, mx_row)
+    # NVFP4 inputs: Hadamard on the columnwise copy; end to end through jax_qtrain (jnp amaxes).
+    add_quantize("nvfp4 rht (input)", jq.NVFP4BlockScaling(), "input", True, 2 * nv_row - xb)
+    add_quantize("nvfp4 (input)", jq.NVFP4BlockScaling(), "input", False, nv_row)
+    add_quantize("nvfp4 rht+sr (grad)", jq.NVFP4BlockScaling(), "grad", True, 2 * nv_row - xb)
+    add_quantize("fp8 block 1x128", jq.Float8BlockScaling(), "input", True, 2 * fb_row - xb)
+    add_quantize("fp8 block 1x128", jq.Float8BlockScaling(), "input", False, fb_row)
+    add_quantize(
+        "fp8 block 128x128", jq.Float8BlockScaling(), "weight", True, xb + 2 * n + 8 * n // 16384
+    )
+
+    # NVFP4 pieces: the global amax (Pallas, one pass for both copies, vs jnp), the quantize
+    # kernel alone, and the all-Pallas pipeline.
+    amaxes = jax.jit(lambda v: _nvfp4_xla_amaxes(v, True))(x)
+    quantize_rht = functools.partial(
+        pk.quantize_nvfp4, rowwise=True, columnwise=True, hadamard_columnwise=True
+    )
+    out += [
+        (
+            "nvfp4 amax (row + rht col)",
+            "amax",
+            "pallas",
+            lambda v: pk.nvfp4_amax(v, hadamard_columnwise=True),
+            (x,),
+            xb,
+        ),
+        (
+            "nvfp4 amax (row + rht col)",
+            "amax",
+            "xla (jnp)",
+            lambda v: _nvfp4_xla_amaxes(v, True),
+            (x,),
+            xb,
+        ),
+        (
+            "nvfp4 rht (input)",
+            "row+col kernel only",
+            "pallas",
+            lambda v, a: quantize_rht(v, rowwise_amax=a[0], columnwise_amax=a[1]),
+            (x, amaxes),
+            2 * nv_row - xb,
+        ),
+        (
+            "nvfp4 rht (input)",
+            "row+col, pallas amax",
+            "pallas",
+            lambda v: (lambda a: quantize_rht(v, rowwise_amax=a[0], columnwise_amax=a[1]))(
+                pk.nvfp4_amax(v, hadamard_columnwise=True)
+            ),
+            (x,),
+            2 * nv_row - xb,
+        ),
+    ]
+
+    # Dequantize (bf16 out) of the rowwise copies.
+    mx = jq.quantize(x, jq.MXFP8BlockScaling(), backend="reference")
+    nv = jq.quantize(x, jq.NVFP4BlockScaling(), backend="reference")
+    fb = jq.quantize(x, jq.Float8BlockScaling(), backend="reference")
+    bf = jnp.bfloat16
+    out += [
+        (
+            "dequantize mxfp8",
+            "row -> bf16",
+            "pallas",
+            lambda d, s: pk.dequantize_mxfp8(d, s, out_dtype=bf),
+            (mx.rowwise_data, mx.rowwise_scale_inv),
+            n + n // 32 + 2 * n,
+        ),
+        (
+            "dequantize mxfp8",
+            "row -> bf16",
+            "reference",
+            lambda q: q.dequantize(dtype=bf),
+            (mx,),
+            n + n // 32 + 2 * n,
+        ),
+        (
+            "dequantize nvfp4",
+            "row -> bf16",
+            "pallas",
+            lambda d, s, a: pk.dequantize_nvfp4(d, s, a, out_dtype=bf),
+            (nv.rowwise_data, nv.rowwise_scale_inv, nv.rowwise_amax),
+            n // 2 + n // 16 + 2 * n,
+        ),
+        (
+            "dequantize nvfp4",
+            "row -> bf16",
+            "reference",
+            lambda q: q.dequantize(dtype=bf),
+            (nv,),
+            n // 2 + n // 16 + 2 * n,
+        ),
+        (
+            "dequantize fp8 block",
+            "row -> bf16",
+            "pallas",
+            lambda d, s: pk.dequantize_fp8_block(d, s, out_dtype=bf),
+            (fb.rowwise_data, fb.rowwise_scale_inv),
+            n + 4 * (n // 128) + 2 * n,
+        ),
+        (
+            "dequantize fp8 block",
+            "row -> bf16",
+            "reference",
+            lambda q: q.dequantize(dtype=bf),
+            (fb,),
+            n + 4 * (n // 128) + 2 * n,
+        ),
+    ]
+    return out
+
+
+def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]]:
+    """Tile shapes of the two headline kernels (the defaults are 128×128)."""
+    n = x.size
+    xb = n * x.dtype.itemsize
+    amaxes = jax.jit(lambda v: _nvfp4_xla_amaxes(v, True))(x)
+    out = []
+    for tm, tk in ((128, 256), (256, 128), (256, 256)):
+        mx_cfg = pk.MXFP8QuantizeConfig(tile_m=tm, tile_k=tk)
+        nv_cfg = pk.NVFP4QuantizeConfig(tile_m=tm, tile_k=tk)
+        out.append(
+            (
+                "mxfp8 e4m3",
+                f"row+col, tiles {tm}x{tk}",
+                "pallas",
+                lambda v, c=mx_cfg: pk.quantize_mxfp8(v, columnwise=True, config=c),
+                (x,),
+                xb + 2 * (n + n // 32),
+            )
+        )
+        out.append(
+            (
+                "nvfp4 rht (input)",
+                f"row+col kernel only, tiles {tm}x{tk}",
+                "pallas",
+                lambda v, a, c=nv_cfg: pk.quantize_nvfp4(
+                    v,
+                    columnwise=True,
+                    rowwise_amax=a[0],
+                    columnwise_amax=a[1],
+                    hadamard_columnwise=True,
+                    config=c,
+                ),
+                (x, amaxes),
+                xb + 2 * (n // 2 + n // 16),
+            )
+        )
+    return out
+
+
+# --- driver -------------------------------------------------------------------------------------
+def _format_table(rows: list[dict]) -> str:
+    lines = [
+        "| shape | case | variant | implementation | time (µs) | effective TB/s |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        time_text = f"{r['ms'] * 1e3:.1f}" if r["ms"] is not None else "—"
+        bw = f"{r['tb_s']:.2f}" if r["tb_s"] is not None else r.get("error", "failed")[:60]
+        lines.append(
+            f"| {r['shape']} | {r['group']} | {r['name']} | {r['impl']} | {time_text} | {bw} |"
+        )
+    return "\n".join(lines)
+
+
+def main(
+    out_dir: str | os.PathLike | None = None,
+    *,
+    small: bool = False,
+    budget_s: float | None = None,
+) -> str:
+    """Run every case on both shapes; write JSON and a markdown table under `out_dir` and return
+    the table. `small`: one 256×256 shape, few runs (a smoke test; kernels run in Mosaic GPU's
+    interpreter where there is no GPU). `budget_s` (default: env BENCH_BUDGET_S, else none)
+    stops starting new cases after that many seconds, so a time-limited run still reports."""
+    if small and jax.devices()[0].platform != "gpu":
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return _run(out_dir, ((256, 256),), iters=2, budget_s=budget_s)
+    return _run(
+        out_dir, ((256, 256),) if small else SHAPES, iters=3 if small else 30, budget_s=budget_s
+    )
+
+
+def _run(out_dir, shapes, *, iters: int, budget_s: float | None) -> str:
+    if budget_s is None and os.environ.get("BENCH_BUDGET_S"):
+        budget_s = float(os.environ["BENCH_BUDGET_S"])
+    start = time.time()
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
+    rows: list[dict] = []
+    schedule = []
+    for shape in shapes:
+        schedule.append((shape, cases_for))
+    for shape in shapes[:1]:
+        schedule.append((shape, config_sweep))
+    for shape, make in schedule:
+        x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
+        for group, name, impl, fn, args, nbytes in make(x):
+            if budget_s is not None and time.time() - start > budget_s:
+                print(f"  budget of {budget_s:.0f} s reached: skipping {group} / {name} / {impl}")
+                continue
+            row = dict(
+                shape=f"{shape[0]}x{shape[1]}",
+                group=group,
+                name=name,
+                impl=impl,
+                bytes=nbytes,
+                ms=None,
+                tb_s=None,
+                clock=None,
+            )
+            try:
+                ms, clock = time_ms(fn, *args, iters=iters)
+                row.update(ms=ms, tb_s=nbytes / (ms * 1e-3) / 1e12, clock=clock)
+            except Exception as err:  # report and keep going: one failure must not hide the rest
+                row["error"] = f"{type(err).__name__}: {err}"
+            rows.append(row)
+            print(
+                f"  {row['shape']} {group:28s} {name:34s} {impl:10s} "
+                f"{'%.1f us' % (row['ms'] * 1e3) if row['ms'] else row.get('error', '')[:120]}"
+                f"{'  {:.2f} TB/s'.format(row['tb_s']) if row['tb_s'] else ''}",
+                flush=True,
+            )
+    table = _format_table(rows)
+    print(table)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(
+            device=device.device_kind,
+            jax=jax.__version__,
+            date=time.strftime("%Y-%m-%d"),
+            numpy=np.__version__,
+        )
+        (out / "bench_quantize.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / "bench_quantize.md").write_text(table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
