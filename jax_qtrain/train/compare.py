@@ -1,0 +1,169 @@
+"""`compare`: train one run per recipe on the same config; plot and tabulate the losses.
+
+    OUT/<recipe>/          one training run each (see trainer.py)
+    OUT/comparison.png     training loss (smoothed) and validation loss against steps
+    OUT/comparison.md      the table below, as markdown
+    OUT/comparison.json    the same rows, plus the config
+
+Every run has the same seed, so the same initial weights and batches: the curves differ only
+by the recipe's numerics. The relative gap is (val_loss − bf16 val_loss) / bf16 val_loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jax_qtrain.train.config import TrainConfig
+from jax_qtrain.train.corpus import Corpus, load_corpus
+from jax_qtrain.train.trainer import (
+    RunError,
+    RunSummary,
+    check_writable,
+    read_metrics,
+    train,
+)
+
+PLOT_FILE = "comparison.png"
+TABLE_FILE = "comparison.md"
+JSON_FILE = "comparison.json"
+BASELINE = "bf16"
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparisonRow:
+    recipe: str
+    final_train_loss: float
+    final_val_loss: float
+    val_gap_vs_bf16: float | None  # relative; None without a bf16 run
+    step_time_ms: float
+    tokens_per_s: float
+    compile_time_s: float
+
+
+def comparison_rows(summaries: Sequence[RunSummary]) -> list[ComparisonRow]:
+    baseline = next((s for s in summaries if s.recipe == BASELINE), None)
+    rows = []
+    for s in summaries:
+        gap = None
+        if baseline is not None:
+            gap = (s.final_val_loss - baseline.final_val_loss) / baseline.final_val_loss
+        rows.append(
+            ComparisonRow(
+                recipe=s.recipe,
+                final_train_loss=s.final_train_loss,
+                final_val_loss=s.final_val_loss,
+                val_gap_vs_bf16=gap,
+                step_time_ms=s.mean_step_time_s * 1e3,
+                tokens_per_s=s.tokens_per_s,
+                compile_time_s=s.compile_time_s,
+            )
+        )
+    return rows
+
+
+def markdown_table(rows: Sequence[ComparisonRow]) -> str:
+    lines = [
+        "| recipe | final train loss | final val loss | val gap vs bf16 | step time (ms) "
+        "| tokens/s | compile (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gap = "—" if r.val_gap_vs_bf16 is None else f"{100 * r.val_gap_vs_bf16:+.2f}%"
+        lines.append(
+            f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} | {gap} "
+            f"| {r.step_time_ms:.1f} | {r.tokens_per_s:,.0f} | {r.compile_time_s:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
+    """Exponential moving average, debiased (so the first points are not pulled to 0)."""
+    out = np.empty(len(values))
+    average = 0.0
+    for i, value in enumerate(values):
+        average = weight * average + (1 - weight) * value
+        out[i] = average / (1 - weight ** (i + 1))
+    return out
+
+
+def plot_losses(run_dirs: dict[str, Path], path: Path, title: str) -> None:
+    """Training loss (EMA, raw faint) and validation loss per recipe, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (train_axis, val_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for recipe, run_dir in run_dirs.items():
+        records = read_metrics(run_dir)
+        train_records = [r for r in records if r["kind"] == "train"]
+        eval_records = [r for r in records if r["kind"] == "eval"]
+        steps = np.array([r["step"] for r in train_records])
+        losses = np.array([r["loss"] for r in train_records])
+        (line,) = train_axis.plot(steps, smooth(losses), label=recipe, linewidth=1.5)
+        train_axis.plot(steps, losses, color=line.get_color(), alpha=0.15, linewidth=0.8)
+        val_axis.plot(
+            [r["step"] for r in eval_records],
+            [r["val_loss"] for r in eval_records],
+            marker="o",
+            color=line.get_color(),
+            label=recipe,
+        )
+    train_axis.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="next-byte loss (nats)")
+    val_axis.set(title="validation loss", xlabel="step", ylabel="next-byte loss (nats)")
+    for axis in (train_axis, val_axis):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def prepare_comparison(out_dir: Path, recipes: Sequence[str]) -> None:
+    """Validate before anything is written (recipes are checked by TrainConfig)."""
+    if not recipes:
+        raise RunError("compare needs at least one recipe")
+    if len(set(recipes)) != len(recipes):
+        raise RunError(f"compare: a recipe is listed twice in {','.join(recipes)}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunError(f"output path {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise RunError(f"{out_dir} is not empty; choose another output directory")
+    check_writable(out_dir)
+
+
+def compare(
+    config: TrainConfig,
+    recipes: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    corpus: Corpus | None = None,
+) -> list[ComparisonRow]:
+    """Train `config` once per recipe into OUT/<recipe>/; write the plot and the tables."""
+    out_dir = Path(out_dir)
+    configs = [dataclasses.replace(config, recipe=recipe) for recipe in recipes]  # validates
+    prepare_comparison(out_dir, recipes)
+    corpus = load_corpus() if corpus is None else corpus
+    summaries = [
+        train(run_config, out_dir / run_config.recipe, progress=progress, corpus=corpus)
+        for run_config in configs
+    ]
+    rows = comparison_rows(summaries)
+    model = config.model
+    title = (
+        f"{config.steps} steps × {config.tokens_per_step} bytes, d_model {model.d_model}, "
+        f"{model.num_layers} layers, {model.feed_forward} feed-forward"
+    )
+    plot_losses({r: out_dir / r for r in recipes}, out_dir / PLOT_FILE, title)
+    (out_dir / TABLE_FILE).write_text(markdown_table(rows))
+    payload = {"config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
+    (out_dir / JSON_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    return rows

@@ -1,0 +1,171 @@
+"""A small decoder-only byte-level transformer whose feed-forward layers are pluggable.
+
+    embed (tied with the output head, high precision) + learned positions
+    num_layers × [ RMSNorm → causal self-attention → +  ;  RMSNorm → feed-forward → + ]
+    RMSNorm → logits = h · embeddingᵀ
+
+The attention's query/key/value and output projections and every feed-forward GEMM are
+`jax_qtrain.nn` layers without a recipe of their own, so they quantize with whatever
+`jax_qtrain.autocast` is active when the model runs (none: high precision). The attention
+score and value products, the norms, the softmax and the output head stay in high precision, as
+in TransformerEngine.
+
+A feed-forward block maps (batch, seq, d_model) to the same shape plus an auxiliary loss (the
+MoE load-balancing loss; 0 for a dense block) and is built by `build_feed_forward` from
+`ModelConfig.feed_forward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_qtrain import nn as qnn
+from jax_qtrain.train.corpus import VOCAB_SIZE
+
+FeedForwardKind = Literal["moe", "dense"]
+FEED_FORWARD_KINDS: tuple[str, ...] = ("moe", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of the model. `compute_dtype` is what the GEMMs see; parameters are float32."""
+
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    seq_len: int = 128
+    feed_forward: FeedForwardKind = "moe"
+    num_experts: int = 4
+    experts_per_token: int = 2
+    expert_hidden: int = 256
+    compute_dtype: str = "bfloat16"
+    vocab_size: int = VOCAB_SIZE
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by {self.num_heads} heads")
+        if self.feed_forward not in FEED_FORWARD_KINDS:
+            raise ValueError(
+                f"feed_forward must be one of {list(FEED_FORWARD_KINDS)}, got {self.feed_forward!r}"
+            )
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token must be in 1..num_experts ({self.num_experts}), "
+                f"got {self.experts_per_token}"
+            )
+        jnp.dtype(self.compute_dtype)  # raises on an unknown dtype name
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+
+class FeedForward(Protocol):
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(batch, seq, d_model) → (same shape, scalar auxiliary loss)."""
+        ...
+
+
+class DenseFeedForward(nnx.Module):
+    """SwiGLU with `expert_hidden` units: down(silu(gate(x)) · up(x)); auxiliary loss 0.
+
+    The temporary stand-in for `jax_qtrain.nn.MoE` while that layer does not exist.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, hidden = config.d_model, config.expert_hidden
+        linear = dict(use_bias=False, dtype=config.dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.gate_up = qnn.Linear(d, 2 * hidden, **linear)
+        self.down = qnn.Linear(hidden, d, **linear)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up), jnp.zeros((), jnp.float32)
+
+
+def moe_available() -> bool:
+    return hasattr(qnn, "MoE")
+
+
+def build_feed_forward(config: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
+    if config.feed_forward == "dense":
+        return DenseFeedForward(config, rngs)
+    if not moe_available():
+        warnings.warn(
+            "jax_qtrain.nn.MoE is not available yet: the 'moe' feed-forward falls back to the "
+            "dense SwiGLU block",
+            stacklevel=2,
+        )
+        return DenseFeedForward(config, rngs)
+    raise NotImplementedError("wire jax_qtrain.nn.MoE here")
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d = config.d_model
+        linear = dict(use_bias=False, dtype=config.dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.qkv = qnn.Linear(d, 3 * d, **linear)
+        self.out = qnn.Linear(d, d, **linear)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, seq, d = x.shape
+        qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, d)
+        return self.out(attended)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.attention = CausalSelfAttention(config, rngs)
+        self.feed_forward_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.feed_forward = build_feed_forward(config, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attention(self.attention_norm(x).astype(x.dtype))
+        update, aux_loss = self.feed_forward(self.feed_forward_norm(x).astype(x.dtype))
+        return x + update.astype(x.dtype), aux_loss
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=init, rngs=rngs)
+        self.positions = nnx.Param(init(rngs.params(), (config.seq_len, config.d_model)))
+        self.blocks = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens (batch, seq) int → (float32 logits (batch, seq, vocab), summed aux loss)."""
+        seq = tokens.shape[1]
+        x = self.embed(tokens) + self.positions[...][:seq]
+        x = x.astype(self.config.dtype)
+        aux_loss = jnp.zeros((), jnp.float32)
+        for block in self.blocks:
+            x, block_aux = block(x)
+            aux_loss = aux_loss + block_aux
+        h = self.final_norm(x.astype(jnp.float32))
+        logits = h @ self.embed.embedding[...].T
+        return logits, aux_loss
+
+
+def count_parameters(model: nnx.Module) -> int:
+    return sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
