@@ -122,11 +122,21 @@ def _negative_products(x: jax.Array, encode: jax.Array) -> jax.Array:
     return (x * jnp.float32(2.0**64)) * encode < jnp.float32(-(2.0**-86))
 
 
-def stochastic_uniforms(shape: tuple[int, int], seed: jax.Array) -> jax.Array:
+def stochastic_uniforms(
+    shape: tuple[int, int], seed: jax.Array, origin: tuple[jax.Array, jax.Array] | None = None
+) -> jax.Array:
     """Uniform float32 in [0, 1), 24 random bits per element, from a counter-based hash of the
-    element's (row, col) and a uint32 seed — reproducible, and computable inside a kernel."""
+    element's (row, col) and a uint32 seed — reproducible, and computable inside a kernel.
+
+    Grouped quantization stores several tensors in one buffer: there `seed` is an array that
+    broadcasts against `shape` (each tensor's seed) and `origin` gives (row, col) offsets, also
+    broadcastable, subtracted from each element's position, so every tensor draws the bits it
+    would draw on its own."""
     rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
     cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+    if origin is not None:
+        rows = rows - origin[0].astype(jnp.uint32)
+        cols = cols - origin[1].astype(jnp.uint32)
     h = (rows * jnp.uint32(0x9E3779B1)) ^ (cols * jnp.uint32(0x85EBCA77)) ^ seed.astype(jnp.uint32)
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x7FEB352D)
@@ -181,12 +191,15 @@ def quantize(
     *,
     global_amax: jax.Array,
     seed: jax.Array | None = None,
+    origin: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Rowwise copy of a 2-D array (already rotated, for a Hadamard columnwise copy).
 
     Returns (packed codes (R', C'/2) uint8, block scales (R'/br, C'/16) float8_e4m3fn), with R',
     C' the block-padded dims. `global_amax` is this copy's amax (taken after the rotation);
-    `seed` (uint32) is required when `spec.stochastic_rounding`.
+    `seed` (uint32) is required when `spec.stochastic_rounding`. Both are used elementwise, so
+    grouped quantization passes arrays that broadcast against the rows (rowwise) or the block
+    columns (columnwise) to give each group its own; `origin`: see `stochastic_uniforms`.
     """
     block_rows, block_cols = spec.block_shape
     padded = common.pad_to_blocks(x2d.astype(jnp.float32), block_rows, block_cols)
@@ -207,7 +220,7 @@ def quantize(
     if spec.stochastic_rounding:
         if seed is None:
             raise ValueError("stochastic rounding needs a seed (pass key= to jax_qtrain.quantize)")
-        uniforms = stochastic_uniforms(padded.shape, seed)
+        uniforms = stochastic_uniforms(padded.shape, seed, origin)
         codes = e2m1_round_stochastic(scaled, uniforms, negative)
     else:
         codes = e2m1_round_nearest_even(scaled, negative)

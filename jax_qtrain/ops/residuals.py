@@ -21,7 +21,26 @@ from jax._src import ad_checkpoint as _ad_checkpoint  # pinned jax==0.11.2
 INPUT = "qtrain/input"  # the layer input x: raw, or its quantized copy
 KERNEL = "qtrain/kernel"  # the weight: raw, or its quantized copy
 SR_KEY = "qtrain/sr_key"  # the key for stochastic rounding of the output gradient
-RESIDUAL_NAMES = (INPUT, KERNEL, SR_KEY)
+GROUP_SIZES = "qtrain/group_sizes"  # rows per group of a grouped (MoE) op
+# The fused grouped MLP (ops/grouped_mlp.py): FC1 -> activation x probs -> FC2.
+FC1_INPUT = "qtrain/fc1_input"  # x: raw, or its quantized copy
+FC1_KERNEL = "qtrain/fc1_kernel"
+PRE_ACTIVATION = "qtrain/pre_activation"  # FC1's output h, in the compute dtype
+PROBS = "qtrain/probs"  # the router probabilities that scale each row
+FC2_INPUT = "qtrain/fc2_input"  # the activation's quantized copy (absent when recomputed)
+FC2_KERNEL = "qtrain/fc2_kernel"
+RESIDUAL_NAMES = (
+    INPUT,
+    KERNEL,
+    SR_KEY,
+    GROUP_SIZES,
+    FC1_INPUT,
+    FC1_KERNEL,
+    PRE_ACTIVATION,
+    PROBS,
+    FC2_INPUT,
+    FC2_KERNEL,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,291 @@
+"""Grouped (MoE) GEMMs on quantized copies, and the public `grouped_matmul`.
+
+As for dense (ops/gemm.py), every GEMM of a grouped linear layer is "NT", both operands stored
+contiguous along the contraction. Activations are GroupedQuantizedTensors in the aligned layout
+(ops/grouped_quantize.py), whose groups are `layout.aligned_sizes` rows long; the weights are
+per-expert QuantizedTensors (leaves with a leading G axis):
+
+  fprop  y[slots of g]  = x rowwise[slots of g] · (W_g columnwise)ᵀ     (P, K) · (G, N, K)ᵀ
+  dgrad  dx[slots of g] = dy rowwise[slots of g] · (W_g rowwise)ᵀ       (P, N) · (G, K, N)ᵀ
+  wgrad  dW_g = x columnwise[:, slots of g] · (dy columnwise[:, slots of g])ᵀ     → (G, K, N)
+
+The reference runs `lax.ragged_dot_general` with float32 accumulation on exactly-dequantized
+operands, as gemm.py does for dense: FP8 codes, MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and
+power-of-2 FP8-block values are exact in bfloat16 (FP8 block with float32 scales uses float32 and
+HIGHEST precision), so only the accumulation order differs from a native GEMM; the per-tensor
+factors (FP8 scale_inv, NVFP4's S_dec), one per group, multiply the output rows of their group
+(fprop, dgrad) or the group's output (wgrad), in gemm.py's order.
+
+The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the same operands (lhs
+(M, K) rows sorted by group, rhs (G, N, K), group_sizes (G,) int32 on the device; wgrad lhs
+(K, M), rhs (N, M)): `_grouped_kernel` is where they plug in. Until then "auto" always runs the
+reference, and `backend="pallas"` raises.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qtrain.formats import fp8_block, mxfp8, nvfp4
+from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.ops.grouped_quantize import (
+    GroupedQuantizedTensor,
+    GroupLayout,
+    check_group_sizes,
+    clamp_group_sizes,
+    group_layout,
+)
+from jax_qtrain.quantize import QuantizedTensor, Usage
+
+GroupedBackend = Literal["auto", "reference", "pallas"]
+GROUPED_BACKENDS: tuple[str, ...] = get_args(GroupedBackend)
+
+# out[m, n] = Σ_c lhs[m, c] · rhs[g, n, c]: ragged rows, rhs groups on axis 0.
+_NT_RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+# out[m, n] = Σ_c lhs[m, c] · rhs[g, c, n] (lax.ragged_dot's form).
+_NN_RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+# out[g, k, n] = Σ_{m in g} lhs[k, m] · rhs[n, m]: the groups split the contraction.
+_NT_RAGGED_CONTRACTION = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[],
+)
+# out[g, k, n] = Σ_{m in g} lhs[m, k] · rhs[m, n].
+_TN_RAGGED_CONTRACTION = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+def _exact_operand(
+    spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array, amax: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """(one copy's values, exact in their dtype; its per-tensor factor or None), as
+    gemm._block_operand, plus FP8 per-tensor: codes as bfloat16, factor scale_inv. The factor
+    has whatever shape the per-tensor field has (one per group for activations)."""
+    fmt = spec.format
+    if fmt == "fp8":
+        return data.astype(jnp.bfloat16), scale_inv
+    if fmt == "nvfp4":
+        block_rows, block_cols = spec.block_shape
+        codes = nvfp4.code_values(nvfp4.unpack_codes(data))
+        scale = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block_rows, 0), block_cols, 1)
+        return (codes * scale).astype(jnp.bfloat16), nvfp4.global_decode_scale(amax)
+    if fmt == "mxfp8":
+        return mxfp8.dequantize(data, scale_inv).astype(jnp.bfloat16), None
+    values = fp8_block.dequantize(data, scale_inv, spec)
+    return (values if not spec.power_2_scale else values.astype(jnp.bfloat16)), None
+
+
+def _activation_operand(q: GroupedQuantizedTensor, usage: Usage):
+    return _exact_operand(q.spec, *q.copy(usage))
+
+
+def _expert_operand(q: QuantizedTensor, usage: Usage):
+    if not q.has_usage(usage):
+        raise ValueError(f"usage={usage!r}: the experts' weights hold only {list(q.usages)}")
+    fields = (getattr(q, f"{usage}_{part}") for part in ("data", "scale_inv", "amax"))
+    return jax.vmap(lambda d, s, a: _exact_operand(q.spec, d, s, a))(*fields)
+
+
+def _apply_factors(out, a_factor, b_factor, spread, fmt: str):
+    """Multiply by the per-group factors, in gemm.matmul_nt's order: FP8 multiplies by the
+    product of the two scale_invs, the others by each factor in turn. `spread` maps (G,)
+    factors onto `out`'s rows or groups."""
+    if fmt == "fp8":
+        return out * spread(a_factor * b_factor)
+    for factor in (a_factor, b_factor):
+        if factor is not None:
+            out = out * spread(factor)
+    return out
+
+
+def _check_same_format(a_spec: QuantizerSpec, b_spec: QuantizerSpec) -> None:
+    if a_spec.format != b_spec.format:
+        raise ValueError(f"formats differ ({a_spec.format} vs {b_spec.format})")
+
+
+def grouped_matmul_nt(
+    lhs: GroupedQuantizedTensor,
+    lhs_usage: Usage,
+    rhs: QuantizedTensor,
+    rhs_usage: Usage,
+    layout: GroupLayout,
+    *,
+    cols: int,
+) -> jax.Array:
+    """float32 fprop/dgrad GEMM in the aligned layout: (P, cols), row block g times expert g.
+
+    `lhs_usage`'s copy of lhs is (P, C'), `rhs_usage`'s copy of the experts is (G, N', C'');
+    the contraction runs over the shorter padded length (padding is zeros).
+    """
+    _check_same_format(lhs.spec, rhs.spec)
+    a_values, a_factor = _activation_operand(lhs, lhs_usage)
+    b_values, b_factor = _expert_operand(rhs, rhs_usage)
+    depth = min(a_values.shape[1], b_values.shape[2])
+    out = lax.ragged_dot_general(
+        a_values[:, :depth],
+        b_values[:, :cols, :depth].astype(a_values.dtype),
+        layout.aligned_sizes,
+        _NT_RAGGED_ROWS,
+        precision=lax.Precision.HIGHEST if a_values.dtype == jnp.float32 else None,
+        preferred_element_type=jnp.float32,
+    )
+    return _apply_factors(
+        out, a_factor, b_factor, lambda f: layout.per_slot(f)[:, None], lhs.spec.format
+    )
+
+
+def grouped_matmul_wgrad(
+    lhs: GroupedQuantizedTensor,
+    rhs: GroupedQuantizedTensor,
+    layout: GroupLayout,
+    *,
+    rows: int,
+    cols: int,
+) -> jax.Array:
+    """float32 wgrad GEMM (G, rows, cols): the columnwise copies (K', P) and (N', P) contracted
+    over each group's slots. Hadamard-rotated copies are rotated alike, so the rotation cancels."""
+    _check_same_format(lhs.spec, rhs.spec)
+    a_values, a_factor = _activation_operand(lhs, "columnwise")
+    b_values, b_factor = _activation_operand(rhs, "columnwise")
+    out = lax.ragged_dot_general(
+        a_values[:rows],
+        b_values[:cols].astype(a_values.dtype),
+        layout.aligned_sizes,
+        _NT_RAGGED_CONTRACTION,
+        precision=lax.Precision.HIGHEST if a_values.dtype == jnp.float32 else None,
+        preferred_element_type=jnp.float32,
+    )
+    return _apply_factors(out, a_factor, b_factor, lambda f: f[:, None, None], lhs.spec.format)
+
+
+# --- high-precision grouped GEMMs (no recipe, and the backward of the overrides) --------------
+def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+def ragged_nn(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """float32 (M, N): rows of group g times kernels[g] (G, K, N); rows past the groups are 0."""
+    return lax.ragged_dot_general(
+        *_promote(x, kernels), group_sizes, _NN_RAGGED_ROWS, preferred_element_type=jnp.float32
+    )
+
+
+def ragged_nt(dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """float32 (M, K): rows of group g times kernels[g]ᵀ, kernels (G, K, N)."""
+    return lax.ragged_dot_general(
+        *_promote(dy, kernels), group_sizes, _NT_RAGGED_ROWS, preferred_element_type=jnp.float32
+    )
+
+
+def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """float32 (G, K, N): x[rows of g]ᵀ · dy[rows of g]."""
+    return lax.ragged_dot_general(
+        *_promote(x, dy), group_sizes, _TN_RAGGED_CONTRACTION, preferred_element_type=jnp.float32
+    )
+
+
+# --- the public op ----------------------------------------------------------------------------
+def _grouped_kernel(lhs, rhs, transpose_rhs: bool):
+    """The Pallas kernel for these operands on this platform, or None (none is wired yet)."""
+    del lhs, rhs, transpose_rhs
+    return None
+
+
+def grouped_matmul(
+    lhs: jax.Array | GroupedQuantizedTensor,
+    rhs: jax.Array | QuantizedTensor,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    backend: GroupedBackend = "auto",
+) -> jax.Array:
+    """Grouped matmul: `out[rows of g] = lhs[rows of g] @ rhs[g]` (or `@ rhs[g]ᵀ`).
+
+    Args:
+      lhs: (M, K) rows sorted by group: a float array, or a GroupedQuantizedTensor from
+        `grouped_quantize` with the same group_sizes (its rowwise copy is read).
+      rhs: (G, K, N) (or (G, N, K) with `transpose_rhs`): a float array, or the per-expert
+        QuantizedTensor of such weights (`quantize_per_expert`); the GEMM reads its columnwise
+        copy, or with `transpose_rhs` its rowwise one. Quantized operands use the same format.
+      group_sizes: (G,) int32 rows per group, a device array; clamped as described in
+        ops/grouped_quantize.py (negative → 0, truncated at M). Rows past the groups give 0.
+      transpose_rhs: contract rhs's last axis instead of its middle one.
+      out_dtype: default the promoted float dtype (lhs's original dtype when quantized).
+      backend: "auto" (the Pallas kernels on GPU where they apply, else the reference),
+        "reference" (lax.ragged_dot on exactly-dequantized operands, float32 accumulation),
+        "pallas" (an error when no kernel applies).
+
+    Returns: (M, N).
+    """
+    if backend not in GROUPED_BACKENDS:
+        raise ValueError(f"backend must be one of {list(GROUPED_BACKENDS)}, got {backend!r}")
+    quantized = isinstance(lhs, GroupedQuantizedTensor), isinstance(rhs, QuantizedTensor)
+    if quantized[0] != quantized[1]:
+        raise TypeError(
+            "lhs and rhs must both be quantized (GroupedQuantizedTensor and QuantizedTensor) or "
+            f"both float arrays, got {type(lhs).__name__} and {type(rhs).__name__}"
+        )
+    if quantized[0]:
+        rows, depth = lhs.shape
+        num_groups = jax.tree_util.tree_leaves(rhs)[0].shape[0]  # leaves are (G, ...)
+        expert_rows, expert_cols = rhs.shape  # one expert's weight
+        contract, cols = (expert_cols, expert_rows) if transpose_rhs else rhs.shape
+        default_dtype = lhs.dtype
+    else:
+        for name, value in (("lhs", lhs), ("rhs", rhs)):
+            if not hasattr(value, "shape") or not jnp.issubdtype(value.dtype, jnp.floating):
+                raise TypeError(f"{name} must be a float array, got {type(value).__name__}")
+        if lhs.ndim != 2 or rhs.ndim != 3:
+            raise ValueError(
+                f"lhs must be (M, K) and rhs (G, K, N), got {tuple(lhs.shape)} and "
+                f"{tuple(rhs.shape)}"
+            )
+        rows, depth = lhs.shape
+        num_groups = rhs.shape[0]
+        contract, cols = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
+        default_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    if contract != depth:
+        raise ValueError(f"rhs's contraction size ({contract}) must equal lhs's last dim ({depth})")
+    check_group_sizes(group_sizes, num_groups)
+    out_dtype = default_dtype if out_dtype is None else jnp.dtype(out_dtype)
+
+    kernel = None if backend == "reference" else _grouped_kernel(lhs, rhs, transpose_rhs)
+    if kernel is None and backend == "pallas":
+        raise NotImplementedError(
+            "backend='pallas': no Pallas grouped-matmul kernel is wired for these operands on "
+            f"{jax.default_backend()}; use backend='reference' or 'auto'"
+        )
+    if kernel is not None:
+        return kernel(lhs, rhs, group_sizes, out_dtype=out_dtype)
+
+    if not quantized[0]:
+        layout_free = ragged_nt if transpose_rhs else ragged_nn
+        sizes = clamp_group_sizes(group_sizes, rows)
+        return layout_free(lhs, rhs, sizes).astype(out_dtype)
+    layout = group_layout(group_sizes, rows, lhs.align)
+    out = grouped_matmul_nt(
+        lhs,
+        "rowwise",
+        rhs,
+        "rowwise" if transpose_rhs else "columnwise",
+        layout,
+        cols=cols,
+    )
+    return layout.from_aligned(out).astype(out_dtype)

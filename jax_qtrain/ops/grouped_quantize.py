@@ -1,0 +1,451 @@
+"""Per-group quantization of MoE activations, in the *aligned layout*.
+
+TransformerEngine's GroupedLinear splits x (M, K) by `m_splits` and quantizes every group as a
+tensor of its own (`split_quantize`): FP8 per-tensor scaling takes one amax per group, NVFP4 one
+global amax per group and copy, and the columnwise (token-direction) blocks of MXFP8, NVFP4 and
+FP8 block scaling never straddle two groups. Here `group_sizes` is a device array, so the groups
+cannot be sliced statically. Instead the rows of group g move to row
+
+    aligned_start[g] = Σ_{j<g} round_up(size_j, align)
+
+of a buffer with a static number of rows P = round_up(M + G·(align − 1), align), with zero rows
+in between. Every group then starts on a block boundary, so a plain quantization of the buffer
+never lets a block (or a 16-row Hadamard group) straddle two groups, and the zero rows are the
+padding each group's own tensor would get. Per-tensor quantities are per-group segment maxima.
+Group g's codes and scales are bit for bit those of `jax_qtrain.quantize(x_g)` (with NVFP4
+stochastic rounding: given the key `fold_in(key, g)`), tested in test_grouped_quantize.py.
+
+`align` (`token_alignment`) is the largest token-direction block of a recipe's input and
+gradient quantizers: 1 for FP8 per-tensor scaling (the layout is then the identity), 16 for NVFP4
+(1×16 blocks and the Hadamard groups), 32 for MXFP8, 128 for FP8 block scaling. One layout serves
+every activation of a grouped op (x and dy; in the MLP also the activation and its gradient),
+because the wgrad GEMM contracts two columnwise copies over the same token positions. The cost
+is up to G·(align − 1) extra rows per stored copy (G=64 experts with FP8 blocks: 8128 rows).
+
+Run-time group sizes cannot be checked at trace time. They are clamped as the Pallas grouped
+matmul kernels do: a negative size counts as 0, and once the running sum reaches M the remaining
+groups are truncated (they get the rows that are left, possibly none). Rows past the clamped sum
+belong to no group: they are not quantized, and every grouped op returns zeros for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
+from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.quantize import (
+    USAGES,
+    Backend,
+    QuantizedTensor,
+    Usage,
+    _check_key,
+    _copy_seed,
+    columnwise_source,
+    quantize,
+)
+from jax_qtrain.recipes import Recipe, Role
+
+
+def token_block(spec: QuantizerSpec) -> int:
+    """Rows of x that one block of `spec` may span (in either copy): 1 for per-tensor FP8."""
+    return 1 if spec.block_shape is None else max(spec.block_shape)
+
+
+def token_alignment(recipe: Recipe) -> int:
+    """The aligned layout's row alignment for a recipe's activations (inputs and gradients)."""
+    return max(token_block(recipe.spec("input")), token_block(recipe.spec("grad")))
+
+
+def _static(**kwargs):
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """Where each row of a grouped activation (M, ·) lives in the aligned buffer (P, ·).
+
+    Built by `group_layout` from `group_sizes`; every array is int32. "Slot" = a buffer row.
+    """
+
+    group_sizes: jax.Array  # (G,) rows per group after clamping
+    group_starts: jax.Array  # (G,) first row of each group in x
+    aligned_starts: jax.Array  # (G,) first slot of each group
+    aligned_sizes: jax.Array  # (G,) round_up(size, align)
+    row_group: jax.Array  # (M,) group of each row of x; G for rows past the last group
+    row_slot: jax.Array  # (M,) slot of each row of x; P (none) for rows past the last group
+    slot_group: jax.Array  # (P,) group of each slot; G for the tail after the last group
+    slot_source: jax.Array  # (P,) row of x copied into each slot; M (none) for padding slots
+    num_rows: int = _static()
+    align: int = _static()
+
+    @property
+    def num_groups(self) -> int:
+        return self.group_sizes.shape[0]
+
+    @property
+    def padded_rows(self) -> int:
+        return self.slot_group.shape[0]
+
+    def to_aligned(self, x: jax.Array) -> jax.Array:
+        """(M, ...) rows sorted by group → (P, ...) aligned buffer, zeros in the padding slots."""
+        return jnp.take(x, self.slot_source, axis=0, mode="fill", fill_value=0)
+
+    def from_aligned(self, values: jax.Array) -> jax.Array:
+        """(P, ...) → (M, ...): each row read back from its slot; rows past the groups are 0."""
+        return jnp.take(values, self.row_slot, axis=0, mode="fill", fill_value=0)
+
+    def per_slot(self, group_values: jax.Array) -> jax.Array:
+        """(G,) per-group values → (P,) one per slot (the tail slots get group G−1's value:
+        they hold zeros, so any finite value will do)."""
+        return group_values[jnp.minimum(self.slot_group, self.num_groups - 1)]
+
+    def group_amax(self, source: jax.Array, token_axis: int) -> jax.Array:
+        """(G,) float32 amax of each group's slots of `source` (P along `token_axis`), taken on
+        bit patterns like `formats.common.amax` (NaN propagates; empty groups give 0)."""
+        bits = jnp.max(common.abs_bits(source), axis=1 - token_axis)
+        group_bits = jax.ops.segment_max(
+            bits, self.slot_group, num_segments=self.num_groups + 1, indices_are_sorted=True
+        )
+        return common.f32_from_bits(group_bits[: self.num_groups])
+
+
+def check_group_sizes(group_sizes, num_groups: int, name: str = "group_sizes") -> None:
+    """Trace-time checks of a group_sizes argument (its values are checked nowhere: see the
+    module docstring for how they are clamped)."""
+    if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
+        raise TypeError(f"{name} must be an int32 array of shape (G,), got {type(group_sizes)}")
+    if jnp.dtype(group_sizes.dtype) != jnp.int32:
+        raise TypeError(f"{name} must have dtype int32, got {group_sizes.dtype}")
+    if tuple(group_sizes.shape) != (num_groups,):
+        raise ValueError(
+            f"{name} must have shape ({num_groups},) (one size per group), got "
+            f"{tuple(group_sizes.shape)}"
+        )
+
+
+def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Negative sizes count as 0; once the running sum reaches num_rows, later groups get the
+    rows that are left (possibly none). The result sums to at most num_rows."""
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows)), num_rows)
+    return jnp.diff(ends, prepend=0)
+
+
+def group_layout(group_sizes: jax.Array, num_rows: int, align: int) -> GroupLayout:
+    """The aligned layout of `num_rows` rows sorted into groups of `group_sizes` (clamped)."""
+    if align < 1 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    num_groups = group_sizes.shape[0]
+    padded_rows = common.round_up(num_rows + num_groups * (align - 1), align)
+    sizes = clamp_group_sizes(group_sizes, num_rows)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    aligned_sizes = (sizes + (align - 1)) // align * align
+    aligned_ends = jnp.cumsum(aligned_sizes)
+    aligned_starts = aligned_ends - aligned_sizes
+
+    def lookup(bounds, index):  # group whose [start, end) holds index; G past the last end
+        return jnp.searchsorted(bounds, index, side="right").astype(jnp.int32)
+
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    row_group = lookup(ends, rows)
+    in_group = row_group < num_groups
+    safe_row_group = jnp.minimum(row_group, num_groups - 1)
+    row_slot = jnp.where(
+        in_group, aligned_starts[safe_row_group] + rows - starts[safe_row_group], padded_rows
+    )
+
+    slots = jnp.arange(padded_rows, dtype=jnp.int32)
+    slot_group = lookup(aligned_ends, slots)
+    safe_slot_group = jnp.minimum(slot_group, num_groups - 1)
+    slot_position = slots - aligned_starts[safe_slot_group]
+    holds_row = (slot_group < num_groups) & (slot_position < sizes[safe_slot_group])
+    slot_source = jnp.where(holds_row, starts[safe_slot_group] + slot_position, num_rows)
+    return GroupLayout(
+        group_sizes=sizes,
+        group_starts=starts,
+        aligned_starts=aligned_starts,
+        aligned_sizes=aligned_sizes,
+        row_group=row_group,
+        row_slot=row_slot,
+        slot_group=slot_group,
+        slot_source=slot_source,
+        num_rows=num_rows,
+        align=align,
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class GroupedQuantizedTensor:
+    """A grouped activation (M, K), each group quantized as its own tensor, in the aligned layout.
+
+    The fields mirror QuantizedTensor's, over the aligned buffer (P, K): the rowwise copy is
+    stored (P, K'), the columnwise copy transposed, (K', P). The per-tensor fields hold one value
+    per group, shape (G,): FP8's `*_scale_inv` (FP8 has no block scales) and NVFP4's global
+    `*_amax`. Block formats have no per-group field. Static metadata: `spec`, the original
+    `shape` (M, K) and `dtype`, and the layout's `align`; the layout's arrays are not stored:
+    pass the `GroupLayout` of the same group_sizes to the methods that need it.
+    """
+
+    _LEAF_FIELDS = QuantizedTensor._LEAF_FIELDS
+
+    def __init__(self, *, spec: QuantizerSpec, shape: tuple[int, int], dtype, align: int, **fields):
+        self.spec = spec
+        self.shape = tuple(shape)
+        self.dtype = jnp.dtype(dtype)
+        self.align = int(align)
+        for name in self._LEAF_FIELDS:
+            setattr(self, name, fields.pop(name, None))
+        if fields:
+            raise TypeError(f"unknown fields {sorted(fields)}")
+
+    def tree_flatten(self):
+        children = tuple(getattr(self, name) for name in self._LEAF_FIELDS)
+        return children, (self.spec, self.shape, self.dtype, self.align)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        spec, shape, dtype, align = aux
+        fields = dict(zip(cls._LEAF_FIELDS, children, strict=True))
+        return cls(spec=spec, shape=shape, dtype=dtype, align=align, **fields)
+
+    @property
+    def usages(self) -> tuple[str, ...]:
+        return tuple(u for u in USAGES if getattr(self, f"{u}_data") is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree_util.tree_leaves(self)
+        )
+
+    def copy(self, usage: Usage) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """(data, scale_inv, amax) of one copy; raises if it was not kept."""
+        if usage not in self.usages:
+            raise ValueError(f"usage={usage!r}: this tensor holds only {list(self.usages)}")
+        return tuple(getattr(self, f"{usage}_{part}") for part in ("data", "scale_inv", "amax"))
+
+    def restrict_to(self, *usages: Usage) -> GroupedQuantizedTensor:
+        """The same tensor keeping only the named copies."""
+        for usage in usages:
+            self.copy(usage)
+        fields = {
+            name: getattr(self, name) for name in self._LEAF_FIELDS if name.split("_")[0] in usages
+        }
+        return GroupedQuantizedTensor(
+            spec=self.spec, shape=self.shape, dtype=self.dtype, align=self.align, **fields
+        )
+
+    def dequantize_stored(self, usage: Usage, layout: GroupLayout) -> jax.Array:
+        """float32 values of one copy as stored: aligned, padded, columnwise transposed (and
+        still Hadamard-rotated)."""
+        data, scale_inv, amax = self.copy(usage)
+        token_axis = 0 if usage == "rowwise" else 1
+
+        def per_token(group_values):  # (G,) → broadcastable along the token axis
+            values = layout.per_slot(group_values)
+            return values[:, None] if token_axis == 0 else values[None, :]
+
+        fmt = self.spec.format
+        if fmt == "fp8":
+            return fp8_tensor.dequantize(data, per_token(scale_inv))
+        if fmt == "fp8_block":
+            return fp8_block.dequantize(data, scale_inv, self.spec)
+        if fmt == "mxfp8":
+            return mxfp8.dequantize(data, scale_inv)
+        return nvfp4.dequantize(data, scale_inv, self.spec, global_amax=per_token(amax))
+
+    def dequantize(self, usage: Usage, layout: GroupLayout, dtype=None) -> jax.Array:
+        """(M, K) values of one copy in x's row order (rows past the groups are 0), as `dtype`
+        (default: the original dtype); a rotated NVFP4 columnwise copy is rotated back."""
+        values = self.dequantize_stored(usage, layout)
+        rows, cols = layout.padded_rows, self.shape[1]
+        if usage == "columnwise":
+            if self.spec.hadamard_columnwise:
+                values = nvfp4.inverse_hadamard16(values)
+            values = values[:cols, :rows].T
+        else:
+            values = values[:rows, :cols]
+        return layout.from_aligned(values).astype(self.dtype if dtype is None else dtype)
+
+    def __repr__(self) -> str:
+        copies = ", ".join(
+            f"{u}: {jnp.dtype(getattr(self, f'{u}_data').dtype).name}"
+            f"{list(getattr(self, f'{u}_data').shape)}"
+            for u in self.usages
+        )
+        return (
+            f"GroupedQuantizedTensor({self.spec.describe()}, shape={self.shape}, "
+            f"{copies or 'no copies'}, nbytes={self.nbytes:,})"
+        )
+
+
+def _group_seeds(key: jax.Array, num_groups: int, usage: str) -> jax.Array:
+    """(G,) uint32: the seed jax_qtrain.quantize would use for this copy given fold_in(key, g)."""
+    return jax.vmap(lambda g: _copy_seed(jax.random.fold_in(key, g), usage))(
+        jnp.arange(num_groups, dtype=jnp.uint32)
+    )
+
+
+def _quantize_per_group_copy(
+    source: jax.Array, spec: QuantizerSpec, usage: str, layout: GroupLayout, key
+) -> dict:
+    """One copy of an FP8 per-tensor or NVFP4 tensor: the reference quantizer, fed per-group
+    amaxes (and seeds and positions) that broadcast along the token axis."""
+    token_axis = 0 if usage == "rowwise" else 1
+    group_amax = layout.group_amax(source, token_axis)
+
+    def along_tokens(per_slot):  # (P,) → (P, 1) or (1, P)
+        return per_slot[:, None] if token_axis == 0 else per_slot[None, :]
+
+    if spec.format == "fp8":
+        codes, _ = fp8_tensor.quantize(
+            source, spec, tensor_amax=along_tokens(layout.per_slot(group_amax))
+        )
+        scale = fp8_tensor.compute_scale(
+            group_amax,
+            common.fp8_max(spec.dtype),
+            power_2_scale=spec.power_2_scale,
+            amax_epsilon=spec.amax_epsilon,
+        )
+        scale_inv = fp8_tensor.reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
+        return {f"{usage}_data": common.materialize(codes), f"{usage}_scale_inv": scale_inv}
+
+    # NVFP4: the global amax broadcasts against the per-block arrays: per row for the rowwise
+    # copy, per 16-token block column for the columnwise one (groups start on block boundaries).
+    slot_amax = layout.per_slot(group_amax)
+    block_amax = slot_amax[:, None] if token_axis == 0 else slot_amax[None, :: nvfp4.BLOCK_SIZE]
+    seed = origin = None
+    if spec.stochastic_rounding:
+        # Group g draws the bits of its own tensor: its seed, and positions relative to the
+        # group's first slot.
+        seed = along_tokens(layout.per_slot(_group_seeds(key, layout.num_groups, usage)))
+        group_start = along_tokens(layout.per_slot(layout.aligned_starts))
+        no_offset = jnp.zeros((), jnp.int32)
+        origin = (group_start, no_offset) if token_axis == 0 else (no_offset, group_start)
+    data, block_scale = nvfp4.quantize(
+        source, spec, global_amax=block_amax, seed=seed, origin=origin
+    )
+    return {
+        f"{usage}_data": data,
+        f"{usage}_scale_inv": common.materialize(block_scale),
+        f"{usage}_amax": group_amax,
+    }
+
+
+def grouped_quantize(
+    x: jax.Array,
+    recipe: Recipe | QuantizerSpec,
+    role: Role,
+    layout: GroupLayout,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    key: jax.Array | None = None,
+    backend: Backend = "auto",
+) -> GroupedQuantizedTensor:
+    """Quantize the groups of `x` (M, K) (rows sorted by group, as `layout` says) each as its own
+    tensor, like TransformerEngine's split_quantize.
+
+    `key` (NVFP4 gradients) gives group g the key `fold_in(key, g)`. `backend` applies to the
+    block formats (MXFP8, FP8 block), whose aligned buffer is quantized by `jax_qtrain.quantize`
+    itself, kernels included; per-group amaxes (FP8, NVFP4) use the jnp reference.
+    """
+    if x.ndim != 2 or x.shape[0] != layout.num_rows:
+        raise ValueError(f"x must have shape ({layout.num_rows}, K), got {tuple(x.shape)}")
+    return quantize_aligned(
+        layout.to_aligned(x),
+        recipe,
+        role,
+        layout,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        key=key,
+        backend=backend,
+        dtype=x.dtype,
+    )
+
+
+def quantize_aligned(
+    aligned: jax.Array,
+    recipe: Recipe | QuantizerSpec,
+    role: Role,
+    layout: GroupLayout,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    key: jax.Array | None = None,
+    backend: Backend = "auto",
+    dtype=None,
+) -> GroupedQuantizedTensor:
+    """`grouped_quantize` of a tensor already in the aligned layout (P, K), zeros in the padding
+    slots: what a producer that writes the aligned layout directly (the MLP's activation) uses.
+    `dtype` is the original dtype recorded in the result (default: aligned's)."""
+    spec = recipe if isinstance(recipe, QuantizerSpec) else recipe.spec(role)
+    if aligned.ndim != 2 or aligned.shape[0] != layout.padded_rows:
+        raise ValueError(
+            f"aligned must have shape ({layout.padded_rows}, K), got {tuple(aligned.shape)}"
+        )
+    if layout.align % token_block(spec):
+        raise ValueError(
+            f"the layout's align ({layout.align}) must be a multiple of {spec.describe()}'s "
+            f"token block ({token_block(spec)})"
+        )
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise and columnwise are both False: ask for at least one copy")
+    _check_key(key, spec)
+    if spec.format in ("mxfp8", "fp8_block"):
+        # No per-tensor quantity, and blocks never straddle groups: quantize the buffer.
+        q = quantize(aligned, spec, rowwise=rowwise, columnwise=columnwise, backend=backend)
+        fields = {n: getattr(q, n) for n in QuantizedTensor._LEAF_FIELDS}
+    else:
+        fields = {}
+        if rowwise:
+            fields |= _quantize_per_group_copy(aligned, spec, "rowwise", layout, key)
+        if columnwise:
+            source = columnwise_source(aligned, spec)
+            fields |= _quantize_per_group_copy(source, spec, "columnwise", layout, key)
+    return GroupedQuantizedTensor(
+        spec=spec,
+        shape=(layout.num_rows, aligned.shape[1]),
+        dtype=aligned.dtype if dtype is None else dtype,
+        align=layout.align,
+        **fields,
+    )
+
+
+def quantize_per_expert(
+    kernels: jax.Array,
+    recipe: Recipe,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    backend: Backend = "auto",
+) -> QuantizedTensor:
+    """Each expert's weight (G, K, N) quantized separately (its own scales and amaxes): a
+    QuantizedTensor of one (K, N) weight whose leaves carry a leading G axis."""
+    return jax.vmap(
+        lambda w: quantize(
+            w, recipe, "weight", rowwise=rowwise, columnwise=columnwise, backend=backend
+        )
+    )(kernels)
+
+
+__all__ = [
+    "GroupLayout",
+    "GroupedQuantizedTensor",
+    "check_group_sizes",
+    "clamp_group_sizes",
+    "group_layout",
+    "grouped_quantize",
+    "quantize_aligned",
+    "quantize_per_expert",
+    "token_alignment",
+    "token_block",
+]
