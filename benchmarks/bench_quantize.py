@@ -64,24 +64,26 @@ def time_ms(fn: Callable, *args, iters: int = 30) -> tuple[float, str]:
 
 
 # --- baselines ----------------------------------------------------------------------------------
-def pallas_copy(x: jax.Array) -> jax.Array:
-    """The quantize kernels' skeleton with no arithmetic: TMA a tile in, read it row-per-thread,
-    store it back with 16-byte stores. Its bandwidth is the ceiling of that structure."""
-    config = qc.TileConfig()
+def pallas_copy(x: jax.Array, config: qc.TileConfig | None = None) -> jax.Array:
+    """The quantize kernels' skeleton with no arithmetic: tiles into shared memory, read
+    row-per-thread, stored back with 16-byte stores. Its bandwidth is that structure's ceiling."""
+    config = config or qc.TileConfig()
     rows, cols = x.shape
 
-    def kernel(x_gmem, out_gmem, x_smem, barrier):
-        qc.copy_tile_in(x_gmem, x_smem, barrier, config)
-        m0, k0 = qc.tile_origin(config)
+    def tile(x_smem, m0, k0, out_gmem):
         for j in range(config.tile_k // 32):
             v = plgpu.load(x_smem.at[:, pl.ds(32 * j, 32)], layout=qc.rows_layout(x.dtype))
-            qc.store_line_bytes(out_gmem.at[pl.ds(m0, 128), pl.ds(k0 + 32 * j, 32)], v)
+            qc.store_line_bytes(out_gmem.at[pl.ds(m0, config.tile_m), pl.ds(k0 + 32 * j, 32)], v)
+
+    def kernel(x_gmem, *refs):
+        outs, scratch = qc.split_refs(refs, config, cols)
+        qc.for_each_tile(x_gmem, scratch, config, cols, functools.partial(tile, out_gmem=outs[0]))
 
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        scratch_types=(qc.tile_smem(x.dtype), plgpu.Barrier()),
-        compiler_params=qc.compiler_params(),
+        scratch_types=qc.tile_scratch(config, x.dtype, cols),
+        compiler_params=qc.kernel_params(config, cols),
         **qc.tile_grid(rows, cols, config),
     )(x)
 

@@ -30,10 +30,13 @@ CHUNK = 32  # columns dequantized at a time per thread
 
 @dataclasses.dataclass(frozen=True)
 class DequantizeConfig(qc.TileConfig):
-    """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`)."""
+    """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`; one tile per CTA:
+    steps_per_cta must stay 1)."""
 
     def __post_init__(self):
         super().__post_init__()
+        if self.steps_per_cta != 1:
+            raise ValueError(f"steps_per_cta must be 1 for dequantize, got {self.steps_per_cta}")
 
 
 def _check_out_dtype(out_dtype) -> jnp.dtype:

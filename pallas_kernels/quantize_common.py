@@ -67,21 +67,6 @@ def interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None
 
 
-def tile_smem(dtype, rows: int = TILE, cols: int = TILE) -> plgpu.SMEM:
-    """Shared-memory buffer for one input tile, tiled and swizzled so that both the 16-byte
-    row loads (8 consecutive rows hit 8 distinct 16-byte bank groups) and the one-element
-    column loads (32 consecutive elements of one row) are free of bank conflicts, and so that
-    it can be sliced in 32-column steps."""
-    dtype = jnp.dtype(dtype)
-    elems_per_32_cols = 32
-    swizzle = elems_per_32_cols * dtype.itemsize  # 64 B for 16-bit, 128 B for 32-bit
-    transforms = (
-        plgpu.TilingTransform((8, elems_per_32_cols)),
-        plgpu.SwizzleTransform(swizzle),
-    )
-    return plgpu.SMEM((rows, cols), dtype, transforms=transforms)
-
-
 def vector_for(dtype) -> int:
     """Elements per 16-byte vector."""
     return 16 // jnp.dtype(dtype).itemsize
@@ -161,9 +146,7 @@ def concat_columns(parts: list[jax.Array]) -> jax.Array:
 
 
 def compiler_params() -> plgpu.CompilerParams:
-    """Lane semantics (layouts are chosen explicitly here, so Mosaic's layout inference, which
-    is slow on these fully unrolled bodies, is not needed), and no automatic barriers: threads
-    only read shared memory, which only the TMA writes."""
+    """Lane semantics and no automatic barriers, for kernels without shared-memory writes."""
     return plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True
     )
@@ -229,44 +212,128 @@ class TileConfig:
     """Tiling shared by the quantize kernels.
 
     Attributes:
-      tile_m: rows of x per CTA (a multiple of 128: each of the warpgroup's threads owns
-        tile_m / 128 rows of the rowwise copy).
-      tile_k: columns of x per CTA (a multiple of 128: each thread owns tile_k / 128 rows of
-        the transposed columnwise copy).
+      tile_m: rows of x per tile (128 or 256: each of the warpgroup's threads owns tile_m / 128
+        rows of the rowwise copy).
+      tile_k: columns of x per tile (128 or 256: each thread owns tile_k / 128 rows of the
+        transposed columnwise copy).
+      steps_per_cta: consecutive tiles along K that one CTA handles. 1: one tile per CTA, and
+        latency is hidden by running several CTAs per SM. More: the CTA streams its tiles
+        through a TMA pipeline (`plgpu.emit_pipeline`), prefetching the next tiles while it
+        quantizes one. Reduced to a divisor of the number of column tiles.
+      max_concurrent_steps: pipeline depth (shared-memory buffers) when steps_per_cta > 1.
     """
 
     tile_m: int = TILE
     tile_k: int = TILE
+    steps_per_cta: int = 1
+    max_concurrent_steps: int = 2
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_k"):
+        for name in ("tile_m", "tile_k", "steps_per_cta", "max_concurrent_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-            if value <= 0 or value % LINES_PER_WARPGROUP or value > 256:
-                raise ValueError(f"{name} must be 128 or 256, got {value}")
+        for name in ("tile_m", "tile_k"):
+            if getattr(self, name) not in (128, 256):
+                raise ValueError(f"{name} must be 128 or 256, got {getattr(self, name)}")
+        if not 1 <= self.steps_per_cta <= 64:
+            raise ValueError(f"steps_per_cta must be in [1, 64], got {self.steps_per_cta}")
+        if not 1 <= self.max_concurrent_steps <= 4:
+            raise ValueError(
+                f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
+            )
 
     def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
+
+    def steps(self, cols: int) -> int:
+        """Tiles per CTA for a padded width `cols`: the largest divisor of the number of column
+        tiles that is at most steps_per_cta."""
+        tiles = cols // self.tile_k
+        return max(s for s in range(1, min(self.steps_per_cta, tiles) + 1) if tiles % s == 0)
 
     def smem_bytes(self, dtype) -> int:
         return self.tile_m * self.tile_k * jnp.dtype(dtype).itemsize
 
 
-def tile_origin(config: TileConfig) -> tuple[jax.Array, jax.Array]:
-    """(first row, first column) of this CTA's tile."""
-    return lax.axis_index("m") * config.tile_m, lax.axis_index("k") * config.tile_k
-
-
-def copy_tile_in(x_gmem, x_smem, barrier, config: TileConfig) -> None:
-    """TMA the CTA's input tile into shared memory and wait for it."""
-    m0, k0 = tile_origin(config)
-    plgpu.copy_gmem_to_smem(
-        x_gmem.at[pl.ds(m0, config.tile_m), pl.ds(k0, config.tile_k)], x_smem, barrier
+def tile_transforms(dtype) -> tuple:
+    """Shared-memory transforms of an input tile: 32-column tiles, swizzled so that both the
+    16-byte row loads (8 consecutive rows hit 8 distinct 16-byte bank groups) and the
+    one-element column loads (32 consecutive elements of one row) are conflict-free."""
+    elems = 32
+    return (
+        plgpu.TilingTransform((8, elems)),
+        plgpu.SwizzleTransform(elems * jnp.dtype(dtype).itemsize),  # 64 B (16-bit), 128 B
     )
-    plgpu.barrier_wait(barrier)
+
+
+def tile_scratch(config: TileConfig, dtype, cols: int) -> tuple:
+    """Scratch for `for_each_tile`: one tile buffer and its barrier for one-tile CTAs (the
+    pipeline allocates its own buffers)."""
+    if config.steps(cols) > 1:
+        return ()
+    smem = plgpu.SMEM((config.tile_m, config.tile_k), dtype, transforms=tile_transforms(dtype))
+    return (smem, plgpu.Barrier())
+
+
+def split_refs(refs, config: TileConfig, cols: int) -> tuple[list, tuple]:
+    """(output refs, scratch refs) of a kernel that used `tile_scratch`."""
+    n_scratch = 0 if config.steps(cols) > 1 else 2
+    if n_scratch == 0:
+        return list(refs), ()
+    return list(refs[:-n_scratch]), tuple(refs[-n_scratch:])
+
+
+def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body) -> None:
+    """Run `body(x_smem, m0, k0)` on each of this CTA's tiles of x (first row m0, column k0),
+    with the tile in shared memory (see `tile_transforms`)."""
+    tm, tk = config.tile_m, config.tile_k
+    steps = config.steps(cols)
+    i, j = lax.axis_index("m"), lax.axis_index("k")
+    if steps == 1:
+        x_smem, barrier = scratch
+        m0, k0 = i * tm, j * tk
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)], x_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        body(x_smem, m0, k0)
+        return
+
+    def step(indices, x_smem):
+        (s,) = indices
+        body(x_smem, i * tm, (j * steps + s) * tk)
+
+    plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[
+            plgpu.BlockSpec(
+                (tm, tk),
+                lambda s: (i, j * steps + s),
+                transforms=tile_transforms(x_gmem.dtype),
+            )
+        ],
+        max_concurrent_steps=min(config.max_concurrent_steps, steps),
+    )(x_gmem)
 
 
 def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:
     """plgpu.kernel grid arguments for a (rows, cols) input padded to whole tiles."""
-    return dict(grid=(rows // config.tile_m, cols // config.tile_k), grid_names=("m", "k"))
+    return dict(
+        grid=(rows // config.tile_m, cols // (config.tile_k * config.steps(cols))),
+        grid_names=("m", "k"),
+    )
+
+
+def kernel_params(config: TileConfig, cols: int) -> plgpu.CompilerParams:
+    """Lane semantics (layouts are chosen explicitly here, so Mosaic's layout inference, slow on
+    these fully unrolled bodies, is not needed). One-tile CTAs only read shared memory that the
+    TMA wrote, so they need no automatic barriers; the pipeline keeps them (it reuses buffers)."""
+    return plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        unsafe_no_auto_barriers=config.steps(cols) == 1,
+    )
+
+
+def tile_origin(config: TileConfig) -> tuple[jax.Array, jax.Array]:
+    """(first row, first column) of this CTA's tile, for one-tile-per-CTA kernels."""
+    return lax.axis_index("m") * config.tile_m, lax.axis_index("k") * config.tile_k

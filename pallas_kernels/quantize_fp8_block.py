@@ -108,11 +108,15 @@ def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
         qc.store_line_bytes(dst_ref, _codes(v, scale_b, fp8_dtype, False))
 
 
-def _kernel(x_gmem, *refs, config, in_dtype, fp8_dtype, two_d, rowwise, columnwise, scale_rule):
-    outs = list(refs[:-2])
-    x_smem, barrier = refs[-2:]
-    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
-    m0, k0 = qc.tile_origin(config)
+def _kernel(x_gmem, *refs, config, cols, **options):
+    outs, scratch = qc.split_refs(refs, config, cols)
+    body = functools.partial(_tile, outs=outs, config=config, **options)
+    qc.for_each_tile(x_gmem, scratch, config, cols, body)
+
+
+def _tile(
+    x_smem, m0, k0, *, outs, config, in_dtype, fp8_dtype, two_d, rowwise, columnwise, scale_rule
+):
     tm, tk = config.tile_m, config.tile_k
     row_layout = qc.rows_layout(in_dtype)
 
@@ -135,7 +139,7 @@ def _kernel(x_gmem, *refs, config, in_dtype, fp8_dtype, two_d, rowwise, columnwi
         tile_amax = jnp.max(row_amax)
         tile_has_nan = qc.is_nan_bits(tile_amax)
         scale, scale_inv = scale_rule(tile_amax)
-        i, j = lax.axis_index("m"), lax.axis_index("k")
+        i, j = m0 // BLOCK, k0 // BLOCK
         if rowwise:
             data_gmem, scale_gmem = outs[:2]
             outs = outs[2:]
@@ -269,6 +273,7 @@ def quantize_fp8_block(
     kernel = functools.partial(
         _kernel,
         config=config,
+        cols=pc,
         in_dtype=jnp.dtype(x.dtype),
         fp8_dtype=fp8_dtype,
         two_d=two_d,
@@ -280,9 +285,9 @@ def quantize_fp8_block(
         plgpu.kernel(
             kernel,
             out_type=tuple(out_types),
-            scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+            scratch_types=qc.tile_scratch(config, x.dtype, pc),
             interpret=qc.interpret_params(interpret),
-            compiler_params=qc.compiler_params(),
+            compiler_params=qc.kernel_params(config, pc),
             **qc.tile_grid(pr, pc, config),
         )(xp)
     )

@@ -128,11 +128,26 @@ def quantize_lines(v: jax.Array, layout, fp8_dtype) -> tuple[jax.Array, jax.Arra
     return codes, byte.astype(jnp.uint8)
 
 
-def _kernel(x_gmem, *refs, config, fp8_dtype, rowwise, columnwise, in_dtype):
-    outs = list(refs[:-2])
-    x_smem, barrier = refs[-2:]
-    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
-    m0, k0 = qc.tile_origin(config)
+def _kernel(x_gmem, *refs, config, cols, fp8_dtype, rowwise, columnwise, in_dtype):
+    outs, scratch = qc.split_refs(refs, config, cols)
+    qc.for_each_tile(
+        x_gmem,
+        scratch,
+        config,
+        cols,
+        functools.partial(
+            _tile,
+            outs=outs,
+            config=config,
+            fp8_dtype=fp8_dtype,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            in_dtype=in_dtype,
+        ),
+    )
+
+
+def _tile(x_smem, m0, k0, *, outs, config, fp8_dtype, rowwise, columnwise, in_dtype):
     tm, tk = config.tile_m, config.tile_k
     if rowwise:
         data_gmem, scale_gmem = outs[:2]
@@ -200,6 +215,7 @@ def quantize_mxfp8(
     kernel = functools.partial(
         _kernel,
         config=config,
+        cols=padded_cols,
         fp8_dtype=fp8_dtype,
         rowwise=rowwise,
         columnwise=columnwise,
@@ -208,9 +224,9 @@ def quantize_mxfp8(
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_types),
-        scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+        scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
         interpret=qc.interpret_params(interpret),
-        compiler_params=qc.compiler_params(),
+        compiler_params=qc.kernel_params(config, padded_cols),
         **qc.tile_grid(padded_rows, padded_cols, config),
     )(xp)
     outs = list(outs)

@@ -247,11 +247,27 @@ def _quantize_copy(
     )
 
 
-def _kernel(
-    x_gmem,
+def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, **options):
+    outs, scratch = qc.split_refs(refs, config, cols)
+    body = functools.partial(
+        _tile,
+        scalars_gmem=scalars_gmem,
+        seeds_gmem=seeds_gmem,
+        outs=outs,
+        config=config,
+        **options,
+    )
+    qc.for_each_tile(x_gmem, scratch, config, cols, body)
+
+
+def _tile(
+    x_smem,
+    m0,
+    k0,
+    *,
     scalars_gmem,
     seeds_gmem,
-    *refs,
+    outs,
     config,
     in_dtype,
     rowwise,
@@ -259,10 +275,6 @@ def _kernel(
     hadamard,
     stochastic,
 ):
-    outs = list(refs[:-2])
-    x_smem, barrier = refs[-2:]
-    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
-    m0, k0 = qc.tile_origin(config)
     tm, tk = config.tile_m, config.tile_k
     for copy in ("rowwise", "columnwise"):
         if not {"rowwise": rowwise, "columnwise": columnwise}[copy]:
@@ -391,6 +403,7 @@ def quantize_nvfp4(
     kernel = functools.partial(
         _kernel,
         config=config,
+        cols=padded_cols,
         in_dtype=jnp.dtype(x.dtype),
         rowwise=rowwise,
         columnwise=columnwise,
@@ -401,9 +414,9 @@ def quantize_nvfp4(
         plgpu.kernel(
             kernel,
             out_type=tuple(out_types),
-            scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+            scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
             interpret=qc.interpret_params(interpret),
-            compiler_params=qc.compiler_params(),
+            compiler_params=qc.kernel_params(config, padded_cols),
             **qc.tile_grid(padded_rows, padded_cols, config),
         )(xp, jnp.stack(scalars), jnp.stack(seeds))
     )
@@ -431,8 +444,13 @@ def quantize_nvfp4(
 
 
 def _amax_kernel(x_gmem, out_gmem, x_smem, barrier, *, config, in_dtype, hadamard):
-    qc.copy_tile_in(x_gmem, x_smem, barrier, config)
     i, j = lax.axis_index("m"), lax.axis_index("k")
+    plgpu.copy_gmem_to_smem(
+        x_gmem.at[pl.ds(i * config.tile_m, config.tile_m), pl.ds(j * config.tile_k, config.tile_k)],
+        x_smem,
+        barrier,
+    )
+    plgpu.barrier_wait(barrier)
     row_max = None
     for c in range(config.tile_k // 32):
         v = qc.load_rows(x_smem.at[:, pl.ds(c * 32, 32)], in_dtype)
@@ -466,6 +484,8 @@ def nvfp4_amax(
         config = NVFP4QuantizeConfig()
     if not isinstance(config, NVFP4QuantizeConfig):
         raise TypeError(f"config must be an NVFP4QuantizeConfig, got {type(config).__name__}")
+    # One tile per CTA: a reduction needs no pipeline (steps_per_cta is ignored).
+    config = dataclasses.replace(config, steps_per_cta=1)
     padded_rows, padded_cols = config.padded_shape(*x.shape)
     xp = qc.pad_to(x, padded_rows, padded_cols)
     grid = qc.tile_grid(padded_rows, padded_cols, config)
@@ -474,9 +494,9 @@ def nvfp4_amax(
             _amax_kernel, config=config, in_dtype=jnp.dtype(x.dtype), hadamard=hadamard_columnwise
         ),
         out_type=jax.ShapeDtypeStruct((*grid["grid"], 2), jnp.uint32),
-        scratch_types=(qc.tile_smem(x.dtype, config.tile_m, config.tile_k), plgpu.Barrier()),
+        scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
         interpret=qc.interpret_params(interpret),
-        compiler_params=qc.compiler_params(),
+        compiler_params=qc.kernel_params(config, padded_cols),
         **grid,
     )(xp)
     amax = lax.bitcast_convert_type(jnp.max(partial, axis=(0, 1)), jnp.float32)

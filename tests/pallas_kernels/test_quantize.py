@@ -231,34 +231,52 @@ def test_fp8_block_interpret_edge_blocks():
     x[5] = np.float32(1e-38)
     x[6, 0] = np.float32(448.0 * 2.0**10)
     x[7, 0] = np.nextafter(np.float32(448.0), np.float32(np.inf))
-    for pow2 in (True, False):
-        for block in ((1, 128), (128, 128)):
-            check_fp8_block(jnp.asarray(x), E4M3, block, pow2)
+    for block, pow2 in (((1, 128), True), ((128, 128), False)):
+        check_fp8_block(jnp.asarray(x), E4M3, block, pow2)
+
+
+PIPELINED = {
+    "mxfp8": pk.MXFP8QuantizeConfig(steps_per_cta=2),
+    "nvfp4": pk.NVFP4QuantizeConfig(steps_per_cta=2, max_concurrent_steps=3),
+    "fp8_block": pk.FP8BlockQuantizeConfig(steps_per_cta=2),
+}
+
+
+@cpu_only
+def test_pipelined_tiles_interpret():
+    # steps_per_cta > 1: each CTA streams several tiles through plgpu.emit_pipeline.
+    x = sample((128, 256), jnp.bfloat16, 12, block=16)
+    got = run_mxfp8(x, E4M3, config=PIPELINED["mxfp8"])
+    for g, w, name in zip(got, ref_mxfp8(x, E4M3), NAMES, strict=True):
+        assert_same_bits(g, w, f"pipelined mxfp8 {name}")
+    want, amaxes = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
+    got = run_nvfp4(x, rht=True, sr=True, amaxes=amaxes, seeds=SEEDS, config=PIPELINED["nvfp4"])
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"pipelined nvfp4 {name}")
+    got = run_fp8_block(x, E4M3, (1, 128), True, config=PIPELINED["fp8_block"])
+    for g, w, name in zip(got, ref_fp8_block(x, E4M3, (1, 128), True), NAMES, strict=True):
+        assert_same_bits(g, w, f"pipelined fp8_block {name}")
 
 
 @cpu_only
 def test_dequantize_interpret():
-    x = sample((256, 256), jnp.float32, 5, block=32)
-    for fp8_dtype in (E4M3, E5M2):
-        d, s, *_ = ref_mxfp8(x, fp8_dtype)
-        s = s.at[0, 0].set(0).at[1, 1].set(254).at[2, 2].set(255)  # 2^-127, Inf- and NaN-blocks
-        got = pk.dequantize_mxfp8(d, s, interpret=True)
-        assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize")
+    x = sample((128, 256), jnp.float32, 5, block=32)
+    d, s, *_ = ref_mxfp8(x, E5M2)
+    s = s.at[0, 0].set(0).at[1, 1].set(254).at[2, 2].set(255)  # 2^-127, Inf- and NaN-blocks
+    got = pk.dequantize_mxfp8(d, s, interpret=True)
+    assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize")
     spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
     amax = common.amax(x)
     d, s = nvfp4.quantize(x, spec, global_amax=amax)
     got = pk.dequantize_nvfp4(d, s, amax, interpret=True)
     assert_same_bits(got, nvfp4.dequantize(d, s, spec, global_amax=amax), "nvfp4 dequantize")
-    for block in ((1, 128), (128, 128)):
-        spec = QuantizerSpec("fp8_block", E4M3, block, power_2_scale=False)
-        d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
-        want = fp8_block.dequantize(d, s, spec)
-        got = pk.dequantize_fp8_block(d, s, block_shape=block, interpret=True)
-        assert_same_bits(got, want, f"fp8_block {block} dequantize")
-        got16 = pk.dequantize_fp8_block(
-            d, s, block_shape=block, out_dtype=jnp.bfloat16, interpret=True
-        )
-        assert_same_bits(got16, want.astype(jnp.bfloat16), "fp8_block dequantize to bf16")
+    spec = QuantizerSpec("fp8_block", E4M3, (128, 128), power_2_scale=False)
+    d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
+    got16 = pk.dequantize_fp8_block(
+        d, s, block_shape=(128, 128), out_dtype=jnp.bfloat16, interpret=True
+    )
+    want16 = fp8_block.dequantize(d, s, spec).astype(jnp.bfloat16)
+    assert_same_bits(got16, want16, "fp8_block 128x128 dequantize to bf16")
 
 
 # --- CPU: argument validation --------------------------------------------------------------------
@@ -367,6 +385,32 @@ CROSS_LOWERED = {
         lambda x: pk.quantize_fp8_block(x, block_shape=(128, 128), columnwise=True),
         jnp.bfloat16,
     ),
+    "mxfp8 pipelined": (
+        lambda x: pk.quantize_mxfp8(
+            x, columnwise=True, config=pk.MXFP8QuantizeConfig(steps_per_cta=3)
+        ),
+        jnp.bfloat16,
+    ),
+    "nvfp4 rht pipelined": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            hadamard_columnwise=True,
+            config=pk.NVFP4QuantizeConfig(steps_per_cta=3, max_concurrent_steps=3),
+        ),
+        jnp.bfloat16,
+    ),
+    "fp8_block 128x128 pipelined": (
+        lambda x: pk.quantize_fp8_block(
+            x,
+            block_shape=(128, 128),
+            columnwise=True,
+            config=pk.FP8BlockQuantizeConfig(steps_per_cta=3),
+        ),
+        jnp.float32,
+    ),
     "fp8_block 1x128 256x256 tiles": (
         lambda x: pk.quantize_fp8_block(
             x, columnwise=True, config=pk.FP8BlockQuantizeConfig(**_TILE_256)
@@ -421,18 +465,29 @@ def cpu_reference(fn, *args):
 gpu_cases = pytest.mark.gpu
 
 
+def gpu_inputs(dtype, seed, block):
+    """A large random input, and an adversarial one with subnormals that needs padding."""
+    return (
+        sample((4096, 2048), dtype, seed, adversarial=False),
+        sample((1000, 520), dtype, seed + 1, block=block, subnormals=True),
+    )
+
+
 @gpu_cases
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
-def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype):
-    for x in (
-        sample((4096, 2048), dtype, 0, adversarial=False),
-        sample((1024, 768), dtype, 1, block=32, subnormals=True),
-        sample((1000, 520), dtype, 2, block=32, subnormals=True),  # padding
-    ):
+@pytest.mark.parametrize(
+    "dtype, fp8_dtype, config",
+    [
+        (jnp.bfloat16, E4M3, None),
+        (jnp.float32, E5M2, None),
+        (jnp.bfloat16, E4M3, PIPELINED["mxfp8"]),
+        (jnp.bfloat16, E5M2, pk.MXFP8QuantizeConfig(tile_m=256, tile_k=256)),
+    ],
+)
+def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
+    for x in gpu_inputs(dtype, 0, 32):
         want = ref_mxfp8(x, fp8_dtype)
         poison_device_memory(2 * x.size)
-        got = run_mxfp8(x, fp8_dtype)
+        got = run_mxfp8(x, fp8_dtype, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"mxfp8 {name} (vs GPU reference)")
     want_cpu = cpu_reference(lambda v: ref_mxfp8(v, fp8_dtype), x)
@@ -441,17 +496,20 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype):
 
 
 @gpu_cases
-@pytest.mark.parametrize("rht, sr", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_nvfp4_bit_exact(rht, sr, dtype):
-    for x in (
-        sample((4096, 2048), dtype, 3, adversarial=False),
-        sample((1024, 768), dtype, 4, block=16, subnormals=True),
-        sample((1008, 520), dtype, 5, block=16, subnormals=True),  # padding
-    ):
+@pytest.mark.parametrize(
+    "rht, sr, dtype, config",
+    [
+        (False, False, jnp.bfloat16, None),
+        (True, False, jnp.bfloat16, None),
+        (True, True, jnp.float32, None),
+        (True, False, jnp.bfloat16, PIPELINED["nvfp4"]),
+    ],
+)
+def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config):
+    for x in gpu_inputs(dtype, 3, 16):
         (want, amaxes) = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS)
         poison_device_memory(2 * x.size)
-        got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS)
+        got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"nvfp4 {name}")
         kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht))(x)
@@ -460,17 +518,20 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype):
 
 
 @gpu_cases
-@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
-@pytest.mark.parametrize("fp8_dtype, pow2", [(E4M3, True), (E4M3, False), (E5M2, True)])
-def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2):
-    for x in (
-        sample((4096, 2048), jnp.bfloat16, 6, adversarial=False),
-        sample((1024, 768), jnp.float32, 7, block=128, subnormals=True),
-        sample((1000, 520), jnp.bfloat16, 8, block=128, subnormals=True),  # padding
-    ):
+@pytest.mark.parametrize(
+    "block, fp8_dtype, pow2, dtype, config",
+    [
+        ((1, 128), E4M3, True, jnp.bfloat16, None),
+        ((1, 128), E5M2, False, jnp.float32, None),
+        ((128, 128), E4M3, False, jnp.bfloat16, None),
+        ((1, 128), E4M3, True, jnp.bfloat16, PIPELINED["fp8_block"]),
+    ],
+)
+def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
+    for x in gpu_inputs(dtype, 6, 128):
         want = ref_fp8_block(x, fp8_dtype, block, pow2)
         poison_device_memory(2 * x.size)
-        got = run_fp8_block(x, fp8_dtype, block, pow2)
+        got = run_fp8_block(x, fp8_dtype, block, pow2, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"fp8_block {name}")
     want_cpu = cpu_reference(lambda v: ref_fp8_block(v, fp8_dtype, block, pow2), x)
