@@ -466,11 +466,10 @@ gpu_cases = pytest.mark.gpu
 
 
 def gpu_inputs(dtype, seed, block):
-    """A large random input, and an adversarial one with subnormals that needs padding."""
-    return (
-        sample((4096, 2048), dtype, seed, adversarial=False),
-        sample((1000, 520), dtype, seed + 1, block=block, subnormals=True),
-    )
+    """One large adversarial input (Gaussian blocks at scales 2^-40..2^40, maxima at and around
+    format maxima × 2^k, ties, zero / NaN / Inf blocks, subnormals) whose width needs padding.
+    (One shape per case: every new shape is another kernel compile on the device.)"""
+    return (sample((1992, 1000), dtype, seed, block=block, subnormals=True),)
 
 
 @gpu_cases
