@@ -263,12 +263,13 @@ def quantize_reference_copy(
     input_dtype,
     tensor_amax: jax.Array | None = None,
     seed: jax.Array | None = None,
+    origin: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The jnp reference for one copy: quantize the rows of a 2-D `source` (x for the rowwise
     copy, the (rotated) xᵀ for the columnwise one). Returns (data, scale_inv, global amax or None).
 
     `tensor_amax` is the copy's amax for per-tensor scales (FP8, NVFP4's global scale); it is
-    computed here when not given.
+    computed here when not given. `origin`: see `formats/nvfp4.py::stochastic_uniforms`.
     """
     fmt = spec.format
     if fmt in ("fp8", "nvfp4") and tensor_amax is None:
@@ -282,7 +283,9 @@ def quantize_reference_copy(
     if fmt == "mxfp8":
         data, scale_inv = mxfp8.quantize(source, spec)
         return common.materialize(data), scale_inv, None
-    data, scale_inv = nvfp4.quantize(source, spec, global_amax=tensor_amax, seed=seed)
+    data, scale_inv = nvfp4.quantize(
+        source, spec, global_amax=tensor_amax, seed=seed, origin=origin
+    )
     return data, common.materialize(scale_inv), tensor_amax
 
 
@@ -304,6 +307,7 @@ def quantize(
     *,
     backend: Backend = "auto",
     amax_axis_name: str | tuple[str, ...] | None = None,
+    position_offset: tuple[int | jax.Array, int | jax.Array] | None = None,
 ) -> QuantizedTensor:
     """Quantize `x` as `recipe` quantizes a tensor of this `role`.
 
@@ -321,6 +325,10 @@ def quantize(
       amax_axis_name: inside `shard_map`, a mesh axis (or axes) over which per-tensor amaxes
         (FP8, NVFP4's global amax) are max-reduced, so quantizing shards equals quantizing the
         whole tensor (block formats need no reduction when shards are block-aligned).
+      position_offset: (row, col) of x's first element (2-D view) in the whole tensor that x is
+        a shard of. Stochastic rounding draws its random bits from each element's position, so
+        with the offset (and the whole tensor's key) a shard is rounded exactly as the whole
+        tensor would be. Only stochastic rounding reads it; it runs the jnp reference.
     """
     if isinstance(recipe, QuantizerSpec):
         spec = recipe
@@ -340,10 +348,23 @@ def quantize(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     _check_key(key, spec)
+    if position_offset is not None:
+        if not (isinstance(position_offset, tuple | list) and len(position_offset) == 2):
+            raise TypeError(
+                f"position_offset must be a (row, col) pair of ints or int arrays, got "
+                f"{position_offset!r}"
+            )
+        if backend == "pallas" and spec.stochastic_rounding:
+            raise ValueError(
+                "position_offset with stochastic rounding runs the jnp reference; the Pallas "
+                "kernels draw bits from the local position only (use backend='auto')"
+            )
+        position_offset = tuple(jnp.asarray(p, jnp.uint32) for p in position_offset)
 
     return _quantize(
         jnp.asarray(x),
         key,
+        position_offset,
         spec=spec,
         rowwise=bool(rowwise),
         columnwise=bool(columnwise),
@@ -355,11 +376,16 @@ def quantize(
 @functools.partial(
     jax.jit, static_argnames=("spec", "rowwise", "columnwise", "backend", "amax_axis_name")
 )
-def _quantize(x, key, *, spec, rowwise, columnwise, backend, amax_axis_name) -> QuantizedTensor:
+def _quantize(
+    x, key, position_offset, *, spec, rowwise, columnwise, backend, amax_axis_name
+) -> QuantizedTensor:
     # Jitted so that eager calls compile once per shape (inside a caller's jit it is inlined).
     x2d = x.reshape(-1, x.shape[-1])
+    offset_matters = position_offset is not None and spec.stochastic_rounding
     use_kernel = backend == "pallas" or (
-        backend == "auto" and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
+        backend == "auto"
+        and not offset_matters
+        and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
     )
 
     per_copy = {}
@@ -387,8 +413,12 @@ def _quantize(x, key, *, spec, rowwise, columnwise, backend, amax_axis_name) -> 
     else:
         fields = {}
         for usage, (source, tensor_amax, seed) in per_copy.items():
+            origin = None
+            if offset_matters:  # the columnwise copy quantizes xᵀ: its (row, col) is x's (col, row)
+                row, col = position_offset if usage == "rowwise" else position_offset[::-1]
+                origin = (jnp.uint32(0) - row, jnp.uint32(0) - col)  # stochastic_uniforms subtracts
             data, scale_inv, copy_amax = quantize_reference_copy(
-                source, spec, input_dtype=x.dtype, tensor_amax=tensor_amax, seed=seed
+                source, spec, input_dtype=x.dtype, tensor_amax=tensor_amax, seed=seed, origin=origin
             )
             fields.update(
                 {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": copy_amax}
