@@ -4,6 +4,15 @@ from jax_qtrain import nn
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.nn.dot_general import dot_general, einsum
 from jax_qtrain.ops import autocast, current_recipe, dense, saved_residuals
+from jax_qtrain.ops.grouped_dense import grouped_dense
+from jax_qtrain.ops.grouped_gemm import grouped_matmul
+from jax_qtrain.ops.grouped_mlp import grouped_mlp
+from jax_qtrain.ops.grouped_quantize import (
+    GroupedQuantizedTensor,
+    group_layout,
+    grouped_quantize,
+    quantize_per_expert,
+)
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.recipes import (
     Float8BlockScaling,
@@ -21,6 +30,7 @@ __all__ = [
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "GroupedQuantizedTensor",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "QuantizedTensor",
@@ -31,8 +41,14 @@ __all__ = [
     "dense",
     "dot_general",
     "einsum",
+    "group_layout",
+    "grouped_dense",
+    "grouped_matmul",
+    "grouped_mlp",
+    "grouped_quantize",
     "nn",
     "quantize",
+    "quantize_per_expert",
     "recipe_from_name",
     "saved_residuals",
 ]

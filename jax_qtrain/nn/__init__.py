@@ -1,6 +1,16 @@
 """Flax NNX layers built on jax_qtrain's quantized ops."""
 
 from jax_qtrain.nn.dot_general import QuantizedDotGeneral, dot_general, einsum
+from jax_qtrain.nn.grouped import GroupedLinear, GroupedMLP
 from jax_qtrain.nn.linear import Linear
+from jax_qtrain.nn.moe import MoE
 
-__all__ = ["Linear", "QuantizedDotGeneral", "dot_general", "einsum"]
+__all__ = [
+    "GroupedLinear",
+    "GroupedMLP",
+    "Linear",
+    "MoE",
+    "QuantizedDotGeneral",
+    "dot_general",
+    "einsum",
+]

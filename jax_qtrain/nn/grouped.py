@@ -1,0 +1,176 @@
+"""`GroupedLinear` and `GroupedMLP`: Flax NNX layers for MoE experts on jax_qtrain's grouped ops.
+
+Both take activations whose rows are sorted by expert plus `group_sizes` (G,) int32 (see
+`jax_qtrain.nn.MoE` for the routing that produces them). A layer's `recipe` is static config: a
+layer built with `MXFP8BlockScaling()` stays MXFP8 inside an NVFP4 `autocast`, and its backward
+uses the recipe of its own forward (it is a nondiff argument of the op's custom_vjp).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_qtrain.ops.activations import check_activation, is_gated
+from jax_qtrain.ops.grouped_dense import grouped_dense
+from jax_qtrain.ops.grouped_mlp import grouped_mlp
+from jax_qtrain.recipes import Recipe
+
+# lecun_normal per expert: fan-in is the expert's in_features, not G·in_features.
+default_expert_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
+default_bias_init = nnx.initializers.zeros_init()
+
+
+def _check_recipe(recipe) -> None:
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}")
+
+
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class GroupedLinear(nnx.Module):
+    """G linear layers applied to the row groups of one input (TE's `GroupedLinear`).
+
+    Args:
+      num_groups, in_features, out_features: kernel (G, in, out), bias (G, out).
+      use_bias: add a per-group bias (default True, as TE).
+      dtype: compute dtype (inputs and parameters are promoted to it); None promotes.
+      param_dtype: dtype of the stored parameters.
+      kernel_init, bias_init: initializers of the (G, in, out) kernel and (G, out) bias.
+      recipe: this layer's recipe; None follows `jax_qtrain.autocast`.
+      save_original_input: see `jax_qtrain.grouped_dense`.
+      rngs: the parameter RNG stream.
+
+    Call: `layer(x, group_sizes, key=None)` with x (M, in_features) sorted by group.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_expert_kernel_init,
+        bias_init=default_bias_init,
+        recipe: Recipe | None = None,
+        save_original_input: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        _check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
+        _check_recipe(recipe)
+        self.kernel = nnx.Param(
+            kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype)
+        )
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (num_groups, out_features), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.recipe = recipe
+        self.save_original_input = save_original_input
+
+    def __call__(
+        self, x: jax.Array, group_sizes: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        return grouped_dense(
+            x,
+            kernel,
+            group_sizes,
+            bias,
+            recipe=self.recipe,
+            save_original_input=self.save_original_input,
+            key=key,
+        )
+
+
+class GroupedMLP(nnx.Module):
+    """The MoE expert block as one fused op (`jax_qtrain.grouped_mlp`): per expert
+    FC1 → activation × router probabilities → FC2, no biases.
+
+    Args:
+      num_experts, in_features, ffn_features: fc1_kernel (G, in, 2·ffn) for gated activations
+        ((G, in, ffn) for plain ones), fc2_kernel (G, ffn, out).
+      out_features: default in_features.
+      activation: see `jax_qtrain.grouped_mlp` (default "swiglu").
+      dtype, param_dtype, kernel_init, recipe, save_original_input, rngs: as GroupedLinear.
+
+    Call: `mlp(x, group_sizes, probs=None, key=None)`; probs (M,) scale each row before FC2.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        ffn_features: int,
+        *,
+        out_features: int | None = None,
+        activation: str = "swiglu",
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_expert_kernel_init,
+        recipe: Recipe | None = None,
+        save_original_input: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        out_features = in_features if out_features is None else out_features
+        _check_sizes(
+            num_experts=num_experts,
+            in_features=in_features,
+            ffn_features=ffn_features,
+            out_features=out_features,
+        )
+        check_activation(activation)
+        _check_recipe(recipe)
+        fc1_out = 2 * ffn_features if is_gated(activation) else ffn_features
+        self.fc1_kernel = nnx.Param(
+            kernel_init(rngs.params(), (num_experts, in_features, fc1_out), param_dtype)
+        )
+        self.fc2_kernel = nnx.Param(
+            kernel_init(rngs.params(), (num_experts, ffn_features, out_features), param_dtype)
+        )
+        self.num_experts, self.in_features = num_experts, in_features
+        self.ffn_features, self.out_features = ffn_features, out_features
+        self.activation = activation
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.recipe = recipe
+        self.save_original_input = save_original_input
+
+    def __call__(
+        self,
+        x: jax.Array,
+        group_sizes: jax.Array,
+        probs: jax.Array | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        x, fc1, fc2 = dtypes.promote_dtype(
+            (x, self.fc1_kernel[...], self.fc2_kernel[...]), dtype=self.dtype
+        )
+        return grouped_mlp(
+            x,
+            fc1,
+            fc2,
+            group_sizes,
+            probs,
+            self.activation,
+            recipe=self.recipe,
+            save_original_input=self.save_original_input,
+            key=key,
+        )

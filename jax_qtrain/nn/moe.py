@@ -1,0 +1,173 @@
+"""`MoE`: a dropless mixture-of-experts feed-forward block on the fused `GroupedMLP`.
+
+For tokens x (T, H) (leading dims flattened):
+
+1. Router (float32, never quantized): probs = softmax(x · W_router), (T, E); each token's top-k
+   experts and their probabilities, renormalized to sum to 1 when `normalize_top_k` (Mixtral;
+   Switch with k = 1 keeps the raw probability).
+2. Permutation: the T·k (token, expert) assignments sorted by expert (stably, so tokens keep
+   their order inside an expert); group_sizes = assignments per expert.
+3. Experts: `GroupedMLP(x_sorted, group_sizes, probs_sorted)`: each row is scaled by its router
+   probability before FC2 (as TE's fused grouped MLP), so the router learns through it.
+4. Un-permutation: each assignment's output back at its (token, slot), summed over the k
+   slots in float32.
+
+Load balancing (Switch Transformer eq. 4, GShard): aux = coef · E · Σ_e f_e · P_e, with f_e the
+fraction of the T·k assignments routed to expert e (no gradient) and P_e the mean router
+probability of e over the tokens. It equals coef when routing is perfectly uniform. The block
+sows it as `nnx.Intermediate` "aux_loss" (and the per-expert counts as "tokens_per_expert"),
+each holding the latest call's value; `return_aux_loss=True` returns it too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jax_qtrain.nn.grouped import GroupedMLP, _check_sizes, default_expert_kernel_init
+from jax_qtrain.recipes import Recipe
+
+default_router_init = nnx.initializers.normal(0.02)
+
+
+def route_top_k(
+    logits: jax.Array, top_k: int, *, normalize_top_k: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(router probs (T, E), top-k probabilities (T, k), top-k expert ids (T, k) int32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_probs, top_experts = lax.top_k(probs, top_k)
+    if normalize_top_k:
+        top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    return probs, top_probs, top_experts.astype(jnp.int32)
+
+
+def load_balancing_loss(probs: jax.Array, top_experts: jax.Array) -> jax.Array:
+    """E · Σ_e f_e · P_e (Switch / GShard), f_e from the top-k assignments, P_e = mean probs."""
+    num_experts = probs.shape[-1]
+    counts = jnp.bincount(top_experts.reshape(-1), length=num_experts)
+    fraction = lax.stop_gradient(counts / top_experts.size)
+    return num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+
+
+def permute_by_expert(
+    top_experts: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(order: assignment index of each sorted row, inverse: sorted row of each assignment,
+    group_sizes (E,) int32) for the T·k assignments in row-major (token, slot) order."""
+    flat = top_experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+def _latest(previous, new):
+    del previous
+    return new
+
+
+def _nothing():
+    return None
+
+
+class MoE(nnx.Module):
+    """Top-k routed, dropless MoE block (module docstring).
+
+    Args:
+      in_features: hidden size H (also the output size).
+      ffn_features: each expert's FFN size F.
+      num_experts: E.
+      top_k: experts per token (default 2).
+      activation: the experts' activation (default "swiglu").
+      normalize_top_k: renormalize the top-k probabilities to sum to 1 (default True).
+      aux_loss_coef: scale of the load-balancing loss (default 0.01).
+      recipe: the experts' recipe (static; None follows autocast). The router is not quantized.
+      save_original_input: see `jax_qtrain.grouped_mlp`.
+      dtype: the experts' compute dtype; param_dtype: stored parameters' dtype.
+      kernel_init: the experts' initializer; router_init: the router's.
+      rngs: the parameter RNG stream.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        ffn_features: int,
+        num_experts: int,
+        *,
+        top_k: int = 2,
+        activation: str = "swiglu",
+        normalize_top_k: bool = True,
+        aux_loss_coef: float = 1e-2,
+        recipe: Recipe | None = None,
+        save_original_input: bool = False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_expert_kernel_init,
+        router_init=default_router_init,
+        rngs: nnx.Rngs,
+    ):
+        _check_sizes(top_k=top_k, num_experts=num_experts)
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) must be at most num_experts ({num_experts})")
+        self.router = nnx.Linear(
+            in_features,
+            num_experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            kernel_init=router_init,
+            rngs=rngs,
+        )
+        self.experts = GroupedMLP(
+            num_experts,
+            in_features,
+            ffn_features,
+            activation=activation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            recipe=recipe,
+            save_original_input=save_original_input,
+            rngs=rngs,
+        )
+        self.in_features, self.ffn_features, self.num_experts = (
+            in_features,
+            ffn_features,
+            num_experts,
+        )
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k
+        self.aux_loss_coef = aux_loss_coef
+        # Created here so that sowing into them does not change the module's structure (which
+        # would retrace a jitted train step once).
+        self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+        self.tokens_per_expert = nnx.Intermediate(jnp.zeros((num_experts,), jnp.int32))
+
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dim must be {self.in_features}, got {x.shape[-1]}")
+        tokens = x.reshape(-1, self.in_features)
+        probs, top_probs, top_experts = route_top_k(
+            self.router(tokens.astype(jnp.float32)),
+            self.top_k,
+            normalize_top_k=self.normalize_top_k,
+        )
+        order, inverse, group_sizes = permute_by_expert(top_experts, self.num_experts)
+        token_of_row = order // self.top_k
+        expert_out = self.experts(
+            jnp.take(tokens, token_of_row, axis=0),
+            group_sizes,
+            jnp.take(top_probs.reshape(-1), order, axis=0),
+        )
+        per_slot = jnp.take(expert_out, inverse, axis=0)
+        per_slot = per_slot.reshape(-1, self.top_k, expert_out.shape[-1]).astype(jnp.float32)
+        y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
+
+        aux_loss = self.aux_loss_coef * load_balancing_loss(probs, top_experts)
+        # The latest call's values (flax's default appends to a tuple: a growing structure).
+        for name, value in (("aux_loss", aux_loss), ("tokens_per_expert", group_sizes)):
+            self.sow(nnx.Intermediate, name, value, reduce_fn=_latest, init_fn=_nothing)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return (y, aux_loss) if return_aux_loss else y
