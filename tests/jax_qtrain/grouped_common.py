@@ -1,0 +1,85 @@
+"""Helpers shared by the test_grouped_*.py modules (not collected: no test_ prefix)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_qtrain as jq
+from jax_qtrain.formats import common
+
+RECIPES = {
+    "fp8": jq.Float8CurrentScaling(),
+    "fp8_block": jq.Float8BlockScaling(),
+    "mxfp8": jq.MXFP8BlockScaling(),
+    "nvfp4": jq.NVFP4BlockScaling(),
+}
+MODES = [None, "high_precision", "dequantized"]
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def bits(a) -> np.ndarray:
+    """A bit view of an array (uint of the same width) for exact comparisons (NaN, -0)."""
+    a = np.asarray(a)
+    return a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
+
+
+def assert_bits_equal(got, want, what: str = "") -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
+    np.testing.assert_array_equal(bits(got), bits(want), err_msg=what)
+
+
+def assert_equal_up_to_summation_order(got, want, what: str = "") -> None:
+    """For results of *different* GEMM implementations over the same exact products (grouped
+    ragged GEMMs vs one dense GEMM per expert, or vs JAX's autodiff of ragged_dot).
+
+    On XLA:CPU they agree bit for bit for these shapes (asserted). On the GPU the two GEMMs may
+    sum the float32 products in different orders; then each element may differ by the float32
+    rounding of a K-term sum, which after the cast to the output dtype is at most one unit in
+    its last place (2^-7 relative for bfloat16) of the tensor's largest magnitude, and most
+    elements still agree exactly.
+    """
+    if not ON_GPU:
+        assert_bits_equal(got, want, what)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    eps = float(jnp.finfo(got.dtype).eps)
+    scale = max(float(np.max(np.abs(w))), np.finfo(np.float32).tiny)
+    assert np.max(np.abs(g - w)) <= 2 * eps * scale, what
+    assert np.mean(g == w) > 0.9, what
+
+
+def group_slices(sizes) -> list[slice]:
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return [slice(int(s), int(s + n)) for s, n in zip(starts, sizes, strict=True)]
+
+
+def padded_rows(num_rows: int, num_groups: int, align: int) -> int:
+    """The aligned layout's row count (docs/layers.md), written out independently."""
+    return math.ceil((num_rows + num_groups * (align - 1)) / align) * align
+
+
+def copy_bytes(spec, rows: int, cols: int, batch: int = 1, per_tensor: int = 1) -> int:
+    """Bytes of one stored copy of a (rows, cols) tensor (blocks along cols), from the table in
+    docs/design/layouts.md; `batch` stacked copies; `per_tensor` FP8 scales / NVFP4 amaxes."""
+    if spec.format == "fp8":
+        return batch * rows * cols + 4 * per_tensor
+    block_rows, block_cols = spec.block_shape
+    rows_p, cols_p = common.round_up(rows, block_rows), common.round_up(cols, block_cols)
+    blocks = (rows_p // block_rows) * (cols_p // block_cols)
+    if spec.format == "fp8_block":
+        return batch * (rows_p * cols_p + 4 * blocks)
+    if spec.format == "mxfp8":
+        return batch * (rows_p * cols_p + blocks)
+    return batch * (rows_p * cols_p // 2 + blocks) + 4 * per_tensor  # nvfp4
+
+
+def residual_bytes_by_name(residuals) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in residuals:
+        out[r.name] = out.get(r.name, 0) + r.nbytes
+    return out

@@ -1,0 +1,196 @@
+"""Per-group quantization in the aligned layout (ops/grouped_quantize.py).
+
+The claim: group g of `grouped_quantize(x, ...)` holds bit for bit what `jq.quantize(x_g, ...)`
+gives (TransformerEngine's split_quantize), for every format and role, both copies, including
+NVFP4's Hadamard transform and stochastic rounding (group g keyed by fold_in(key, g)).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_qtrain as jq
+from jax_qtrain.ops.grouped_quantize import (
+    clamp_group_sizes,
+    quantize_aligned,
+    token_alignment,
+)
+
+from .grouped_common import RECIPES, assert_bits_equal, bits, group_slices, padded_rows
+
+SIZES = [1, 31, 0, 96]  # unaligned, an empty group, and 12 rows past the groups
+NUM_ROWS, FEATURES = 140, 96
+
+
+def test_layout_puts_every_group_on_an_aligned_offset():
+    layout = jq.group_layout(jnp.array(SIZES, jnp.int32), NUM_ROWS, 32)
+    assert layout.padded_rows == padded_rows(NUM_ROWS, 4, 32) == 288
+    np.testing.assert_array_equal(layout.aligned_starts, [0, 32, 64, 64])
+    np.testing.assert_array_equal(layout.aligned_sizes, [32, 32, 0, 96])
+    rows = np.arange(NUM_ROWS)
+    expected_slot = np.concatenate([[0], 32 + np.arange(31), 64 + np.arange(96), [288] * 12])
+    np.testing.assert_array_equal(layout.row_slot, expected_slot)
+    np.testing.assert_array_equal(
+        layout.row_group, np.minimum(np.searchsorted([1, 32, 32, 128], rows, "right"), 4)
+    )
+    x = jnp.arange(NUM_ROWS * 3, dtype=jnp.float32).reshape(NUM_ROWS, 3) + 1
+    aligned = layout.to_aligned(x)
+    assert int(jnp.sum(aligned != 0)) == 128 * 3  # rows past the groups are not copied
+    back = layout.from_aligned(aligned)
+    np.testing.assert_array_equal(back[:128], x[:128])
+    np.testing.assert_array_equal(back[128:], 0)
+
+
+def test_layout_clamps_run_time_group_sizes():
+    """Values cannot be checked at trace time: negative sizes count as 0, sizes past the rows
+    are truncated, as the Pallas kernels do."""
+    sizes = jnp.array([-5, 50, 200, 7], jnp.int32)
+    np.testing.assert_array_equal(clamp_group_sizes(sizes, 100), [0, 50, 50, 0])
+    layout = jq.group_layout(sizes, 100, 16)
+    np.testing.assert_array_equal(layout.group_sizes, [0, 50, 50, 0])
+    np.testing.assert_array_equal(layout.aligned_starts, [0, 0, 64, 128])
+    assert layout.padded_rows == padded_rows(100, 4, 16)
+
+
+CASES = {
+    **{
+        f"{name}-{role}": (recipe, role)
+        for name, recipe in RECIPES.items()
+        for role in ("input", "grad")
+    },
+    "fp8_block_2d-input": (
+        jq.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+        "input",
+    ),
+    "nvfp4_no_rht-grad": (jq.NVFP4BlockScaling(disable_rht=True), "grad"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_group_is_quantized_as_its_own_tensor(case):
+    recipe, role = CASES[case]
+    spec = recipe.spec(role)
+    key = jax.random.key(7) if spec.stochastic_rounding else None
+    x = jax.random.normal(jax.random.key(0), (NUM_ROWS, FEATURES), jnp.bfloat16) * 3
+    # Rows past the groups hold huge values: they must not reach any group's amax.
+    x = x.at[128:].set(1e4)
+    group_sizes = jnp.array(SIZES, jnp.int32)
+
+    @jax.jit
+    def grouped(x, group_sizes):
+        layout = jq.group_layout(group_sizes, NUM_ROWS, token_alignment(recipe))
+        q = jq.grouped_quantize(x, recipe, role, layout, rowwise=True, columnwise=True, key=key)
+        return q, layout, q.dequantize("rowwise", layout), q.dequantize("columnwise", layout)
+
+    q, layout, rowwise_values, columnwise_values = grouped(x, group_sizes)
+    assert q.usages == ("rowwise", "columnwise")
+    packing = 2 if spec.format == "nvfp4" else 1
+    for g, rows in enumerate(group_slices(SIZES)):
+        if SIZES[g] == 0:
+            continue
+        group_key = None if key is None else jax.random.fold_in(key, g)
+        own = jq.quantize(x[rows], recipe, role, rowwise=True, columnwise=True, key=group_key)
+        start = int(layout.aligned_starts[g])
+        # rowwise copy: the group's rows (+ its own row padding for 2-D blocks)
+        assert_bits_equal(
+            q.rowwise_data[start : start + own.rowwise_data.shape[0]], own.rowwise_data
+        )
+        assert_bits_equal(
+            q.columnwise_data[
+                :, start // packing : start // packing + own.columnwise_data.shape[1]
+            ],
+            own.columnwise_data,
+        )
+        if spec.format == "fp8":  # one scale per group, as the per-tensor scale of x_g
+            assert_bits_equal(q.rowwise_scale_inv[g], own.rowwise_scale_inv)
+            assert_bits_equal(q.columnwise_scale_inv[g], own.columnwise_scale_inv)
+        else:
+            block_rows, block_cols = spec.block_shape
+            for usage, axis, block in (("rowwise", 0, block_rows), ("columnwise", 1, block_cols)):
+                ours = getattr(q, f"{usage}_scale_inv")
+                theirs = getattr(own, f"{usage}_scale_inv")
+                first = start // block
+                window = (
+                    ours[first : first + theirs.shape[0]]
+                    if axis == 0
+                    else ours[:, first : first + theirs.shape[1]]
+                )
+                assert_bits_equal(window, theirs, usage)
+        if spec.format == "nvfp4":
+            assert_bits_equal(q.rowwise_amax[g], own.rowwise_amax)
+            assert_bits_equal(q.columnwise_amax[g], own.columnwise_amax)
+        assert_bits_equal(rowwise_values[rows], own.dequantize("rowwise"))
+        assert_bits_equal(columnwise_values[rows], own.dequantize("columnwise"))
+    np.testing.assert_array_equal(rowwise_values[128:], 0)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_one_group_with_every_row_equals_quantizing_the_tensor(name):
+    recipe = RECIPES[name]
+    x = jax.random.normal(jax.random.key(1), (64, 48), jnp.float32)
+
+    @jax.jit
+    def grouped(x):
+        layout = jq.group_layout(jnp.array([0, 64, 0], jnp.int32), 64, token_alignment(recipe))
+        q = jq.grouped_quantize(x, recipe, "input", layout, rowwise=True, columnwise=True)
+        return q, q.dequantize("columnwise", layout)
+
+    q, columnwise_values = grouped(x)
+    whole = jq.quantize(x, recipe, "input", rowwise=True, columnwise=True)
+    assert_bits_equal(q.rowwise_data[:64], whole.rowwise_data)
+    assert_bits_equal(q.columnwise_data[:, : whole.columnwise_data.shape[1]], whole.columnwise_data)
+    assert_bits_equal(columnwise_values, whole.dequantize("columnwise"))
+
+
+def test_no_rows_in_any_group_gives_zeros():
+    recipe = RECIPES["nvfp4"]
+    x = jax.random.normal(jax.random.key(2), (32, 32), jnp.float32)
+
+    @jax.jit
+    def grouped(x):
+        layout = jq.group_layout(jnp.zeros((3,), jnp.int32), 32, token_alignment(recipe))
+        q = jq.grouped_quantize(
+            x, recipe, "grad", layout, rowwise=True, columnwise=True, key=jax.random.key(0)
+        )
+        return q, q.dequantize("rowwise", layout)
+
+    q, values = grouped(x)
+    np.testing.assert_array_equal(bits(q.rowwise_data), 0)
+    np.testing.assert_array_equal(bits(q.columnwise_data), 0)
+    np.testing.assert_array_equal(q.rowwise_amax, 0)
+    np.testing.assert_array_equal(values, 0)
+
+
+def test_aligned_producers_quantize_like_grouped_quantize():
+    """quantize_aligned (the fused MLP writes its activation straight into the layout)."""
+    recipe = RECIPES["fp8_block"]
+    x = jax.random.normal(jax.random.key(3), (NUM_ROWS, 64), jnp.float32)
+    layout = jq.group_layout(jnp.array(SIZES, jnp.int32), NUM_ROWS, token_alignment(recipe))
+    a = jq.grouped_quantize(x, recipe, "input", layout, rowwise=True, columnwise=True)
+    b = quantize_aligned(
+        layout.to_aligned(x), recipe, "input", layout, rowwise=True, columnwise=True
+    )
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert_bits_equal(u, v)
+    assert a.restrict_to("columnwise").usages == ("columnwise",)
+    assert a.restrict_to("columnwise").nbytes < a.nbytes
+
+
+def test_bad_arguments_are_named():
+    recipe = RECIPES["mxfp8"]
+    x = jnp.ones((16, 32), jnp.float32)
+    layout = jq.group_layout(jnp.array([8, 8], jnp.int32), 16, 32)
+    with pytest.raises(ValueError, match="x must have shape"):
+        jq.grouped_quantize(x[:8], recipe, "input", layout)
+    with pytest.raises(ValueError, match="align"):
+        jq.group_layout(jnp.array([8, 8], jnp.int32), 16, 24)
+    with pytest.raises(ValueError, match="token block"):
+        jq.grouped_quantize(
+            x, recipe, "input", jq.group_layout(jnp.array([8, 8], jnp.int32), 16, 16)
+        )
+    with pytest.raises(ValueError, match="key is required"):
+        nv_layout = jq.group_layout(jnp.array([8, 8], jnp.int32), 16, 16)
+        jq.grouped_quantize(x, RECIPES["nvfp4"], "grad", nv_layout)
+    with pytest.raises(ValueError, match="usage"):
+        jq.grouped_quantize(x, recipe, "input", layout).copy("columnwise")
