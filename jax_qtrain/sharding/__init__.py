@@ -1,0 +1,41 @@
+"""Weights split over a mesh axis (FSDP) on `jax.sharding`: gather, quantize, re-gather in
+backward, reduce-scatter the gradient (docs/distributed.md)."""
+
+from jax_qtrain.sharding.config import (
+    DEFAULT_STRATEGY,
+    GATHER_THEN_QUANTIZE,
+    QUANTIZE_THEN_GATHER,
+    STRATEGIES,
+    Strategy,
+    WeightSharding,
+)
+from jax_qtrain.sharding.gather import (
+    GatherBytes,
+    gather_and_quantize,
+    gather_bytes,
+    gather_quantized,
+    gather_raw,
+    quantize_shard,
+)
+from jax_qtrain.sharding.layers import ShardedLinear
+from jax_qtrain.sharding.residuals import per_device_saved_residuals
+from jax_qtrain.sharding.sharded_dense import dense, fsdp_dense
+
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "GATHER_THEN_QUANTIZE",
+    "QUANTIZE_THEN_GATHER",
+    "STRATEGIES",
+    "GatherBytes",
+    "ShardedLinear",
+    "Strategy",
+    "WeightSharding",
+    "dense",
+    "fsdp_dense",
+    "gather_and_quantize",
+    "gather_bytes",
+    "gather_quantized",
+    "gather_raw",
+    "per_device_saved_residuals",
+    "quantize_shard",
+]
