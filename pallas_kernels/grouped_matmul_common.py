@@ -1,0 +1,237 @@
+"""Shared pieces of the Hopper (sm_90) grouped-matmul kernels.
+
+Everything here runs inside a Mosaic GPU kernel body traced with warpgroup
+lowering semantics (one Pallas thread = one warpgroup), except the small host-side
+validation helpers at the bottom.
+
+Row-tile schedule of the grouped ("ragged rows") GEMMs
+------------------------------------------------------
+The rows of ``lhs`` are sorted by group. Group ``i`` owns rows
+``[start_i, end_i)``; ``start_0 = 0``, ``end_i = min(start_i + max(size_i, 0), M)``
+(negative sizes count as empty, rows past ``M`` are dropped). The rows past the last
+group, ``[end_{G-1}, M)``, form one extra *tail* pseudo-group whose output rows are
+zero-filled, like ``lax.ragged_dot``.
+
+Each (pseudo-)group is cut into row tiles of ``tile_m`` rows aligned to multiples of
+``tile_m`` in the global row index; a tile that straddles a group boundary is visited
+once per group and each visit stores only its own rows. A group with rows touches
+``cdiv(end, tile_m) - start // tile_m`` tiles, so the ``G + 1`` (pseudo-)groups need
+at most ``cdiv(M, tile_m) + G`` tile visits: that static count is the row extent of
+the persistent grid, and visits past the real total are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+H200_NUM_SMS = 132
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def num_sms_default() -> int:
+    """SM count of the target: the abstract device when cross-lowering, else the device."""
+    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract_device is not None and abstract_device.num_cores:
+        return int(abstract_device.num_cores)
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return int(device.core_count)
+    return H200_NUM_SMS
+
+
+def interpret_params(interpret: bool):
+    """What plgpu.kernel's ``interpret=`` gets: None on the GPU, else the GPU interpreter.
+
+    Outputs start NaN-filled so that unwritten elements show, and reads out of bounds
+    raise (the wrappers pad interpreted problems to whole tiles, so a kernel that
+    relies on TMA's zero fill cannot hide there).
+    """
+    if not interpret:
+        return None
+    import os
+    from jax._src.pallas.mosaic.interpret.params import LoggingMode
+    return plgpu.InterpretGPUParams(
+        uninitialized_memory="nan",
+        out_of_bounds_reads=os.environ.get("OOB", "raise"),
+        detect_races=bool(os.environ.get("RACES")),
+        logging_mode=LoggingMode.BARRIER if os.environ.get("LOGB") else None,
+    )
+
+
+def smem_transforms(minor_dim_elems: int, dtype: jnp.dtype) -> tuple:
+    """Tiling + swizzle transforms that wgmma and TMA want for a 2-D SMEM tile."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor_dim_elems * bits)
+    return (
+        plgpu.TilingTransform((8, swizzle * 8 // bits)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTile:
+    """One visit of a row tile by one (pseudo-)group, as traced scalars (int32)."""
+
+    group: jax.Array  # group index; == num_groups for the zero-filled tail
+    block_start: jax.Array  # first global row of the tile (multiple of tile_m)
+    row_begin: jax.Array  # first row of this group inside the tile, relative to block_start
+    num_rows: jax.Array  # rows of this group inside the tile (0 means: skip)
+
+    @property
+    def has_rows(self) -> jax.Array:
+        return self.num_rows > 0
+
+
+def group_bounds(group_sizes_gmem, num_groups: int, num_rows: int):
+    """Reads ``group_sizes`` once and returns the clamped (start, end) of every group.
+
+    The returned lists have ``num_groups + 1`` entries, the last one being the tail
+    pseudo-group ``[end_{G-1}, M)``.
+    """
+    total = jnp.int32(num_rows)
+    starts, ends = [], []
+    end = jnp.int32(0)
+    for i in range(num_groups):
+        start = end
+        size = jnp.maximum(group_sizes_gmem[i], jnp.int32(0))
+        end = jnp.minimum(start + size, total)
+        starts.append(start)
+        ends.append(end)
+    starts.append(end)
+    ends.append(total)
+    return starts, ends
+
+
+def row_tile_for_visit(visit: jax.Array, starts, ends, tile_m: int) -> RowTile:
+    """Maps a row-tile visit index to its (pseudo-)group, tile and row range."""
+    tile = jnp.int32(tile_m)
+    zero = jnp.int32(0)
+    group = block = row_lo = row_hi = zero
+    first_visit = zero
+    for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        first_block = lax.div(start, tile)
+        num_tiles = jnp.where(end > start, lax.div(end + tile - 1, tile) - first_block, zero)
+        hit = (visit >= first_visit) & (visit < first_visit + num_tiles)
+        group = jnp.where(hit, jnp.int32(i), group)
+        block = jnp.where(hit, first_block + (visit - first_visit), block)
+        row_lo = jnp.where(hit, start, row_lo)
+        row_hi = jnp.where(hit, end, row_hi)
+        first_visit = first_visit + num_tiles
+    block_start = block * tile
+    begin = jnp.maximum(row_lo, block_start)
+    stop = jnp.minimum(row_hi, block_start + tile)
+    num_rows = jnp.maximum(stop - begin, zero)
+    return RowTile(
+        group=group,
+        block_start=block_start,
+        row_begin=begin - block_start,
+        num_rows=num_rows,
+    )
+
+
+def store_row_range(
+    values: jax.Array,
+    out_smem,
+    out_gmem_rows,
+    tile: RowTile,
+    tile_m: int,
+) -> None:
+    """Writes rows ``[row_begin, row_begin + num_rows)`` of ``values`` to GMEM.
+
+    ``values`` is (tile_m, cols) in registers, ``out_smem`` an untransformed
+    (tile_m, cols) SMEM buffer and ``out_gmem_rows`` the GMEM window whose row 0 is
+    the tile's first row. TMA boxes have static sizes, so a run-time row count is
+    written as a sum of power-of-two row slabs (at most log2(tile_m) + 1 copies);
+    a full tile takes one copy. The copies are committed as a single bulk group.
+    """
+    out_smem[...] = values.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    offset = tile.row_begin
+    slab = 1 << (tile_m.bit_length() - 1)  # largest power of two <= tile_m
+    while slab >= 1:
+        take = (tile.num_rows & slab) != 0
+
+        @pl.when(take)
+        def _copy_slab(offset=offset, slab=slab):
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[pl.ds(offset, slab)],
+                out_gmem_rows.at[pl.ds(offset, slab)],
+                commit_group=False,
+            )
+
+        offset = offset + jnp.where(take, jnp.int32(slab), jnp.int32(0))
+        slab //= 2
+    plgpu.commit_smem_to_gmem_group()
+
+
+def e8m0_to_f32(byte_values: jax.Array) -> jax.Array:
+    """2^(byte - 127) in f32 for E8M0 bytes given as int32 (0xFF, NaN, is not expected).
+
+    Byte 0 is 2^-127, an f32 subnormal (bit pattern 0x00400000); every other byte
+    is a normal power of two whose bit pattern is ``byte << 23``.
+    """
+    bits = jnp.where(byte_values == 0, jnp.int32(0x00400000), byte_values << 23)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# ---------------------------------------------------------------- host-side checks
+
+
+def check_dtype(name: str, array: jax.Array, allowed: Sequence[jnp.dtype]) -> None:
+    if jnp.dtype(array.dtype) not in tuple(jnp.dtype(d) for d in allowed):
+        names = ", ".join(jnp.dtype(d).name for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {jnp.dtype(array.dtype).name}")
+
+
+def check_shape(name: str, array: jax.Array, shape: tuple[int, ...]) -> None:
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(array.shape)}")
+
+
+def check_rank(name: str, array: jax.Array, rank: int) -> None:
+    if not hasattr(array, "shape") or len(array.shape) != rank:
+        shape = getattr(array, "shape", None)
+        raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
+
+
+def check_group_sizes(group_sizes: jax.Array, num_groups: int | None) -> int:
+    """Validates ``group_sizes`` (int32 vector); returns the number of groups."""
+    check_rank("group_sizes", group_sizes, 1)
+    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name}")
+    if num_groups is not None and group_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"group_sizes must have length {num_groups} (the number of groups), "
+            f"got {group_sizes.shape[0]}"
+        )
+    if group_sizes.shape[0] < 1:
+        raise ValueError("group_sizes must have at least one group")
+    return int(group_sizes.shape[0])
+
+
+def check_row_stride(name: str, minor_dim: int, dtype: jnp.dtype) -> None:
+    """TMA needs every row of a GMEM operand to start on a 16-byte boundary."""
+    if (minor_dim * jnp.dtype(dtype).itemsize) % 16:
+        raise ValueError(
+            f"{name}: the last dimension ({minor_dim} x {jnp.dtype(dtype).name}) must span "
+            "a multiple of 16 bytes (a TMA requirement)"
+        )
+
+
+def round_up(value: int, multiple: int) -> int:
+    return math.ceil(value / multiple) * multiple
+
+
+def is_power_of_two(value: int) -> bool:
+    return value > 0 and (value & (value - 1)) == 0

@@ -1,0 +1,271 @@
+"""Persistent, warp-specialized driver shared by the ragged-row (forward/dgrad) kernels.
+
+One CTA per SM runs three warpgroups: a TMA producer and two wgmma consumers. The
+CTA tile is ``tile_m x (2 * tile_n)``: both consumers share the ``tile_m`` lhs rows and
+each owns ``tile_n`` output columns, so both see the same group boundaries and the
+same row mask. Tiles are walked in a planar-snake order (for L2 reuse of the rhs
+tile of a group) over a static grid of ``cdiv(M, tile_m) + G`` row-tile visits by
+``cdiv(N, 2 * tile_n)`` column tiles (see grouped_matmul_common for the schedule).
+
+A format plugs in through :class:`RowKernelParts`: which tiles to stream through the
+pipeline, what one K step does, and how the f32 tile is finished (scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import grouped_matmul_common as common
+
+# Registers kept by the TMA warpgroup; the two consumers share the rest.
+_PRODUCER_REGISTERS = 40
+_NUM_CONSUMERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """Static tiling shared by a kernel's producer and consumers."""
+
+    tile_m: int
+    tile_n: int  # columns per consumer warpgroup
+    max_concurrent_steps: int
+    epi_tile_n: int
+    grid_minor_dim: int  # 0: walk row tiles fastest, 1: column tiles fastest
+    grid_tile_width: int
+    num_sms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePrefetch:
+    """A per-tile slice of an operand that each consumer TMA-copies to SMEM at tile start.
+
+    kind "rows": the operand is (rows,) or (R, rows) and the tile's ``tile_m`` rows are
+    cut from the last axis. kind "group_cols": the operand is (G, cols) or (G, R, cols);
+    the tile's group is selected and the consumer's ``tile_n`` columns are cut from the
+    last axis. The wrapper pads the last axis so that every slice is in bounds.
+    """
+
+    operand: int
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in ("rows", "group_cols"):
+            raise ValueError(f"kind must be 'rows' or 'group_cols', got {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileContext:
+    """Traced per-tile values handed to a format's callbacks."""
+
+    row_tile: common.RowTile
+    col_tile: jax.Array  # index of the CTA column tile (2 * tile_n columns)
+    consumer: jax.Array  # 0 or 1 inside a consumer warpgroup
+    prefetched: tuple = ()  # (smem ref, barrier ref) of this consumer, per TilePrefetch
+
+    def wait_prefetched(self, index: int):
+        """Waits for prefetch ``index`` (call exactly once per tile) and returns its SMEM ref."""
+        smem_ref, barrier = self.prefetched[index]
+        plgpu.barrier_wait(barrier)
+        return smem_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKernelParts:
+    """What a format contributes to the ragged-row driver.
+
+    in_specs -> BlockSpecs streamed per K step; index maps see only the K step, so
+        pipeline_refs slices the tile's rows/columns out of the operands.
+    pipeline_refs(refs, ctx) -> the GMEM windows those specs read, in order.
+    allocation_refs(refs) -> refs of the same shapes, for sizing SMEM once.
+    run_tile(refs, ctx, run_pipeline) -> f32 (tile_m, tile_n) tile of this consumer,
+        scales applied; ``run_pipeline(carry)`` runs the K loop and returns the carry.
+    step(refs, ctx, smem_refs, carry) -> carry: one K step of one consumer.
+    prefetches: per-tile operand slices copied to SMEM at tile start (see TilePrefetch).
+    """
+
+    in_specs: Sequence[Any]
+    pipeline_refs: Callable[[Sequence[Any], TileContext], Sequence[Any]]
+    allocation_refs: Callable[[Sequence[Any]], Sequence[Any]]
+    run_tile: Callable[..., jax.Array]
+    step: Callable[[Sequence[Any], TileContext, Sequence[Any], Any], Any]
+    num_k_steps: int
+    prefetches: tuple[TilePrefetch, ...] = ()
+
+
+def ragged_rows_call(
+    group_sizes: jax.Array,
+    operands: Sequence[jax.Array],
+    *,
+    num_rows: int,
+    num_cols: int,
+    num_groups: int,
+    out_dtype: jnp.dtype,
+    schedule: TileSchedule,
+    parts: RowKernelParts,
+    interpret: bool,
+    name: str,
+) -> jax.Array:
+    """Runs a ragged-row kernel; returns ``out (num_rows, num_cols)``."""
+    tile_m, tile_n = schedule.tile_m, schedule.tile_n
+    epi_tile_n = schedule.epi_tile_n
+    num_epi_chunks = tile_n // epi_tile_n
+    # Two epilogue slots alternate; with an odd chunk count the parity breaks across
+    # tiles, so then each chunk waits for the previous store to have read its slot.
+    stores_in_flight = 1 if num_epi_chunks % 2 == 0 else 0
+    num_row_visits = pl.cdiv(num_rows, tile_m) + num_groups
+    num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
+    num_prefetches = len(parts.prefetches)
+    prefetch_types = []
+    for prefetch in parts.prefetches:
+        operand = operands[prefetch.operand]
+        if prefetch.kind == "rows":
+            shape = (*operand.shape[:-1], tile_m)
+        else:
+            shape = (*operand.shape[1:-1], tile_n)
+        prefetch_types.append((shape, operand.dtype))
+
+    def body(group_sizes_gmem, *refs):
+        operand_refs, out_gmem = refs[:-1], refs[-1]
+        starts, ends = common.group_bounds(group_sizes_gmem, num_groups, num_rows)
+
+        def make_pipeline(step_fn, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step_fn,
+                grid=(parts.num_k_steps,),
+                memory_registers=_PRODUCER_REGISTERS,
+                in_specs=tuple(parts.in_specs),
+                wg_axis="wg",
+                num_compute_wgs=_NUM_CONSUMERS,
+                max_concurrent_steps=schedule.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(
+                *parts.allocation_refs(operand_refs)
+            ),
+            out_smem=plgpu.SMEM((_NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype),
+            prefetch_smem=[
+                plgpu.SMEM((_NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
+            ],
+            prefetch_barriers=plgpu.Barrier(num_barriers=_NUM_CONSUMERS * max(1, num_prefetches)),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs, out_smem, prefetch_smem, prefetch_barriers):
+            wg = lax.axis_index("wg")
+
+            def prefetch_slices(row_tile, col_tile, consumer):
+                """(GMEM window, SMEM buffer, barrier) of each prefetch for one consumer."""
+                slices = []
+                for i, prefetch in enumerate(parts.prefetches):
+                    gmem = operand_refs[prefetch.operand]
+                    if prefetch.kind == "rows":
+                        window = gmem.at[..., pl.ds(row_tile.block_start, tile_m)]
+                    else:
+                        col0 = col_tile * (2 * tile_n) + consumer * tile_n
+                        window = gmem.at[row_tile.group].at[..., pl.ds(col0, tile_n)]
+                    barrier = prefetch_barriers.at[i * _NUM_CONSUMERS + consumer]
+                    slices.append((window, prefetch_smem[i].at[consumer], barrier))
+                return slices
+
+            def store_tile(values: jax.Array, ctx: TileContext) -> None:
+                col0 = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n
+                rows = out_gmem.at[pl.ds(ctx.row_tile.block_start, tile_m)]
+                for chunk in range(num_epi_chunks):
+                    slot = chunk % 2
+                    plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
+                    common.store_row_range(
+                        values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n],
+                        out_smem.at[ctx.consumer, slot],
+                        rows.at[:, pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)],
+                        ctx.row_tile,
+                        tile_m,
+                    )
+
+            @plgpu.nd_loop((num_row_visits * num_col_tiles,), collective_axes="sm")
+            def _tile_loop(loop_info: plgpu.NDLoopInfo):
+                (linear,) = loop_info.index
+                visit, col_tile = plgpu.planar_snake(
+                    linear,
+                    (num_row_visits, num_col_tiles),
+                    schedule.grid_minor_dim,
+                    schedule.grid_tile_width,
+                )
+                row_tile = common.row_tile_for_visit(visit, starts, ends, tile_m)
+                is_tail = row_tile.group == num_groups
+
+                slices = prefetch_slices(row_tile, col_tile, wg)
+                ctx = TileContext(
+                    row_tile=row_tile,
+                    col_tile=col_tile,
+                    consumer=wg,
+                    prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
+                )
+
+                def compute_context(run_pipeline):
+                    # Issued before the K loop so that the scales are in SMEM when needed.
+                    for window, smem, barrier in slices:
+                        plgpu.copy_gmem_to_smem(window, smem, barrier)
+                    values = parts.run_tile(operand_refs, ctx, run_pipeline)
+                    store_tile(values, ctx)
+
+                def step_fn(idxs, *smem_and_carry):
+                    *smem_refs, carry = smem_and_carry
+                    del idxs
+                    return parts.step(operand_refs, ctx, smem_refs, carry)
+
+                @pl.when(row_tile.has_rows & jnp.logical_not(is_tail))
+                def _matmul_tile():
+                    make_pipeline(step_fn, compute_context)(
+                        *parts.pipeline_refs(operand_refs, ctx),
+                        allocations=pipeline_allocs,
+                    )
+
+                @pl.when(row_tile.has_rows & is_tail & (wg < _NUM_CONSUMERS))
+                def _zero_tile():
+                    zeros = plgpu.layout_cast(
+                        jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    store_tile(zeros, ctx)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
+        grid=(schedule.num_sms,),
+        grid_names=("sm",),
+        num_threads=_NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=common.interpret_params(interpret),
+        kernel_name=name,
+    )
+    return kernel(group_sizes, *operands)
+
+
+def wgmma_zeros(shape: tuple[int, int]) -> jax.Array:
+    """An f32 register tile in the wgmma accumulator layout, filled with zeros."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def row_vector(ref) -> jax.Array:
+    """Loads a (tile_m,) vector that broadcasts along the columns of a wgmma tile."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col_vector(ref) -> jax.Array:
+    """Loads a (tile_n,) vector that broadcasts along the rows of a wgmma tile."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))

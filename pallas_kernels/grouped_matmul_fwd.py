@@ -1,0 +1,519 @@
+"""Grouped (MoE) forward/dgrad GEMM on Hopper: ``out[rows of g] = lhs[rows of g] @ rhs[g]ᵀ``.
+
+Every GEMM of a linear layer is an NT GEMM in jax_qtrain (docs/design/layouts.md):
+``lhs (M, K)`` rows sorted by group, ``rhs (G, N, K)``, both contiguous along the
+contraction ``K``; ``group_sizes (G,) int32`` lives on the device. Rows past
+``sum(group_sizes)`` come out as zeros, like ``lax.ragged_dot``.
+
+Two entry points live here:
+
+* :func:`grouped_matmul` — bf16/f16 operands, or FP8 (e4m3/e5m2, mixed allowed) with
+  optional f32 dequantization scales applied to the f32 accumulator in the epilogue:
+  lhs per-tensor ``()`` or per-row ``(M,)``; rhs per-group ``(G,)`` or per-column
+  ``(G, N)``. For 16-bit operands ``rhs`` may also be given as ``(G, K, N)``
+  (``rhs_layout="kn"``; 16-bit wgmma reads either major order). FP8 wgmma requires
+  K-major operands, hence ``(G, N, K)`` only.
+* :func:`grouped_matmul_fp8_block` — DeepSeek-V3 style block-scaled FP8: lhs 1x128
+  blocks (scales ``(M, K/128)``), rhs 128x128 blocks (scales ``(G, N/128, K/128)``).
+  Each 128-wide K step runs fp8 wgmma into a fresh accumulator, which is then promoted
+  into the f32 main accumulator as ``main += chunk * lhs_scale[row] * rhs_scale``
+  (the split accumulator of DeepSeek-V3 / DeepGEMM), so the tensor core never
+  accumulates more than 128 products in its reduced-precision adder.
+
+Run-time values of ``group_sizes`` cannot be checked at trace time. The kernels
+clamp them: a negative size counts as 0, and once the running sum reaches ``M`` the
+remaining groups are truncated (they get the rows that are left, possibly none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels import grouped_matmul_driver as driver
+
+SMEM_BYTES = 227 * 1024
+# Per-thread f32 accumulator registers a consumer warpgroup may hold (of ~232).
+_MAX_ACC_ELEMS_PER_WG = 128 * 192
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Tiling of the ragged-row kernels (forward / dgrad).
+
+    tile_m: rows of the CTA tile (64, 128, 192 or 256; a multiple of 64).
+    tile_n: output columns per consumer warpgroup; the CTA tile is tile_m x 2*tile_n.
+    tile_k: K per pipeline step (block FP8 requires 128).
+    max_concurrent_steps: SMEM pipeline depth.
+    epi_tile_n: columns per epilogue store (divides tile_n).
+    grid_minor_dim: 0 walks row tiles fastest, 1 walks column tiles fastest.
+    grid_tile_width: width of the planar-snake bands.
+    num_sms: persistent CTAs; None = the device's SM count.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    epi_tile_n: int = 64
+    grid_minor_dim: int = 0
+    grid_tile_width: int = 8
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.tile_m not in (64, 128, 192, 256):
+            raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
+        if self.tile_n < 8 or self.tile_n % 8 or self.tile_n > 256:
+            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
+        if self.tile_k not in (32, 64, 128, 256):
+            raise ValueError(f"tile_k must be 32, 64, 128 or 256, got {self.tile_k}")
+        if not 1 <= self.max_concurrent_steps <= 8:
+            raise ValueError(
+                f"max_concurrent_steps must be in [1, 8], got {self.max_concurrent_steps}"
+            )
+        if self.epi_tile_n < 8 or self.tile_n % self.epi_tile_n:
+            raise ValueError(
+                f"epi_tile_n must be >= 8 and divide tile_n={self.tile_n}, got {self.epi_tile_n}"
+            )
+        if self.grid_minor_dim not in (0, 1):
+            raise ValueError(f"grid_minor_dim must be 0 or 1, got {self.grid_minor_dim}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+        if self.num_sms is not None and self.num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
+        if self.tile_m * self.tile_n > _MAX_ACC_ELEMS_PER_WG:
+            raise ValueError(
+                f"tile_m * tile_n = {self.tile_m * self.tile_n} exceeds the register budget of "
+                f"one consumer warpgroup ({_MAX_ACC_ELEMS_PER_WG} f32 accumulators)"
+            )
+
+    def schedule(self) -> driver.TileSchedule:
+        return driver.TileSchedule(
+            tile_m=self.tile_m,
+            tile_n=self.tile_n,
+            max_concurrent_steps=self.max_concurrent_steps,
+            epi_tile_n=self.epi_tile_n,
+            grid_minor_dim=self.grid_minor_dim,
+            grid_tile_width=self.grid_tile_width,
+            num_sms=self.num_sms or common.num_sms_default(),
+        )
+
+
+DEFAULT_BF16_CONFIG = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=64)
+DEFAULT_FP8_CONFIG = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=128)
+DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128)
+
+
+def _smem_bytes(config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype) -> int:
+    epilogue = 2 * 2 * config.tile_m * config.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    return config.max_concurrent_steps * stage_bytes + epilogue
+
+
+def fit_default_config(
+    config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype
+) -> GroupedMatmulConfig:
+    """Shrinks a *default* config (epilogue width, then depth) until it fits in SMEM."""
+    while _smem_bytes(config, stage_bytes, out_dtype) > SMEM_BYTES:
+        if config.epi_tile_n > 32:
+            config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
+        elif config.max_concurrent_steps > 2:
+            config = dataclasses.replace(
+                config, max_concurrent_steps=config.max_concurrent_steps - 1
+            )
+        else:
+            break
+    return config
+
+
+def _check_smem(config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype) -> None:
+    epilogue = 2 * 2 * config.tile_m * config.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    total = config.max_concurrent_steps * stage_bytes + epilogue
+    if total > SMEM_BYTES:
+        raise ValueError(
+            f"config needs {total} bytes of shared memory ({config.max_concurrent_steps} "
+            f"stages x {stage_bytes} + {epilogue} epilogue), more than {SMEM_BYTES}; lower "
+            "max_concurrent_steps, tile sizes or epi_tile_n"
+        )
+
+
+def _padded_problem(lhs, rhs_rows_axis_len, config, num_rows):
+    """Static sizes must fit one tile: tiny problems are padded (and sliced after)."""
+    rows_padded = max(num_rows, config.tile_m)
+    cols_padded = max(rhs_rows_axis_len, 2 * config.tile_n)
+    return rows_padded, cols_padded
+
+
+def _pad_axis(array: jax.Array, axis: int, size: int) -> jax.Array:
+    if array.shape[axis] >= size:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, size - array.shape[axis])
+    return jnp.pad(array, widths)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    rhs_layout: Literal["nk", "kn"] = "nk",
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged-row grouped GEMM ``out[rows of g] = (lhs[rows of g] @ rhs[g]ᵀ) * scales``.
+
+    Args:
+      lhs: (M, K) bf16/f16 or float8_e4m3fn/float8_e5m2, rows sorted by group.
+      rhs: (G, N, K) (``rhs_layout="nk"``), or (G, K, N) for 16-bit operands
+        (``rhs_layout="kn"``). Same dtype as lhs, except that two FP8 dtypes may mix.
+      group_sizes: (G,) int32 rows per group (device values; see module docstring).
+      lhs_scale: optional f32 dequantization scale of lhs: () per-tensor or (M,) per-row.
+      rhs_scale: optional f32 scale of rhs: (G,) per group or (G, N) per output column.
+      out_dtype: bfloat16 or float32 (the accumulator is always f32).
+      rhs_layout: "nk" (K-major, any dtype) or "kn" (16-bit dtypes only).
+      config: tiling; defaults per dtype.
+      interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
+
+    Returns:
+      (M, N) array of out_dtype; rows past sum(group_sizes) are zero.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 3)
+    common.check_dtype("lhs", lhs, common.HALF_DTYPES + common.FP8_DTYPES)
+    common.check_dtype("rhs", rhs, common.HALF_DTYPES + common.FP8_DTYPES)
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in common.OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
+    is_fp8 = jnp.dtype(lhs.dtype) in common.FP8_DTYPES
+    if is_fp8 != (jnp.dtype(rhs.dtype) in common.FP8_DTYPES) or (
+        not is_fp8 and lhs.dtype != rhs.dtype
+    ):
+        raise TypeError(
+            f"lhs and rhs dtypes must match (two FP8 dtypes may mix), got "
+            f"{jnp.dtype(lhs.dtype).name} and {jnp.dtype(rhs.dtype).name}"
+        )
+    if rhs_layout not in ("nk", "kn"):
+        raise ValueError(f"rhs_layout must be 'nk' or 'kn', got {rhs_layout!r}")
+    if rhs_layout == "kn" and is_fp8:
+        raise ValueError("rhs_layout='kn' needs 16-bit operands: FP8 wgmma reads K-major rhs only")
+    num_rows, k = lhs.shape
+    if rhs_layout == "nk":
+        num_groups, num_cols, k_rhs = rhs.shape
+    else:
+        num_groups, k_rhs, num_cols = rhs.shape
+    if k_rhs != k:
+        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    common.check_group_sizes(group_sizes, num_groups)
+    common.check_row_stride("lhs", k, lhs.dtype)
+    common.check_row_stride("rhs", rhs.shape[-1], rhs.dtype)
+    common.check_row_stride("out", num_cols, out_dtype)
+    if lhs_scale is not None:
+        common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
+        if lhs_scale.shape not in ((), (num_rows,)):
+            raise ValueError(
+                f"lhs_scale must have shape () or ({num_rows},), got {tuple(lhs_scale.shape)}"
+            )
+    if rhs_scale is not None:
+        common.check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
+        if rhs_scale.shape not in ((num_groups,), (num_groups, num_cols)):
+            raise ValueError(
+                f"rhs_scale must have shape ({num_groups},) or ({num_groups}, {num_cols}), "
+                f"got {tuple(rhs_scale.shape)}"
+            )
+    if config is None:
+        config = DEFAULT_FP8_CONFIG if is_fp8 else DEFAULT_BF16_CONFIG
+        config = fit_default_config(config, _stage_bytes(config, lhs, rhs), out_dtype)
+    if not isinstance(config, GroupedMatmulConfig):
+        raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
+
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    _check_smem(config, _stage_bytes(config, lhs, rhs), out_dtype)
+
+    rows_p, cols_p = _padded_problem(lhs, num_cols, config, num_rows)
+    lhs_p = _pad_axis(lhs, 0, rows_p)
+    rhs_p = _pad_axis(rhs, 1 if rhs_layout == "nk" else 2, cols_p)
+    operands = [lhs_p, rhs_p]
+    lhs_scale_kind = rhs_scale_kind = lhs_scale_index = rhs_scale_index = None
+    if lhs_scale is not None:
+        lhs_scale_index = len(operands)
+        if lhs_scale.ndim == 0:
+            lhs_scale_kind = "tensor"
+            operands.append(lhs_scale.reshape(1))
+        else:
+            lhs_scale_kind = "row"
+            operands.append(_pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m)))
+    if rhs_scale is not None:
+        rhs_scale_index = len(operands)
+        if rhs_scale.ndim == 1:
+            rhs_scale_kind = "group"
+            operands.append(rhs_scale)
+        else:
+            rhs_scale_kind = "col"
+            operands.append(_pad_axis(rhs_scale, 1, common.round_up(cols_p, 2 * tile_n)))
+
+    lhs_transforms = common.smem_transforms(tile_k, lhs.dtype)
+    if rhs_layout == "nk":
+        rhs_spec = plgpu.BlockSpec(
+            (2 * tile_n, tile_k),
+            lambda kk: (0, kk),
+            transforms=common.smem_transforms(tile_k, rhs.dtype),
+        )
+    else:
+        rhs_spec = plgpu.BlockSpec(
+            (tile_k, 2 * tile_n),
+            lambda kk: (kk, 0),
+            transforms=common.smem_transforms(2 * tile_n, rhs.dtype),
+        )
+    in_specs = (
+        plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=lhs_transforms),
+        rhs_spec,
+    )
+
+    def pipeline_refs(refs, ctx: driver.TileContext):
+        lhs_ref, rhs_ref = refs[0], refs[1]
+        rows = pl.ds(ctx.row_tile.block_start, tile_m)
+        cols = pl.ds(ctx.col_tile * (2 * tile_n), 2 * tile_n)
+        group_rhs = rhs_ref.at[ctx.row_tile.group]
+        rhs_window = group_rhs.at[cols] if rhs_layout == "nk" else group_rhs.at[:, cols]
+        return (lhs_ref.at[rows], rhs_window)
+
+    def allocation_refs(refs):
+        return (refs[0], refs[1].at[0])
+
+    def step(refs, ctx, smem_refs, acc_ref):
+        lhs_smem, rhs_smem = smem_refs
+        cols = pl.ds(ctx.consumer * tile_n, tile_n)
+        if rhs_layout == "nk":
+            rhs_operand = rhs_smem.at[cols].transpose((1, 0))
+        else:
+            rhs_operand = rhs_smem.at[:, cols]
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_operand)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    prefetches = []
+    if lhs_scale_kind == "row":
+        prefetches.append(driver.TilePrefetch(lhs_scale_index, "rows"))
+    if rhs_scale_kind == "col":
+        prefetches.append(driver.TilePrefetch(rhs_scale_index, "group_cols"))
+
+    def run_tile(refs, ctx, run_pipeline):
+        def with_acc(acc_ref):
+            run_pipeline(acc_ref)
+            return acc_ref[...]
+
+        values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        next_prefetch = 0
+        if lhs_scale_kind == "tensor":
+            values = values * refs[lhs_scale_index][0]
+        elif lhs_scale_kind == "row":
+            row_scale = driver.row_vector(ctx.wait_prefetched(next_prefetch))
+            next_prefetch += 1
+            values = values * lax.broadcast_in_dim(row_scale, values.shape, [0])
+        if rhs_scale_kind == "group":
+            values = values * refs[rhs_scale_index][ctx.row_tile.group]
+        elif rhs_scale_kind == "col":
+            col_scale = driver.col_vector(ctx.wait_prefetched(next_prefetch))
+            values = values * lax.broadcast_in_dim(col_scale, values.shape, [1])
+        return values
+
+    parts = driver.RowKernelParts(
+        in_specs=in_specs,
+        pipeline_refs=pipeline_refs,
+        allocation_refs=allocation_refs,
+        run_tile=run_tile,
+        step=step,
+        num_k_steps=pl.cdiv(k, tile_k),
+        prefetches=tuple(prefetches),
+    )
+    out = driver.ragged_rows_call(
+        group_sizes,
+        operands,
+        num_rows=rows_p,
+        num_cols=cols_p,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+        schedule=config.schedule(),
+        parts=parts,
+        interpret=interpret,
+        name="grouped_matmul_fp8" if is_fp8 else "grouped_matmul_bf16",
+    )
+    if (rows_p, cols_p) != (num_rows, num_cols):
+        out = out[:num_rows, :num_cols]
+    return out
+
+
+def _stage_bytes(config: GroupedMatmulConfig, lhs: jax.Array, rhs: jax.Array) -> int:
+    return config.tile_k * (
+        config.tile_m * lhs.dtype.itemsize + 2 * config.tile_n * rhs.dtype.itemsize
+    )
+
+
+def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
+    # fp8 lhs and rhs tiles (the lhs block scales are prefetched per tile, not per step).
+    return config.tile_k * (config.tile_m + 2 * config.tile_n)
+
+
+def grouped_matmul_fp8_block(
+    lhs: jax.Array,
+    lhs_scale: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Block-scaled FP8 ragged-row GEMM (1x128 lhs blocks, 128x128 rhs blocks).
+
+    ``out[r, c] = Σ_kb (Σ_{k in kb} lhs[r, k] rhs[g, c, k]) * lhs_scale[r, kb] *
+    rhs_scale[g, c // 128, kb]`` for the group g of row r, with every 128-wide inner sum
+    taken by fp8 wgmma into a fresh accumulator and promoted to f32 (see module doc).
+
+    Args:
+      lhs: (M, K) float8_e4m3fn or float8_e5m2; K a multiple of 128.
+      lhs_scale: (M, K/128) f32 scale_inv of each 1x128 block.
+      rhs: (G, N, K) FP8, K-major (the columnwise copy of the (K, N) weight).
+      rhs_scale: (G, ceil(N/128), K/128) f32 scale_inv of each 128x128 block.
+      group_sizes: (G,) int32.
+      out_dtype: bfloat16 or float32.
+      config: tiling; tile_k must be 128 and tile_n 128 (one rhs scale per consumer
+        and K step).
+      interpret: run the Pallas interpreter.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 3)
+    common.check_rank("lhs_scale", lhs_scale, 2)
+    common.check_rank("rhs_scale", rhs_scale, 3)
+    common.check_dtype("lhs", lhs, common.FP8_DTYPES)
+    common.check_dtype("rhs", rhs, common.FP8_DTYPES)
+    common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
+    common.check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in common.OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
+    num_rows, k = lhs.shape
+    num_groups, num_cols, k_rhs = rhs.shape
+    if k_rhs != k:
+        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    if k % 128:
+        raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
+    common.check_group_sizes(group_sizes, num_groups)
+    common.check_shape("lhs_scale", lhs_scale, (num_rows, k // 128))
+    common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
+    common.check_row_stride("out", num_cols, out_dtype)
+    if config is None:
+        config = fit_default_config(
+            DEFAULT_FP8_BLOCK_CONFIG, _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG), out_dtype
+        )
+    if not isinstance(config, GroupedMatmulConfig):
+        raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
+    if config.tile_k != 128 or config.tile_n != 128:
+        raise ValueError(
+            f"config: block FP8 needs tile_k=128 and tile_n=128, got tile_k={config.tile_k}, "
+            f"tile_n={config.tile_n}"
+        )
+    if 2 * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
+        raise ValueError(
+            f"config: tile_m={config.tile_m} is too large for block FP8 (main and per-step "
+            "accumulators must both stay in registers); use tile_m=64"
+        )
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    _check_smem(config, _block_stage_bytes(config), out_dtype)
+
+    rows_p, cols_p = _padded_problem(lhs, num_cols, config, num_rows)
+    lhs_p = _pad_axis(lhs, 0, rows_p)
+    rhs_p = _pad_axis(rhs, 1, cols_p)
+    num_k_blocks = k // 128
+    # Scales of one K block for consecutive rows, so each step reads one TMA row.
+    scale_cols = common.round_up(rows_p, 4)
+    lhs_scale_t = _pad_axis(lhs_scale.T, 1, scale_cols)
+    num_col_blocks = rhs_scale.shape[1]
+
+    in_specs = (
+        plgpu.BlockSpec(
+            (tile_m, tile_k),
+            lambda kk: (0, kk),
+            transforms=common.smem_transforms(tile_k, lhs.dtype),
+        ),
+        plgpu.BlockSpec(
+            (2 * tile_n, tile_k),
+            lambda kk: (0, kk),
+            transforms=common.smem_transforms(tile_k, rhs.dtype),
+        ),
+    )
+
+    def pipeline_refs(refs, ctx):
+        lhs_ref, rhs_ref = refs[0], refs[1]
+        rows = pl.ds(ctx.row_tile.block_start, tile_m)
+        cols = pl.ds(ctx.col_tile * (2 * tile_n), 2 * tile_n)
+        return (lhs_ref.at[rows], rhs_ref.at[ctx.row_tile.group].at[cols])
+
+    def allocation_refs(refs):
+        return (refs[0], refs[1].at[0])
+
+    def step(refs, ctx, smem_refs, carry):
+        lhs_smem, rhs_smem = smem_refs
+        rhs_scale_ref = refs[3]
+        k_step, main = carry
+        rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
+        col_block = jnp.minimum(ctx.col_tile * 2 + ctx.consumer, num_col_blocks - 1)
+        # The tile's (K/128, tile_m) lhs block scales were prefetched at tile start.
+        lhs_scales_smem = ctx.prefetched[0][0]
+
+        def chunk_product(chunk_ref):
+            # A freshly scoped accumulator starts at zero: this K block's products
+            # never share the tensor core's adder with earlier blocks.
+            plgpu.wgmma(chunk_ref, lhs_smem, rhs_operand)
+
+            @pl.when(k_step == 0)
+            def _wait_scales():
+                ctx.wait_prefetched(0)
+
+            rhs_block_scale = rhs_scale_ref[ctx.row_tile.group, col_block, k_step]
+            row_scale = driver.row_vector(lhs_scales_smem.at[k_step]) * rhs_block_scale
+            chunk = chunk_ref[...]  # waits for the wgmma
+            return chunk * lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+
+        scaled = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        return k_step + 1, main + scaled
+
+    def run_tile(refs, ctx, run_pipeline):
+        _, main = run_pipeline((jnp.int32(0), driver.wgmma_zeros((tile_m, tile_n))))
+        return main
+
+    parts = driver.RowKernelParts(
+        in_specs=in_specs,
+        pipeline_refs=pipeline_refs,
+        allocation_refs=allocation_refs,
+        run_tile=run_tile,
+        step=step,
+        num_k_steps=num_k_blocks,
+        prefetches=(driver.TilePrefetch(2, "rows"),),
+    )
+    out = driver.ragged_rows_call(
+        group_sizes,
+        [lhs_p, rhs_p, lhs_scale_t, rhs_scale],
+        num_rows=rows_p,
+        num_cols=cols_p,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+        schedule=config.schedule(),
+        parts=parts,
+        interpret=interpret,
+        name="grouped_matmul_fp8_block",
+    )
+    if (rows_p, cols_p) != (num_rows, num_cols):
+        out = out[:num_rows, :num_cols]
+    return out
