@@ -1,0 +1,480 @@
+"""Grouped (MoE) weight-gradient GEMM on Hopper: groups along the contraction.
+
+``out[g] = lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ`` with ``lhs (K, M)`` and
+``rhs (N, M)`` both contiguous along the token axis ``M`` (the columnwise copies
+of x and dy, docs/design/layouts.md), ``group_sizes (G,) int32`` on the device and
+``out (G, K, N)``. Groups without tokens get zeros.
+
+Structure: a persistent grid of one CTA per SM walks (group, row tile, column tile)
+with a TMA producer warpgroup and two wgmma consumer warpgroups (each owns half of
+the CTA's columns). The token axis of a group is cut into ``tile_t`` chunks aligned
+to multiples of ``tile_t`` in the global token index, so the first and last chunk of
+a group may hold tokens of its neighbours. On those boundary chunks the foreign
+tokens are zeroed in SMEM in both operands before the wgmma (each consumer zeroes
+its rhs half and half of the shared lhs rows, then the two meet at a barrier).
+Zeroing both keeps non-finite values of neighbouring groups (or of unused rows past
+``sum(group_sizes)``) out of the result.
+
+Operand types: bf16/f16, or FP8 e4m3/e5m2 (mixed allowed) with optional f32 scales
+applied to the f32 accumulator: lhs ``()`` or ``(K,)`` and rhs ``()`` or ``(N,)``
+(per-tensor, or per row of the stored operand — scales that are constant along
+the contraction). Run-time group sizes are clamped as in the forward kernels:
+negative sizes count as 0 and the running sum is truncated at ``M``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import grouped_matmul_common as common
+
+SMEM_BYTES = 227 * 1024
+_PRODUCER_REGISTERS = 40
+_NUM_CONSUMERS = 2
+_MAX_ACC_ELEMS_PER_WG = 128 * 192
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedWgradConfig:
+    """Tiling of the ragged-contraction (wgrad) kernel.
+
+    tile_m: output rows (of K) per CTA tile: 128 or 256 (each consumer zeroes half of
+      the lhs tile's rows on boundary chunks, in 64-row wgmma layouts).
+    tile_n: output columns (of N) per consumer warpgroup; the CTA tile is
+      tile_m x 2*tile_n.
+    tile_t: tokens per pipeline step (64 suits 16-bit, 128 suits FP8: 128 bytes).
+    max_concurrent_steps: SMEM pipeline depth.
+    epi_tile_n: columns per epilogue store (divides tile_n).
+    grid_minor_dim / grid_tile_width: planar-snake walk of one group's tiles.
+    num_sms: persistent CTAs; None = the device's SM count.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_t: int = 64
+    max_concurrent_steps: int = 4
+    epi_tile_n: int = 64
+    grid_minor_dim: int = 1
+    grid_tile_width: int = 4
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.tile_m not in (128, 256):
+            raise ValueError(f"tile_m must be 128 or 256, got {self.tile_m}")
+        if self.tile_n < 64 or self.tile_n % 64 or self.tile_n > 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        if self.tile_t not in (32, 64, 128, 256):
+            raise ValueError(f"tile_t must be 32, 64, 128 or 256, got {self.tile_t}")
+        if not 1 <= self.max_concurrent_steps <= 8:
+            raise ValueError(
+                f"max_concurrent_steps must be in [1, 8], got {self.max_concurrent_steps}"
+            )
+        if self.epi_tile_n < 8 or self.tile_n % self.epi_tile_n:
+            raise ValueError(
+                f"epi_tile_n must be >= 8 and divide tile_n={self.tile_n}, got {self.epi_tile_n}"
+            )
+        if self.grid_minor_dim not in (0, 1):
+            raise ValueError(f"grid_minor_dim must be 0 or 1, got {self.grid_minor_dim}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+        if self.num_sms is not None and self.num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
+        if self.tile_m * self.tile_n > _MAX_ACC_ELEMS_PER_WG:
+            raise ValueError(
+                f"tile_m * tile_n = {self.tile_m * self.tile_n} exceeds the register budget of "
+                f"one consumer warpgroup ({_MAX_ACC_ELEMS_PER_WG} f32 accumulators)"
+            )
+
+    def smem_bytes(self, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int) -> int:
+        stage = self.tile_t * (self.tile_m * lhs_itemsize + 2 * self.tile_n * rhs_itemsize)
+        epilogue = _NUM_CONSUMERS * 2 * self.tile_m * self.epi_tile_n * out_itemsize
+        return self.max_concurrent_steps * stage + epilogue
+
+
+DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(tile_m=128, tile_n=128, tile_t=64)
+DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(tile_m=128, tile_n=128, tile_t=128)
+
+
+def _pad_axis(array: jax.Array, axis: int, size: int) -> jax.Array:
+    if array.shape[axis] >= size:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, size - array.shape[axis])
+    return jnp.pad(array, widths)
+
+
+def _fit_default(config: GroupedWgradConfig, sizes: tuple[int, int, int]) -> GroupedWgradConfig:
+    while config.smem_bytes(*sizes) > SMEM_BYTES:
+        if config.epi_tile_n > 32:
+            config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
+        elif config.max_concurrent_steps > 2:
+            config = dataclasses.replace(
+                config, max_concurrent_steps=config.max_concurrent_steps - 1
+            )
+        else:
+            break
+    return config
+
+
+def grouped_matmul_wgrad(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype: jnp.dtype = jnp.float32,
+    config: GroupedWgradConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out[g] = (lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ) * scales`` for every group.
+
+    Args:
+      lhs: (K, M) bf16/f16 or FP8, token-contiguous (columnwise copy of x).
+      rhs: (N, M) same dtype family, token-contiguous (columnwise copy of dy).
+      group_sizes: (G,) int32 tokens per group; tokens are sorted by group.
+      lhs_scale: optional f32 scale of lhs, () or (K,).
+      rhs_scale: optional f32 scale of rhs, () or (N,).
+      out_dtype: float32 (default) or bfloat16.
+      config: tiling; defaults per dtype.
+      interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
+
+    Returns:
+      (G, K, N) array of out_dtype.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 2)
+    common.check_dtype("lhs", lhs, common.HALF_DTYPES + common.FP8_DTYPES)
+    common.check_dtype("rhs", rhs, common.HALF_DTYPES + common.FP8_DTYPES)
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in common.OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
+    is_fp8 = jnp.dtype(lhs.dtype) in common.FP8_DTYPES
+    if is_fp8 != (jnp.dtype(rhs.dtype) in common.FP8_DTYPES) or (
+        not is_fp8 and lhs.dtype != rhs.dtype
+    ):
+        raise TypeError(
+            f"lhs and rhs dtypes must match (two FP8 dtypes may mix), got "
+            f"{jnp.dtype(lhs.dtype).name} and {jnp.dtype(rhs.dtype).name}"
+        )
+    num_out_rows, num_tokens = lhs.shape
+    num_out_cols, num_tokens_rhs = rhs.shape
+    if num_tokens_rhs != num_tokens:
+        raise ValueError(
+            f"rhs token count {num_tokens_rhs} does not match lhs token count {num_tokens}"
+        )
+    num_groups = common.check_group_sizes(group_sizes, None)
+    common.check_row_stride("lhs", num_tokens, lhs.dtype)
+    common.check_row_stride("rhs", num_tokens, rhs.dtype)
+    common.check_row_stride("out", num_out_cols, out_dtype)
+    if lhs_scale is not None:
+        common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
+        if lhs_scale.shape not in ((), (num_out_rows,)):
+            raise ValueError(
+                f"lhs_scale must have shape () or ({num_out_rows},), got {tuple(lhs_scale.shape)}"
+            )
+    if rhs_scale is not None:
+        common.check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
+        if rhs_scale.shape not in ((), (num_out_cols,)):
+            raise ValueError(
+                f"rhs_scale must have shape () or ({num_out_cols},), got {tuple(rhs_scale.shape)}"
+            )
+    sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
+    if config is None:
+        config = _fit_default(
+            DEFAULT_FP8_WGRAD_CONFIG if is_fp8 else DEFAULT_BF16_WGRAD_CONFIG, sizes
+        )
+    if not isinstance(config, GroupedWgradConfig):
+        raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")
+    if config.smem_bytes(*sizes) > SMEM_BYTES:
+        raise ValueError(
+            f"config needs {config.smem_bytes(*sizes)} bytes of shared memory, more than "
+            f"{SMEM_BYTES}; lower max_concurrent_steps, tile sizes or epi_tile_n"
+        )
+
+    tile_m, tile_n, tile_t = config.tile_m, config.tile_n, config.tile_t
+    # Static windows must fit one tile: tiny problems are padded (and sliced after).
+    rows_p = max(num_out_rows, tile_m)
+    cols_p = max(num_out_cols, 2 * tile_n)
+    tokens_p = max(num_tokens, tile_t)
+    lhs_p = _pad_axis(_pad_axis(lhs, 0, rows_p), 1, tokens_p)
+    rhs_p = _pad_axis(_pad_axis(rhs, 0, cols_p), 1, tokens_p)
+    operands = [lhs_p, rhs_p]
+    lhs_scale_kind = rhs_scale_kind = None
+    if lhs_scale is not None:
+        lhs_scale_kind = "tensor" if lhs_scale.ndim == 0 else "row"
+        operands.append(
+            lhs_scale.reshape(1)
+            if lhs_scale.ndim == 0
+            else _pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m))
+        )
+    if rhs_scale is not None:
+        rhs_scale_kind = "tensor" if rhs_scale.ndim == 0 else "col"
+        operands.append(
+            rhs_scale.reshape(1)
+            if rhs_scale.ndim == 0
+            else _pad_axis(rhs_scale, 0, common.round_up(cols_p, 2 * tile_n))
+        )
+
+    out = _wgrad_call(
+        group_sizes,
+        operands,
+        num_groups=num_groups,
+        num_out_rows=rows_p,
+        num_out_cols=cols_p,
+        num_tokens=tokens_p,
+        valid_tokens=num_tokens,
+        lhs_scale_kind=lhs_scale_kind,
+        rhs_scale_kind=rhs_scale_kind,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+    )
+    if (rows_p, cols_p) != (num_out_rows, num_out_cols):
+        out = out[:, :num_out_rows, :num_out_cols]
+    return out
+
+
+def _wgrad_call(
+    group_sizes,
+    operands,
+    *,
+    num_groups,
+    num_out_rows,
+    num_out_cols,
+    num_tokens,
+    valid_tokens,
+    lhs_scale_kind,
+    rhs_scale_kind,
+    out_dtype,
+    config: GroupedWgradConfig,
+    interpret,
+):
+    tile_m, tile_n, tile_t = config.tile_m, config.tile_n, config.tile_t
+    epi_tile_n = config.epi_tile_n
+    num_epi_chunks = tile_n // epi_tile_n
+    stores_in_flight = 1 if num_epi_chunks % 2 == 0 else 0
+    lhs_dtype, rhs_dtype = operands[0].dtype, operands[1].dtype
+    lhs_reg_layout = (
+        plgpu.Layout.WGMMA_8BIT if jnp.dtype(lhs_dtype) in common.FP8_DTYPES else plgpu.Layout.WGMMA
+    )
+    rhs_reg_layout = (
+        plgpu.Layout.WGMMA_8BIT if jnp.dtype(rhs_dtype) in common.FP8_DTYPES else plgpu.Layout.WGMMA
+    )
+    num_row_tiles = pl.cdiv(num_out_rows, tile_m)
+    num_col_tiles = pl.cdiv(num_out_cols, 2 * tile_n)
+    tiles_per_group = num_row_tiles * num_col_tiles
+    out_transforms = common.smem_transforms(epi_tile_n, out_dtype)
+    in_specs = (
+        plgpu.BlockSpec(
+            (tile_m, tile_t),
+            lambda t: (0, t),
+            transforms=common.smem_transforms(tile_t, lhs_dtype),
+        ),
+        plgpu.BlockSpec(
+            (2 * tile_n, tile_t),
+            lambda t: (0, t),
+            transforms=common.smem_transforms(tile_t, rhs_dtype),
+        ),
+    )
+
+    def body(group_sizes_gmem, *refs):
+        lhs_gmem, rhs_gmem = refs[0], refs[1]
+        scale_refs = list(refs[2:-1])
+        out_gmem = refs[-1]
+        lhs_scale_ref = scale_refs.pop(0) if lhs_scale_kind else None
+        rhs_scale_ref = scale_refs.pop(0) if rhs_scale_kind else None
+        starts, ends = common.group_bounds(group_sizes_gmem, num_groups, valid_tokens)
+
+        def make_pipeline(step_fn, compute_context, num_steps):
+            return plgpu.emit_pipeline_warp_specialized(
+                step_fn,
+                grid=(num_steps,),
+                memory_registers=_PRODUCER_REGISTERS,
+                in_specs=in_specs,
+                wg_axis="wg",
+                num_compute_wgs=_NUM_CONSUMERS,
+                max_concurrent_steps=config.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=make_pipeline(
+                ignore, ignore, config.max_concurrent_steps
+            ).get_allocations(lhs_gmem, rhs_gmem),
+            out_smem=plgpu.SMEM(
+                (_NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype, transforms=out_transforms
+            ),
+            row_vec_smem=plgpu.SMEM((_NUM_CONSUMERS, tile_m), jnp.float32),
+            col_vec_smem=plgpu.SMEM((_NUM_CONSUMERS, tile_n), jnp.float32),
+            vec_barriers=plgpu.Barrier(num_barriers=2 * _NUM_CONSUMERS),
+            mask_barrier=plgpu.Barrier(num_arrivals=_NUM_CONSUMERS),
+            collective_axes="wg",
+        )
+        def _scope(
+            pipeline_allocs, out_smem, row_vec_smem, col_vec_smem, vec_barriers, mask_barrier
+        ):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((num_groups * tiles_per_group,), collective_axes="sm")
+            def _tile_loop(loop_info: plgpu.NDLoopInfo):
+                (linear,) = loop_info.index
+                group = lax.div(linear, jnp.int32(tiles_per_group))
+                row_tile, col_tile = plgpu.planar_snake(
+                    lax.rem(linear, jnp.int32(tiles_per_group)),
+                    (num_row_tiles, num_col_tiles),
+                    config.grid_minor_dim,
+                    config.grid_tile_width,
+                )
+                # Token range of the group: the same unrolled select chain in every
+                # warpgroup (G is small), so the producer and consumers agree.
+                tok_begin = tok_end = jnp.int32(0)
+                for i in range(num_groups):
+                    tok_begin = jnp.where(group == i, starts[i], tok_begin)
+                    tok_end = jnp.where(group == i, ends[i], tok_end)
+                first_chunk = lax.div(tok_begin, jnp.int32(tile_t))
+                num_steps = jnp.where(
+                    tok_end > tok_begin,
+                    lax.div(tok_end + tile_t - 1, jnp.int32(tile_t)) - first_chunk,
+                    jnp.int32(0),
+                )
+                row0 = row_tile * tile_m
+                col0 = col_tile * (2 * tile_n) + wg * tile_n
+                out_rows = out_gmem.at[group, pl.ds(row0, tile_m)]
+
+                def store_tile(values):
+                    for chunk in range(num_epi_chunks):
+                        slot = chunk % 2
+                        plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
+                        out_smem[wg, slot] = values[
+                            :, chunk * epi_tile_n : (chunk + 1) * epi_tile_n
+                        ].astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            out_rows.at[:, pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)],
+                        )
+
+                def scale(values):
+                    if lhs_scale_kind == "tensor":
+                        values = values * lhs_scale_ref[0]
+                    elif lhs_scale_kind == "row":
+                        plgpu.barrier_wait(vec_barriers.at[wg])
+                        row_scale = plgpu.load(
+                            row_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)
+                        )
+                        values = values * lax.broadcast_in_dim(row_scale, values.shape, [0])
+                    if rhs_scale_kind == "tensor":
+                        values = values * rhs_scale_ref[0]
+                    elif rhs_scale_kind == "col":
+                        plgpu.barrier_wait(vec_barriers.at[_NUM_CONSUMERS + wg])
+                        col_scale = plgpu.load(
+                            col_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)
+                        )
+                        values = values * lax.broadcast_in_dim(col_scale, values.shape, [1])
+                    return values
+
+                def prefetch_vectors():
+                    if lhs_scale_kind == "row":
+                        plgpu.copy_gmem_to_smem(
+                            lhs_scale_ref.at[pl.ds(row0, tile_m)],
+                            row_vec_smem.at[wg],
+                            vec_barriers.at[wg],
+                        )
+                    if rhs_scale_kind == "col":
+                        plgpu.copy_gmem_to_smem(
+                            rhs_scale_ref.at[pl.ds(col0, tile_n)],
+                            col_vec_smem.at[wg],
+                            vec_barriers.at[_NUM_CONSUMERS + wg],
+                        )
+
+                def compute_context(run_pipeline):
+                    prefetch_vectors()
+
+                    def with_acc(acc_ref):
+                        run_pipeline(acc_ref)
+                        return acc_ref[...]
+
+                    values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                    store_tile(scale(values))
+
+                def step_fn(idxs, lhs_smem, rhs_smem, acc_ref):
+                    (t,) = idxs
+                    token0 = (first_chunk + t) * tile_t
+                    on_boundary = (token0 < tok_begin) | (token0 + tile_t > tok_end)
+                    rhs_half = rhs_smem.at[pl.ds(wg * tile_n, tile_n)]
+
+                    def zero_foreign_tokens(ref, layout):
+                        tokens = token0 + plgpu.broadcasted_iota(
+                            jnp.int32, ref.shape, 1, layout=layout
+                        )
+                        keep = (tokens >= tok_begin) & (tokens < tok_end)
+                        values = plgpu.load(ref, layout=layout)
+                        if values.dtype.itemsize == 1:
+                            # Mosaic GPU does no arithmetic on 8-bit values, only bit
+                            # operations: AND the FP8 bytes with an all-ones/zero mask.
+                            bits = lax.bitcast_convert_type(values, jnp.int8)
+                            mask = jnp.where(keep, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+                            values = lax.bitcast_convert_type(bits & mask, values.dtype)
+                        else:
+                            values = jnp.where(keep, values, jnp.zeros_like(values))
+                        ref[...] = values
+
+                    @pl.when(on_boundary)
+                    def _mask_boundary_chunk():
+                        # Each consumer zeroes its own rhs half and half of the shared
+                        # lhs tile, then both meet at a barrier before either reads lhs.
+                        zero_foreign_tokens(rhs_half, rhs_reg_layout)
+                        zero_foreign_tokens(
+                            lhs_smem.at[pl.ds(wg * (tile_m // 2), tile_m // 2)], lhs_reg_layout
+                        )
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(mask_barrier)
+                        plgpu.barrier_wait(mask_barrier)
+
+                    plgpu.wgmma(acc_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(num_steps > 0)
+                def _matmul_tile():
+                    window = pl.ds(first_chunk * tile_t, num_tokens)
+                    make_pipeline(step_fn, compute_context, num_steps)(
+                        lhs_gmem.at[pl.ds(row0, tile_m), window],
+                        rhs_gmem.at[pl.ds(col_tile * (2 * tile_n), 2 * tile_n), window],
+                        allocations=pipeline_allocs,
+                    )
+
+                @pl.when((num_steps == 0) & (wg < _NUM_CONSUMERS))
+                def _empty_group():
+                    zeros = plgpu.layout_cast(
+                        jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    store_tile(zeros)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_groups, num_out_rows, num_out_cols), out_dtype),
+        grid=(config.num_sms or common.num_sms_default(),),
+        grid_names=("sm",),
+        num_threads=_NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        interpret=common.interpret_params(interpret),
+        kernel_name="grouped_matmul_wgrad",
+    )
+    return kernel(group_sizes, *operands)
