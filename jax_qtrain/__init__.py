@@ -14,6 +14,7 @@ from jax_qtrain.ops.grouped_quantize import (
     quantize_per_expert,
 )
 from jax_qtrain.quantize import QuantizedTensor, quantize
+from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages, quantize_weight
 from jax_qtrain.recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -34,6 +35,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "QuantizedTensor",
+    "QuantizedWeight",
     "QuantizerSpec",
     "Recipe",
     "autocast",
@@ -46,9 +48,11 @@ __all__ = [
     "grouped_matmul",
     "grouped_mlp",
     "grouped_quantize",
+    "needed_weight_usages",
     "nn",
     "quantize",
     "quantize_per_expert",
+    "quantize_weight",
     "recipe_from_name",
     "saved_residuals",
 ]

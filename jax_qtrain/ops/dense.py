@@ -14,6 +14,12 @@ recipe's `backward_override` (../shared/reference/te_semantics.md §1):
 
 Under an override the forward quantizes only what it reads (x rowwise, the kernel columnwise).
 The bias gradient is always the sum of the raw dy.
+
+Pre-quantized kernels (`quantized_kernel=`, docs/quantized_weights.md): the op reads the given
+copies instead of quantizing the kernel, and checks they are the ones it needs — the columnwise
+copy for fprop and, when differentiated in the default mode, the rowwise copy for dgrad. The
+gradient still flows to the high-precision `kernel`; with `kernel=None` (a weight kept only in
+quantized form) the op gives no kernel gradient and skips the wgrad GEMM.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.gemm import matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
+from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -46,6 +53,7 @@ class _DenseConfig:
     kernel_dtype: np.dtype
     bias_dtype: np.dtype | None
     out_dtype: np.dtype
+    has_kernel: bool = True  # False: only a quantized kernel was given; no kernel gradient
 
     @property
     def mode(self) -> str | None:
@@ -90,40 +98,79 @@ def stochastic_rounding_key(key: jax.Array | None, grad: jax.Array) -> jax.Array
     return jax.random.key(seed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dense(x2d, kernel, bias, key, config: _DenseConfig):
-    y, _ = _dense_fwd(x2d, kernel, bias, key, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _dense(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig):
+    # Not differentiated: fprop only, so a given quantized kernel needs only its columnwise copy.
+    y, _ = _forward(x2d, kernel, bias, key, quantized_kernel, config, differentiated=False)
     return y
 
 
-def _dense_fwd(x2d, kernel, bias, key, config: _DenseConfig):
+def _dense_fwd(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig):
     """Forward. Residuals: (saved_input, saved_kernel, key), each named (ops/residuals.py):
 
     - saved_input (INPUT): QuantizedTensor with only the columnwise copy (mode None), the raw
       x2d (mode None with save_original_input, and "high_precision"), or the forward-quantized
-      QuantizedTensor with only the rowwise copy ("dequantized");
+      QuantizedTensor with only the rowwise copy ("dequantized"); None without a kernel (no
+      wgrad to compute);
     - saved_kernel (KERNEL): QuantizedTensor with only the rowwise copy (mode None), the raw
-      kernel ("high_precision"), or the forward-quantized columnwise copy ("dequantized");
+      kernel ("high_precision"), or the forward-quantized columnwise copy ("dequantized"); with
+      a `quantized_kernel` these are views of the given copies, not new quantizations;
     - key (SR_KEY): the caller's stochastic-rounding key, or None.
     """
+    return _forward(x2d, kernel, bias, key, quantized_kernel, config, differentiated=True)
+
+
+def _check_quantized_kernel_usages(
+    quantized_kernel: QuantizedTensor, recipe: Recipe, differentiated: bool
+) -> None:
+    needed = needed_weight_usages(recipe, training=differentiated)
+    missing = [u for u in needed if not quantized_kernel.has_usage(u)]
+    if missing:
+        what = (
+            f"differentiating dense with backward_override={recipe.backward_override!r}"
+            if differentiated
+            else "the forward"
+        )
+        raise ValueError(
+            f"quantized_kernel holds only {list(quantized_kernel.usages)}, but {what} reads "
+            f"{list(needed)} (fprop reads the columnwise copy, dgrad the rowwise copy); quantize "
+            f"the kernel with {missing} too, e.g. QuantizedWeight.refresh(kernel, "
+            f"add_usages={tuple(missing)})"
+        )
+
+
+def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, differentiated):
     recipe, mode = config.recipe, config.mode
-    keep_x_columnwise = mode is None and not config.save_original_input
+    keep_x_columnwise = mode is None and not config.save_original_input and config.has_kernel
     qx = quantize(x2d, recipe, "input", rowwise=True, columnwise=keep_x_columnwise)
-    qw = quantize(kernel, recipe, "weight", rowwise=mode is None, columnwise=True)
-    rows, cols = x2d.shape[0], kernel.shape[1]
+    if quantized_kernel is None:
+        qw = quantize(kernel, recipe, "weight", rowwise=mode is None, columnwise=True)
+    else:
+        _check_quantized_kernel_usages(quantized_kernel, recipe, differentiated)
+        qw = quantized_kernel
+    rows, cols = x2d.shape[0], qw.shape[1]
     y = _add_bias(
         matmul_nt(qx, "rowwise", qw, "columnwise", rows=rows, cols=cols), bias, config.out_dtype
     )
+    if not differentiated:
+        return y, None
 
-    if mode is None:
+    if not config.has_kernel:
+        saved_input = None  # only wgrad reads x
+    elif mode is None:
         saved_input = x2d if config.save_original_input else qx.restrict_to("columnwise")
+    elif mode == "high_precision":
+        saved_input = x2d
+    else:  # "dequantized": the copy the forward GEMM read
+        saved_input = qx.restrict_to("rowwise")
+    if mode is None:
         saved_kernel = qw.restrict_to("rowwise")
     elif mode == "high_precision":
-        saved_input, saved_kernel = x2d, kernel
-    else:  # "dequantized": the operands the forward GEMM read
-        saved_input, saved_kernel = qx.restrict_to("rowwise"), qw.restrict_to("columnwise")
+        saved_kernel = kernel
+    else:  # "dequantized": the copy the forward GEMM read
+        saved_kernel = qw.restrict_to("columnwise")
     residuals = (
-        checkpoint_name(saved_input, names.INPUT),
+        None if saved_input is None else checkpoint_name(saved_input, names.INPUT),
         checkpoint_name(saved_kernel, names.KERNEL),
         None if key is None else checkpoint_name(key, names.SR_KEY),
     )
@@ -147,70 +194,130 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
             if recipe.spec("grad").stochastic_rounding
             else None,
         )
-        qx = saved_input
-        if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize in backward
-            qx = quantize(qx, recipe, "input", rowwise=False, columnwise=True)
         dx = matmul_nt(qdy, "rowwise", saved_kernel, "rowwise", rows=rows, cols=in_features)
-        dw = matmul_nt(qx, "columnwise", qdy, "columnwise", rows=in_features, cols=out_features)
+        dw = None
+        if config.has_kernel:
+            qx = saved_input
+            if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize
+                qx = quantize(qx, recipe, "input", rowwise=False, columnwise=True)
+            dw = matmul_nt(qx, "columnwise", qdy, "columnwise", rows=in_features, cols=out_features)
     else:
         compute_dtype = jnp.promote_types(config.x_dtype, config.kernel_dtype)
         if mode == "high_precision":
             x_values, kernel_values = saved_input, saved_kernel
         else:  # "dequantized"
-            x_values = saved_input.dequantize("rowwise", compute_dtype)
+            x_values = None
+            if config.has_kernel:
+                x_values = saved_input.dequantize("rowwise", compute_dtype)
             kernel_values = saved_kernel.dequantize("columnwise", compute_dtype)
         dy_c = dy.astype(compute_dtype)
         dx = _high_precision_dot(dy_c, kernel_values, _NT)
-        dw = _high_precision_dot(x_values, dy_c, _TN)
+        dw = _high_precision_dot(x_values, dy_c, _TN) if config.has_kernel else None
 
     dbias = None
     if config.bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(config.bias_dtype)
-    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None
+    dkernel = None if dw is None else dw.astype(config.kernel_dtype)
+    # No cotangent for the quantized kernel: its gradient is the kernel's.
+    return dx.astype(config.x_dtype), dkernel, dbias, None, None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def _validate(x, kernel, bias) -> None:
-    for name, value in (("x", x), ("kernel", kernel)):
+def _validate(x, kernel, bias, kernel_shape: tuple[int, ...]) -> None:
+    """`kernel_shape`: the kernel's, or the quantized kernel's when no kernel is given."""
+    arrays = (("x", x),) if kernel is None else (("x", x), ("kernel", kernel))
+    for name, value in arrays:
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(value).__name__}")
         if jnp.dtype(value.dtype) not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (..., in_features)")
-    if kernel.ndim != 2:
+    if len(kernel_shape) != 2:
         raise ValueError(
-            f"kernel must have shape (in_features, out_features), got rank {kernel.ndim} "
-            f"{tuple(kernel.shape)}"
+            f"kernel must have shape (in_features, out_features), got rank {len(kernel_shape)} "
+            f"{tuple(kernel_shape)}"
         )
-    if x.shape[-1] != kernel.shape[0]:
+    if x.shape[-1] != kernel_shape[0]:
         raise ValueError(
-            f"x's last dim ({x.shape[-1]}) must equal kernel's in_features ({kernel.shape[0]})"
+            f"x's last dim ({x.shape[-1]}) must equal kernel's in_features ({kernel_shape[0]})"
         )
     if bias is not None:
-        if not hasattr(bias, "shape") or tuple(bias.shape) != (kernel.shape[1],):
+        if not hasattr(bias, "shape") or tuple(bias.shape) != (kernel_shape[1],):
             got = tuple(bias.shape) if hasattr(bias, "shape") else type(bias).__name__
-            raise ValueError(f"bias must have shape ({kernel.shape[1]},), got {got}")
+            raise ValueError(f"bias must have shape ({kernel_shape[1]},), got {got}")
         if jnp.dtype(bias.dtype) not in _FLOAT_DTYPES:
             raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
 
 
+def _unwrap_quantized_kernel(quantized_kernel, kernel) -> QuantizedTensor:
+    """The QuantizedTensor of a `quantized_kernel` argument, checked against `kernel`."""
+    if isinstance(quantized_kernel, QuantizedWeight):
+        if quantized_kernel.num_groups is not None:
+            raise ValueError(
+                f"quantized_kernel holds {quantized_kernel.num_groups} stacked expert kernels; "
+                "dense takes one kernel (in_features, out_features)"
+            )
+        tensor = quantized_kernel.tensor
+    elif isinstance(quantized_kernel, QuantizedTensor):
+        tensor = quantized_kernel
+    else:
+        raise TypeError(
+            f"quantized_kernel must be a QuantizedWeight or a QuantizedTensor, got "
+            f"{type(quantized_kernel).__name__}"
+        )
+    data = tensor.columnwise_data if tensor.rowwise_data is None else tensor.rowwise_data
+    if len(tensor.shape) != 2 or (data is not None and getattr(data, "ndim", 2) != 2):
+        raise ValueError(
+            f"quantized_kernel must quantize one kernel (in_features, out_features), got shape "
+            f"{tensor.shape} with arrays of rank {getattr(data, 'ndim', None)}"
+        )
+    if kernel is not None and (
+        tuple(kernel.shape) != tensor.shape or jnp.dtype(kernel.dtype) != tensor.dtype
+    ):
+        raise ValueError(
+            f"quantized_kernel must be the quantization of kernel: it has shape {tensor.shape} "
+            f"and dtype {tensor.dtype}, kernel {tuple(kernel.shape)} {kernel.dtype}"
+        )
+    return tensor
+
+
+def _check_quantized_kernel_recipe(tensor: QuantizedTensor, recipe: Recipe | None, kernel) -> None:
+    if recipe is None:
+        raise ValueError(
+            "quantized_kernel needs the recipe it was quantized with: pass recipe= (or use "
+            "jax_qtrain.autocast); with no recipe dense runs in high precision"
+        )
+    if tensor.spec != recipe.spec("weight"):
+        raise ValueError(
+            f"quantized_kernel was quantized as {tensor.spec.describe()}, but the recipe "
+            f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
+        )
+    if kernel is None and recipe.backward_override == "high_precision":
+        raise ValueError(
+            'kernel is None, but backward_override="high_precision" reads the raw kernel in '
+            "backward; pass the high-precision kernel"
+        )
+
+
 def dense(
     x: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | None,
     bias: jax.Array | None = None,
     *,
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    quantized_kernel: QuantizedWeight | QuantizedTensor | None = None,
 ) -> jax.Array:
     """Quantized `x @ kernel + bias` with TransformerEngine's backward semantics.
 
     Args:
       x: (..., in_features) float array.
-      kernel: (in_features, out_features), Flax's layout.
+      kernel: (in_features, out_features), Flax's layout. May be None when `quantized_kernel`
+        is given: a weight kept only in quantized form, which then gets no gradient.
       bias: optional (out_features,).
       recipe: the quantization recipe; None uses the active `autocast` recipe, and with none
         active the op is a plain high-precision dense layer.
@@ -218,14 +325,33 @@ def dense(
         backward instead of saving its columnwise copy (overridden by `backward_override`).
       key: jax.random key for stochastic rounding of the output gradient (NVFP4). Without one,
         the seed is a hash of the gradient itself.
+      quantized_kernel: `kernel` already quantized by the recipe's weight quantizer (a
+        `QuantizedWeight` from `jax_qtrain.quantize_weight`, or a `QuantizedTensor`). The op
+        reads its copies instead of quantizing the kernel, e.g. once per optimizer step for all
+        microbatches. It must hold the columnwise copy (fprop) and, to be differentiated in the
+        default mode, the rowwise copy (dgrad); otherwise a ValueError says which is missing.
+        The op cannot check that its values are `kernel`'s: `QuantizedWeight.refresh` and
+        `jax_qtrain.nn.Linear(quantized_weight=True)` keep the two in step.
 
     Returns: (..., out_features) in the promoted dtype of x and kernel.
     """
-    _validate(x, kernel, bias)
+    if kernel is None and quantized_kernel is None:
+        raise TypeError("kernel must be an array (None only together with quantized_kernel)")
+    if kernel is not None and not (hasattr(kernel, "shape") and hasattr(kernel, "dtype")):
+        raise TypeError(f"kernel must be an array, got {type(kernel).__name__}")
+    quantized_tensor = None
+    if quantized_kernel is not None:
+        quantized_tensor = _unwrap_quantized_kernel(quantized_kernel, kernel)
+        kernel_shape, kernel_dtype = quantized_tensor.shape, quantized_tensor.dtype
+    else:
+        kernel_shape, kernel_dtype = tuple(kernel.shape), kernel.dtype
+    _validate(x, kernel, bias, kernel_shape)
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
-    out_dtype = jnp.promote_types(x.dtype, kernel.dtype)
+    if quantized_tensor is not None:
+        _check_quantized_kernel_recipe(quantized_tensor, recipe, kernel)
+    out_dtype = jnp.promote_types(x.dtype, kernel_dtype)
     x2d = x.reshape(-1, x.shape[-1])
     if recipe is None:
         y2d = _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, out_dtype)
@@ -234,9 +360,10 @@ def dense(
             recipe=recipe,
             save_original_input=effective_save_original_input(recipe, save_original_input),
             x_dtype=jnp.dtype(x.dtype),
-            kernel_dtype=jnp.dtype(kernel.dtype),
+            kernel_dtype=jnp.dtype(kernel_dtype),
             bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
             out_dtype=out_dtype,
+            has_kernel=kernel is not None,
         )
-        y2d = _dense(x2d, kernel, bias, key, config)
-    return y2d.reshape(*x.shape[:-1], kernel.shape[1])
+        y2d = _dense(x2d, kernel, bias, key, quantized_tensor, config)
+    return y2d.reshape(*x.shape[:-1], kernel_shape[1])
