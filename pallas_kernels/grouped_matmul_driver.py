@@ -149,7 +149,7 @@ def ragged_rows_call(
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None  # noqa: E731
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,

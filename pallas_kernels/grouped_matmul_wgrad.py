@@ -305,7 +305,7 @@ def _wgrad_call(
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None  # noqa: E731
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,

@@ -1,0 +1,101 @@
+"""Dense (one-group) NT GEMMs on Hopper through the grouped kernels.
+
+``out = lhs @ rhsᵀ`` with ``lhs (M, K)`` and ``rhs (N, K)`` both K-major, i.e. the
+grouped kernels with ``G = 1`` and ``group_sizes = [M]``. The single-group schedule
+costs one extra (empty) row-tile visit per column tile, which the kernels skip, so
+there is no separate dense kernel to maintain. ``jax_qtrain.dense`` uses these on GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels.grouped_matmul_fwd import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_fp8_block,
+)
+
+
+def _single_group(num_rows: int) -> jax.Array:
+    return jnp.full((1,), num_rows, jnp.int32)
+
+
+def dense_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out = (lhs @ rhsᵀ) * scales``; bf16/f16 or FP8 operands, f32 accumulation.
+
+    Args:
+      lhs: (M, K) bf16/f16 or FP8.
+      rhs: (N, K) same dtype family (two FP8 dtypes may mix).
+      lhs_scale: optional f32, () per-tensor or (M,) per-row.
+      rhs_scale: optional f32, () per-tensor or (N,) per-column.
+      out_dtype: bfloat16 or float32.
+      config: tiling of the grouped kernel.
+      interpret: run the Pallas interpreter.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 2)
+    if rhs_scale is not None:
+        common.check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
+        if rhs_scale.shape not in ((), (rhs.shape[0],)):
+            raise ValueError(
+                f"rhs_scale must have shape () or ({rhs.shape[0]},), got {tuple(rhs_scale.shape)}"
+            )
+        rhs_scale = rhs_scale.reshape((1, *rhs_scale.shape))
+    return grouped_matmul(
+        lhs,
+        rhs[None],
+        _single_group(lhs.shape[0]),
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def dense_matmul_fp8_block(
+    lhs: jax.Array,
+    lhs_scale: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Block-scaled FP8 ``out = lhs @ rhsᵀ``: lhs 1x128 blocks, rhs 128x128 blocks.
+
+    Args:
+      lhs: (M, K) FP8; K a multiple of 128.
+      lhs_scale: (M, K/128) f32.
+      rhs: (N, K) FP8.
+      rhs_scale: (ceil(N/128), K/128) f32.
+      out_dtype: bfloat16 or float32.
+      config: tiling (tile_k = tile_n = 128).
+      interpret: run the Pallas interpreter.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 2)
+    common.check_rank("rhs_scale", rhs_scale, 2)
+    return grouped_matmul_fp8_block(
+        lhs,
+        lhs_scale,
+        rhs[None],
+        rhs_scale[None],
+        _single_group(lhs.shape[0]),
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+    )

@@ -1,0 +1,440 @@
+"""Grouped-matmul kernels (issue 5): CPU interpret mode, CUDA cross-lowering, bad inputs.
+
+Interpret mode runs the Mosaic GPU kernels numerically on the CPU with NaN-initialized
+outputs, so a missing write shows up as NaN and fails the element-wise comparison.
+It does not enforce Hopper's rules (K-major FP8 operands, 8-bit arithmetic, layouts);
+the cross-lowering tests do, by lowering each kernel for an H200 without a GPU.
+Tolerances: the interpreter accumulates in f32 on exactly representable products,
+so f32 outputs must match a float64 reference to ~1e-5 relative to max |ref|;
+bf16 outputs to bf16 rounding (2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import mesh as mesh_lib
+
+from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_fp8_block,
+)
+from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig, grouped_matmul_wgrad
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+BF16 = jnp.bfloat16
+
+# Small tiles and two "SMs" keep interpreted grids to a handful of tiles.
+TINY_FWD = GroupedMatmulConfig(
+    tile_m=64, tile_n=32, tile_k=64, max_concurrent_steps=2, epi_tile_n=16, num_sms=2,
+    grid_tile_width=1,
+)
+TINY_FWD_FP8 = GroupedMatmulConfig(
+    tile_m=64, tile_n=32, tile_k=128, max_concurrent_steps=2, epi_tile_n=16, num_sms=2,
+    grid_tile_width=1,
+)
+TINY_BLOCK = GroupedMatmulConfig(
+    tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, num_sms=2,
+    grid_tile_width=1,
+)
+
+
+def tiny_wgrad(tile_t: int) -> GroupedWgradConfig:
+    return GroupedWgradConfig(
+        tile_m=128, tile_n=64, tile_t=tile_t, max_concurrent_steps=2, epi_tile_n=32, num_sms=2,
+        grid_tile_width=1,
+    )
+
+
+# ------------------------------------------------------------------ references (numpy, f64)
+
+
+def clamped_bounds(group_sizes, num_rows: int) -> list[tuple[int, int]]:
+    """The kernels' documented run-time rule: negative sizes are 0, the sum stops at M."""
+    bounds, end = [], 0
+    for size in np.asarray(group_sizes).tolist():
+        start = end
+        end = min(start + max(size, 0), num_rows)
+        bounds.append((start, end))
+    return bounds
+
+
+def ref_ragged_rows(lhs, rhs_nk, group_sizes) -> np.ndarray:
+    """out[rows of g] = lhs[rows of g] @ rhs[g]ᵀ in float64; rows of no group are 0."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs_nk = np.asarray(rhs_nk, np.float64)
+    out = np.zeros((lhs.shape[0], rhs_nk.shape[1]))
+    for g, (start, end) in enumerate(clamped_bounds(group_sizes, lhs.shape[0])):
+        out[start:end] = lhs[start:end] @ rhs_nk[g].T
+    return out
+
+
+def ref_ragged_contraction(lhs_km, rhs_nm, group_sizes) -> np.ndarray:
+    """out[g] = lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ in float64."""
+    lhs_km = np.asarray(lhs_km, np.float64)
+    rhs_nm = np.asarray(rhs_nm, np.float64)
+    bounds = clamped_bounds(group_sizes, lhs_km.shape[1])
+    return np.stack([lhs_km[:, s:e] @ rhs_nm[:, s:e].T for s, e in bounds])
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def dequant_fp8_block(q, scale, block_rows: int, block_cols: int) -> np.ndarray:
+    """FP8 block dequantization of layouts.md: q * scale_inv[i // rows, j // cols]."""
+    scale = np.asarray(scale, np.float64)
+    expanded = np.repeat(np.repeat(scale, block_rows, axis=-2), block_cols, axis=-1)
+    rows, cols = q.shape[-2:]
+    return f64(q) * expanded[..., :rows, :cols]
+
+
+def assert_close(out, ref, *, rel: float) -> None:
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    assert out.shape == ref.shape
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=rel * scale)
+
+
+def random_fp8(key, shape, dtype) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def keys(n: int, seed: int = 0):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+# Group splits over M = 160 rows (tile_m = 64): empty groups, a group inside one
+# tile, groups straddling tiles, and a tail of rows that belong to no group.
+SPLITS = {
+    "uneven_with_tail": [37, 0, 90],
+    "single": [160],
+    "all_empty": [0, 0, 0],
+    "empty_first_and_last": [0, 150, 0],
+    "many_small": [1, 2, 3, 64, 65],
+}
+
+
+# ------------------------------------------------------------------------ forward / dgrad
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_bf16_forward_matches_reference(split):
+    sizes = jnp.asarray(SPLITS[split], jnp.int32)
+    num_groups = sizes.shape[0]
+    k_lhs, k_rhs = keys(2)
+    lhs = jax.random.normal(k_lhs, (160, 128), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (num_groups, 64, 128), jnp.float32).astype(BF16)
+    out = grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=TINY_FWD, interpret=True)
+    assert out.dtype == jnp.float32
+    assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
+
+
+def test_bf16_forward_kn_layout_bf16_out_partial_tiles():
+    # K = 96 is not a multiple of tile_k = 64 and N = 48 not a multiple of 2 * tile_n:
+    # TMA zero-fills the missing K columns and clips the stores.
+    sizes = jnp.asarray([50, 70], jnp.int32)
+    k_lhs, k_rhs = keys(2, seed=1)
+    lhs = jax.random.normal(k_lhs, (130, 96), jnp.float32).astype(BF16)
+    rhs_kn = jax.random.normal(k_rhs, (2, 96, 48), jnp.float32).astype(BF16)
+    out = grouped_matmul(
+        lhs, rhs_kn, sizes, rhs_layout="kn", out_dtype=BF16, config=TINY_FWD, interpret=True
+    )
+    assert out.dtype == BF16 and out.shape == (130, 48)
+    ref = ref_ragged_rows(f64(lhs), np.swapaxes(f64(rhs_kn), 1, 2), sizes)
+    assert_close(out, ref, rel=2**-7)
+
+
+def test_fp8_mixed_forward_with_row_and_column_scales():
+    sizes = jnp.asarray([37, 0, 90], jnp.int32)
+    k = keys(4, seed=2)
+    lhs = random_fp8(k[0], (160, 256), E4M3)
+    rhs = random_fp8(k[1], (3, 64, 256), E5M2)
+    lhs_scale = jax.random.uniform(k[2], (160,), jnp.float32, 0.25, 4.0)
+    rhs_scale = jax.random.uniform(k[3], (3, 64), jnp.float32, 0.25, 4.0)
+    out = grouped_matmul(
+        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=jnp.float32,
+        config=TINY_FWD_FP8, interpret=True,
+    )
+    ref = ref_ragged_rows(
+        f64(lhs) * f64(lhs_scale)[:, None],
+        f64(rhs) * f64(rhs_scale)[:, :, None],
+        sizes,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
+    sizes = jnp.asarray([100, 60], jnp.int32)
+    k = keys(3, seed=3)
+    lhs = random_fp8(k[0], (160, 128), E4M3)
+    rhs = random_fp8(k[1], (2, 64, 128), E4M3)
+    lhs_scale = jnp.float32(0.75)
+    rhs_scale = jnp.asarray([1.5, 0.125], jnp.float32)
+    out = grouped_matmul(
+        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=BF16,
+        config=TINY_FWD_FP8, interpret=True,
+    )
+    ref = ref_ragged_rows(f64(lhs) * 0.75, f64(rhs) * f64(rhs_scale)[:, None, None], sizes)
+    assert_close(out, ref, rel=2**-7)
+
+
+def test_fp8_block_forward_matches_dequantized_reference():
+    sizes = jnp.asarray([37, 0, 100], jnp.int32)
+    k = keys(4, seed=4)
+    lhs = random_fp8(k[0], (160, 256), E4M3)
+    rhs = random_fp8(k[1], (3, 256, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (160, 2), jnp.float32, 2.0**-4, 2.0**4)
+    rhs_scale = jax.random.uniform(k[3], (3, 2, 2), jnp.float32, 2.0**-4, 2.0**4)
+    out = grouped_matmul_fp8_block(
+        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=TINY_BLOCK,
+        interpret=True,
+    )
+    ref = ref_ragged_rows(
+        dequant_fp8_block(lhs, lhs_scale, 1, 128),
+        dequant_fp8_block(rhs, rhs_scale, 128, 128),
+        sizes,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_dense_entry_points():
+    k = keys(6, seed=5)
+    lhs = jax.random.normal(k[0], (96, 128), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k[1], (64, 128), jnp.float32).astype(BF16)
+    out = dense_matmul(lhs, rhs, out_dtype=jnp.float32, config=TINY_FWD, interpret=True)
+    assert_close(out, f64(lhs) @ f64(rhs).T, rel=1e-5)
+
+    lhs8 = random_fp8(k[2], (96, 256), E4M3)
+    rhs8 = random_fp8(k[3], (256, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[4], (96, 2), jnp.float32, 0.5, 2.0)
+    rhs_scale = jax.random.uniform(k[5], (2, 2), jnp.float32, 0.5, 2.0)
+    out = dense_matmul_fp8_block(
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32, config=TINY_BLOCK,
+        interpret=True,
+    )
+    lhs_dq = dequant_fp8_block(lhs8, lhs_scale, 1, 128)
+    ref = lhs_dq @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_run_time_group_sizes_are_clamped():
+    # Device values cannot be checked at trace time. Documented rule: a negative size
+    # counts as 0 and the running sum stops at M (later groups get what is left).
+    sizes = jnp.asarray([-5, 100, 200, 7], jnp.int32)
+    k_lhs, k_rhs = keys(2, seed=6)
+    lhs = jax.random.normal(k_lhs, (160, 64), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (4, 64, 64), jnp.float32).astype(BF16)
+    out = grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=TINY_FWD, interpret=True)
+    assert clamped_bounds(sizes, 160) == [(0, 0), (0, 100), (100, 160), (160, 160)]
+    assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- wgrad
+
+
+@pytest.mark.parametrize("sizes", [[50, 0, 77, 40], [0, 0, 0, 0], [208, 0, 0, 0]])
+def test_bf16_wgrad_matches_reference_and_ignores_foreign_nans(sizes):
+    sizes = jnp.asarray(sizes, jnp.int32)
+    k_lhs, k_rhs = keys(2, seed=7)
+    lhs = jax.random.normal(k_lhs, (128, 208), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (128, 208), jnp.float32).astype(BF16)
+    used = clamped_bounds(sizes, 208)[-1][1]
+    # Tokens past sum(group_sizes) hold garbage; it must not leak into any group.
+    lhs = lhs.at[:, used + 3 :].set(jnp.nan)
+    rhs = rhs.at[:, used + 1 :].set(jnp.inf)
+    out = grouped_matmul_wgrad(lhs, rhs, sizes, config=tiny_wgrad(64), interpret=True)
+    assert out.shape == (4, 128, 128) and out.dtype == jnp.float32
+    assert_close(out, ref_ragged_contraction(f64(lhs), f64(rhs), sizes), rel=1e-5)
+
+
+def test_fp8_mixed_wgrad_with_scales_bf16_out():
+    sizes = jnp.asarray([50, 0, 77, 40], jnp.int32)
+    k = keys(3, seed=8)
+    lhs = random_fp8(k[0], (128, 208), E4M3)
+    rhs = random_fp8(k[1], (192, 208), E5M2)
+    lhs_scale = jax.random.uniform(k[2], (128,), jnp.float32, 0.25, 4.0)
+    out = grouped_matmul_wgrad(
+        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=jnp.float32(0.5), out_dtype=BF16,
+        config=tiny_wgrad(128), interpret=True,
+    )
+    assert out.shape == (4, 128, 192) and out.dtype == BF16
+    ref = ref_ragged_contraction(f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * 0.5, sizes)
+    assert_close(out, ref, rel=2**-7)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+def _bf16(shape):
+    return jnp.zeros(shape, BF16)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "needle"),
+    [
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((3,), jnp.int32)),
+         ValueError, "group_sizes"),
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int16)),
+         TypeError, "group_sizes"),
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2, 1), jnp.int32)),
+         ValueError, "group_sizes"),
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 24)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "contraction"),
+        (lambda: grouped_matmul(_bf16((8, 16, 1)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "lhs"),
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((16, 16)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "rhs"),
+        (lambda: grouped_matmul(jnp.zeros((8, 16), jnp.float32), _bf16((2, 16, 16)),
+                                jnp.zeros((2,), jnp.int32)),
+         TypeError, "lhs"),
+        (lambda: grouped_matmul(_bf16((8, 16)), jnp.zeros((2, 16, 16), E4M3),
+                                jnp.zeros((2,), jnp.int32)),
+         TypeError, "dtypes"),
+        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
+                                jnp.zeros((2,), jnp.int32), rhs_layout="kn"),
+         ValueError, "rhs_layout"),
+        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32),
+                                out_dtype=jnp.float16),
+         TypeError, "out_dtype"),
+        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
+                                jnp.zeros((2,), jnp.int32), lhs_scale=jnp.ones((7,))),
+         ValueError, "lhs_scale"),
+        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
+                                jnp.zeros((2,), jnp.int32), rhs_scale=jnp.ones((2, 3))),
+         ValueError, "rhs_scale"),
+        (lambda: grouped_matmul(_bf16((8, 12)), _bf16((2, 16, 12)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "16 bytes"),
+        (lambda: grouped_matmul_fp8_block(
+            jnp.zeros((8, 256), E4M3), jnp.ones((8, 3)), jnp.zeros((2, 128, 256), E4M3),
+            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "lhs_scale"),
+        (lambda: grouped_matmul_fp8_block(
+            jnp.zeros((8, 200), E4M3), jnp.ones((8, 2)), jnp.zeros((2, 128, 200), E4M3),
+            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "multiple of 128"),
+        (lambda: grouped_matmul_fp8_block(
+            _bf16((8, 256)), jnp.ones((8, 2)), jnp.zeros((2, 128, 256), E4M3),
+            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
+         TypeError, "lhs"),
+        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 72)), jnp.zeros((2,), jnp.int32)),
+         ValueError, "token"),
+        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 64)),
+                                      jnp.zeros((2,), jnp.float32)),
+         TypeError, "group_sizes"),
+        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 64)), jnp.zeros((2,), jnp.int32),
+                                      lhs_scale=jnp.ones((15,))),
+         ValueError, "lhs_scale"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(call, error, needle):
+    with pytest.raises(error, match=needle):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("factory", "needle"),
+    [
+        (lambda: GroupedMatmulConfig(tile_m=96), "tile_m"),
+        (lambda: GroupedMatmulConfig(tile_n=12), "tile_n"),
+        (lambda: GroupedMatmulConfig(tile_k=48), "tile_k"),
+        (lambda: GroupedMatmulConfig(max_concurrent_steps=0), "max_concurrent_steps"),
+        (lambda: GroupedMatmulConfig(tile_n=128, epi_tile_n=48), "epi_tile_n"),
+        (lambda: GroupedMatmulConfig(tile_m=256, tile_n=128), "register"),
+        (lambda: GroupedWgradConfig(tile_m=64), "tile_m"),
+        (lambda: GroupedWgradConfig(tile_t=48), "tile_t"),
+    ],
+)
+def test_bad_configs_raise(factory, needle):
+    with pytest.raises(ValueError, match=needle):
+        factory()
+
+
+def test_config_that_overflows_shared_memory_is_rejected():
+    config = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=8)
+    with pytest.raises(ValueError, match="shared memory"):
+        grouped_matmul(_bf16((256, 256)), _bf16((2, 256, 256)), jnp.zeros((2,), jnp.int32),
+                       config=config)
+
+
+# ---------------------------------------------------------------- cross-lowering for the H200
+
+
+def _lower_for_h200(fn, *avals) -> str:
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*avals)
+    return exported.mlir_module()
+
+
+S = jax.ShapeDtypeStruct
+G, M, K, N = 8, 16384, 4096, 4096
+SIZES = S((G,), jnp.int32)
+F32 = jnp.float32
+
+
+CROSS_LOWERING_CASES = {
+    "bf16_fwd_nk": (
+        lambda a, b, g: grouped_matmul(a, b, g, config=GroupedMatmulConfig(
+            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32)),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "bf16_fwd_kn_f32_out": (
+        lambda a, b, g: grouped_matmul(a, b, g, rhs_layout="kn", out_dtype=F32),
+        (S((M, K), BF16), S((G, K, N), BF16), SIZES),
+    ),
+    "fp8_fwd_e4m3_rowwise": (
+        lambda a, b, g, sa, sb: grouped_matmul(a, b, g, lhs_scale=sa, rhs_scale=sb),
+        (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
+    ),
+    "fp8_dgrad_e5m2_x_e4m3_tensor": (
+        lambda a, b, g, sa, sb: grouped_matmul(a, b, g, lhs_scale=sa, rhs_scale=sb, out_dtype=F32),
+        (S((M, N), E5M2), S((G, K, N), E4M3), SIZES, S((), F32), S((G,), F32)),
+    ),
+    "fp8_block_fwd": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(a, sa, b, sb, g),
+        (S((M, K), E4M3), S((M, K // 128), F32), S((G, N, K), E4M3),
+         S((G, N // 128, K // 128), F32), SIZES),
+    ),
+    "fp8_block_dense": (
+        lambda a, sa, b, sb: dense_matmul_fp8_block(a, sa, b, sb),
+        (S((8192, 8192), E4M3), S((8192, 64), F32), S((8192, 8192), E4M3), S((64, 64), F32)),
+    ),
+    "bf16_dense": (
+        lambda a, b: dense_matmul(a, b),
+        (S((8192, 8192), BF16), S((8192, 8192), BF16)),
+    ),
+    "bf16_wgrad": (
+        lambda a, b, g: grouped_matmul_wgrad(a, b, g),
+        (S((K, M), BF16), S((N, M), BF16), SIZES),
+    ),
+    "fp8_wgrad_e4m3_x_e5m2_scaled": (
+        lambda a, b, g, sa, sb: grouped_matmul_wgrad(a, b, g, lhs_scale=sa, rhs_scale=sb,
+                                                     out_dtype=BF16),
+        (S((K, M), E4M3), S((N, M), E5M2), SIZES, S((K,), F32), S((), F32)),
+    ),
+    "small_experts_fwd": (
+        lambda a, b, g: grouped_matmul(a, b, g),
+        (S((32768, 2048), BF16), S((64, 1408, 2048), BF16), S((64,), jnp.int32)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_LOWERING_CASES))
+def test_cross_lowers_for_h200(name):
+    fn, avals = CROSS_LOWERING_CASES[name]
+    module = _lower_for_h200(fn, *avals)
+    assert "mosaic_gpu" in module
+
+
+def test_fp8_operand_that_is_not_k_major_is_refused():
+    # Hopper's fp8 wgmma reads K-major operands only; the wrapper refuses (G, K, N).
+    with pytest.raises(ValueError, match="K-major"):
+        grouped_matmul(jnp.zeros((64, 128), E4M3), jnp.zeros((2, 128, 64), E4M3),
+                       jnp.zeros((2,), jnp.int32), rhs_layout="kn")
