@@ -35,6 +35,7 @@ from jax_qtrain.formats import common, nvfp4
 from pallas_kernels import quantize_common as qc
 
 SHAPES = ((8192, 8192), (16384, 4096))
+E4M3 = jnp.float8_e4m3fn
 
 
 # --- timing -------------------------------------------------------------------------------------
@@ -88,6 +89,38 @@ def pallas_copy(x: jax.Array, config: qc.TileConfig | None = None) -> jax.Array:
     )(x)
 
 
+def pallas_cast_skeleton(x: jax.Array, config: qc.TileConfig | None = None):
+    """The row+col quantize structure without block scaling: each tile read rowwise and
+    columnwise, cast to E4M3 and written (staged in shared memory, TMA out, as the quantize
+    kernels do by default). Bytes: 2 read + 2 written per element (bf16)."""
+    config = config or qc.TileConfig()
+    rows, cols = x.shape
+    outputs = [qc.DataOutput(columnwise=False), qc.DataOutput(columnwise=True)]
+
+    def tile(x_smem, m0, k0, dests):
+        for j in range(config.tile_k // 32):
+            v = qc.load_rows(x_smem.at[:, pl.ds(32 * j, 32)], x.dtype)
+            qc.store_line_bytes(dests[0].cols(32 * j, 32), qc.as_bytes(qc.saturating_fp8(v, E4M3)))
+        for i in range(config.tile_m // 32):
+            v = qc.load_columns(x_smem.at[pl.ds(32 * i, 32), :])
+            qc.store_line_bytes(dests[1].cols(32 * i, 32), qc.as_bytes(qc.saturating_fp8(v, E4M3)))
+
+    def kernel(x_gmem, *refs):
+        outs, scratch = qc.split_refs(refs, config, cols, outputs)
+        qc.for_each_tile(x_gmem, scratch, config, cols, tile, list(zip(outs, outputs, strict=True)))
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((rows, cols), jnp.uint8),
+            jax.ShapeDtypeStruct((cols, rows), jnp.uint8),
+        ),
+        scratch_types=qc.tile_scratch(config, x.dtype, cols, outputs),
+        compiler_params=qc.kernel_params(config, cols),
+        **qc.tile_grid(rows, cols, config),
+    )(x)
+
+
 # --- cases --------------------------------------------------------------------------------------
 def _nvfp4_xla_amaxes(x, rht: bool):
     """What jax_qtrain.quantize computes before calling the kernel: jnp amaxes of x and of the
@@ -109,7 +142,8 @@ def headline_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, i
     fb_row = xb + n + 4 * (n // 128)
     out = [
         ("copy", "x + 1 (XLA fusion)", "xla", lambda v: v + jnp.bfloat16(1), (x,), 2 * xb),
-        ("copy", "tile skeleton", "pallas", pallas_copy, (x,), 2 * xb),
+        ("copy", "tile skeleton (direct stores)", "pallas", pallas_copy, (x,), 2 * xb),
+        ("copy", "row+col e4m3 cast skeleton", "pallas", pallas_cast_skeleton, (x,), 2 * xb),
     ]
 
     def add_quantize(group, recipe, role, columnwise, nbytes):
@@ -265,7 +299,8 @@ def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int
     variants = [
         dict(tile_m=128, tile_k=256),
         dict(tile_m=256, tile_k=128),
-        dict(tile_m=256, tile_k=256),
+        dict(tile_m=256, tile_k=256, stage_outputs=False),
+        dict(stage_outputs=False),
         dict(steps_per_cta=4, max_concurrent_steps=2),
         dict(steps_per_cta=8, max_concurrent_steps=3),
     ]

@@ -30,13 +30,15 @@ CHUNK = 32  # columns dequantized at a time per thread
 
 @dataclasses.dataclass(frozen=True)
 class DequantizeConfig(qc.TileConfig):
-    """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`; one tile per CTA:
-    steps_per_cta must stay 1)."""
+    """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`; one tile per CTA and
+    TMA in and out: steps_per_cta must stay 1 and stage_outputs True)."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.steps_per_cta != 1:
             raise ValueError(f"steps_per_cta must be 1 for dequantize, got {self.steps_per_cta}")
+        if not self.stage_outputs:
+            raise ValueError("stage_outputs must be True for dequantize (tiles always go by TMA)")
 
 
 def _check_out_dtype(out_dtype) -> jnp.dtype:
@@ -72,15 +74,48 @@ def _load(ref, dtype) -> jax.Array:
     return plgpu.load(ref, layout=qc.row_per_thread(vector), optimized=False)
 
 
-def _run(kernel, out_shape, out_dtype, operands, config, interpret):
+def _run(body, out_shape, out_dtype, codes, operands, code_cols, config, interpret):
+    """One 128×128 tile of the copy per CTA: its codes (a uint8 array, `code_cols` bytes per
+    tile row) arrive in shared memory by TMA, `body(codes_smem, out_smem, *operand_refs, m0=,
+    k0=)` writes the values into a shared-memory tile, and TMA copies that out (whole lines in
+    both directions; scales are read directly, they are small)."""
     rows, cols = out_shape
+    tm, tk = config.tile_m, config.tile_k
+
+    def kernel(codes_gmem, *refs):
+        *operand_refs, out_gmem, codes_smem, out_smem, barrier = refs
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        m0, k0 = i * tm, j * tk
+        plgpu.copy_gmem_to_smem(
+            codes_gmem.at[pl.ds(m0, tm), pl.ds(j * code_cols, code_cols)], codes_smem, barrier
+        )
+        plgpu.barrier_wait(barrier)
+        body(codes_smem, out_smem, *operand_refs, m0=m0, k0=k0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        scratch_types=(
+            plgpu.SMEM((tm, code_cols), jnp.uint8, transforms=qc.OUT_TRANSFORMS),
+            plgpu.SMEM((tm, tk), out_dtype, transforms=qc.tile_transforms(out_dtype)),
+            plgpu.Barrier(),
+        ),
         interpret=qc.interpret_params(interpret),
         compiler_params=qc.compiler_params(),
         **qc.tile_grid(rows, cols, config),
-    )(*operands)
+    )(codes, *operands)
+
+
+def _codes(codes_smem, start: int, width: int) -> jax.Array:
+    """(tile rows, width) code bytes from shared memory, row-per-thread in 16-byte vectors."""
+    return plgpu.load(codes_smem.at[:, pl.ds(start, width)], layout=qc.row_per_thread(16))
+
+
+def _store(out_smem, start: int, values: jax.Array, out_dtype) -> None:
+    qc.store_line_bytes(out_smem.at[:, pl.ds(start, values.shape[1])], values.astype(out_dtype))
 
 
 def _padded(a, rows, cols):
@@ -96,27 +131,25 @@ def _per_row(values: jax.Array, j: int) -> jax.Array:
     return jnp.max(values[:, j : j + 1], axis=1)
 
 
-def _mxfp8_kernel(data_gmem, scale_gmem, out_gmem, *, config, out_dtype):
-    m0, k0 = qc.tile_origin(config)
+def _mxfp8_body(codes_smem, out_smem, scale_gmem, *, m0, k0, config, fp8_dtype, out_dtype):
     tm, tk = config.tile_m, config.tile_k
     scale_bytes = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 32, tk // 32)], jnp.uint8)
     scale_bytes = plgpu.layout_cast(scale_bytes.astype(jnp.int32), qc.RPT1)
     layout = qc.row_per_thread(16)
     for j in range(tk // CHUNK):
-        q = _load(data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], data_gmem.dtype)
-        q = q.astype(jnp.float32)
+        codes = lax.bitcast_convert_type(_codes(codes_smem, j * CHUNK, CHUNK), fp8_dtype)
+        q = codes.astype(jnp.float32)
         exponent = _per_row(scale_bytes, j) - 127
-        # x · 2^exponent as the reference does it: 2^-127 split in two normal factors.
+        # x · 2^exponent as the reference does it: 2^-127 split in two normal factors, and a
+        # NaN block (byte 255) replaced by NaN (a select, so the NaN is the reference's).
         direct = lax.bitcast_convert_type((jnp.clip(exponent, -126, 127) + 127) << 23, jnp.float32)
         first = jnp.where(exponent == -127, jnp.float32(2.0**-63), direct)
-        first = jnp.where(exponent == 128, jnp.float32(jnp.nan), first)
         second = jnp.where(exponent == -127, jnp.float32(2.0**-64), jnp.float32(1.0))
         values = (q * qc.broadcast_rows(first, q.shape, layout)) * qc.broadcast_rows(
             second, q.shape, layout
         )
-        qc.store_line_bytes(
-            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], values.astype(out_dtype)
-        )
+        nan_block = qc.broadcast_rows(exponent == 128, q.shape, layout)
+        _store(out_smem, j * CHUNK, jnp.where(nan_block, jnp.float32(jnp.nan), values), out_dtype)
 
 
 def dequantize_mxfp8(
@@ -140,10 +173,12 @@ def dequantize_mxfp8(
     config = _check_config(config)
     pr, pc = config.padded_shape(rows, cols)
     out = _run(
-        functools.partial(_mxfp8_kernel, config=config, out_dtype=out_dtype),
+        functools.partial(_mxfp8_body, config=config, fp8_dtype=data.dtype, out_dtype=out_dtype),
         (pr, pc),
         out_dtype,
-        (_padded(data, pr, pc), _padded(scale, pr, pc // 32)),
+        _padded(lax.bitcast_convert_type(data, jnp.uint8), pr, pc),
+        (_padded(scale, pr, pc // 32),),
+        config.tile_k,
         config,
         interpret,
     )
@@ -165,26 +200,25 @@ def e2m1_value_bits(codes: jax.Array) -> jax.Array:
     return magnitude | ((codes & jnp.uint32(8)) << 28)
 
 
-def _nvfp4_kernel(data_gmem, scale_gmem, s_dec_gmem, out_gmem, *, config, out_dtype):
-    m0, k0 = qc.tile_origin(config)
+def _nvfp4_body(codes_smem, out_smem, scale_gmem, s_dec_gmem, *, m0, k0, config, out_dtype):
     tm, tk = config.tile_m, config.tile_k
     s_dec = s_dec_gmem[0]
     block_scales = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 16, tk // 16)], jnp.uint8)
     block_scales = lax.bitcast_convert_type(block_scales, jnp.float8_e4m3fn).astype(jnp.float32)
     block_scales = plgpu.layout_cast(block_scales, qc.RPT1)
-    for b in range(tk // 16):
-        packed = _load(data_gmem.at[pl.ds(m0, tm), pl.ds((k0 + 16 * b) // 2, 8)], jnp.uint8)
-        packed = plgpu.layout_cast(packed.astype(jnp.uint32), qc.RPT1)
-        codes = []
-        for i in range(8):  # element 2i in the low nibble
-            byte = packed[:, i : i + 1]
-            codes += [byte & jnp.uint32(0xF), byte >> 4]
-        q = qc.f32_from_bits(e2m1_value_bits(qc.concat_columns(codes)))
-        scale = qc.broadcast_rows(_per_row(block_scales, b), q.shape, qc.RPT1)
-        values = (q * scale) * s_dec
-        qc.store_line_bytes(
-            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + 16 * b, 16)], values.astype(out_dtype)
-        )
+    for g in range(tk // 64):  # 64 values = 32 packed bytes at a time
+        packed = plgpu.layout_cast(_codes(codes_smem, 32 * g, 32).astype(jnp.uint32), qc.RPT1)
+        for pair in range(2):  # two 16-value blocks per 32-column store
+            values = []
+            for b in (2 * pair, 2 * pair + 1):
+                codes = []
+                for i in range(8 * b, 8 * b + 8):  # element 2i in the low nibble
+                    byte = packed[:, i : i + 1]
+                    codes += [byte & jnp.uint32(0xF), byte >> 4]
+                q = qc.f32_from_bits(e2m1_value_bits(qc.concat_columns(codes)))
+                scale = qc.broadcast_rows(_per_row(block_scales, 4 * g + b), q.shape, qc.RPT1)
+                values.append((q * scale) * s_dec)
+            _store(out_smem, 64 * g + 32 * pair, jnp.concatenate(values, axis=1), out_dtype)
 
 
 def dequantize_nvfp4(
@@ -216,10 +250,12 @@ def dequantize_nvfp4(
     pr, pc = config.padded_shape(rows, cols)
     scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)
     out = _run(
-        functools.partial(_nvfp4_kernel, config=config, out_dtype=out_dtype),
+        functools.partial(_nvfp4_body, config=config, out_dtype=out_dtype),
         (pr, pc),
         out_dtype,
-        (_padded(data, pr, pc // 2), _padded(scale_bytes, pr, pc // 16), s_dec),
+        _padded(data, pr, pc // 2),
+        (_padded(scale_bytes, pr, pc // 16), s_dec),
+        config.tile_k // 2,
         config,
         interpret,
     )
@@ -230,26 +266,25 @@ def dequantize_nvfp4(
 # FP8 block
 
 
-def _fp8_block_kernel(data_gmem, scale_gmem, out_gmem, *, config, out_dtype, two_d):
-    m0, k0 = qc.tile_origin(config)
+def _fp8_block_body(
+    codes_smem, out_smem, scale_gmem, *, m0, k0, config, fp8_dtype, out_dtype, two_d
+):
     tm, tk = config.tile_m, config.tile_k
     layout = qc.row_per_thread(16)
     if two_d:
-        tile_scale = scale_gmem[lax.axis_index("m"), lax.axis_index("k")]
+        tile_scale = scale_gmem[m0 // 128, k0 // 128]
     else:
         scales = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 128, tk // 128)], jnp.float32)
         scales = plgpu.layout_cast(scales, qc.RPT1)
     for j in range(tk // CHUNK):
-        q = _load(data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], data_gmem.dtype)
-        q = q.astype(jnp.float32)
+        codes = lax.bitcast_convert_type(_codes(codes_smem, j * CHUNK, CHUNK), fp8_dtype)
+        q = codes.astype(jnp.float32)
         if two_d:
             values = q * tile_scale
         else:
             block = (j * CHUNK) // 128
             values = q * qc.broadcast_rows(_per_row(scales, block), q.shape, layout)
-        qc.store_line_bytes(
-            out_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * CHUNK, CHUNK)], values.astype(out_dtype)
-        )
+        _store(out_smem, j * CHUNK, values, out_dtype)
 
 
 def dequantize_fp8_block(
@@ -282,10 +317,14 @@ def dequantize_fp8_block(
     pr, pc = config.padded_shape(rows, cols)
     scale_pad = (pr // 128, pc // 128) if two_d else (pr, pc // 128)
     out = _run(
-        functools.partial(_fp8_block_kernel, config=config, out_dtype=out_dtype, two_d=two_d),
+        functools.partial(
+            _fp8_block_body, config=config, fp8_dtype=data.dtype, out_dtype=out_dtype, two_d=two_d
+        ),
         (pr, pc),
         out_dtype,
-        (_padded(data, pr, pc), _padded(scale_inv, *scale_pad)),
+        _padded(lax.bitcast_convert_type(data, jnp.uint8), pr, pc),
+        (_padded(scale_inv, *scale_pad),),
+        config.tile_k,
         config,
         interpret,
     )

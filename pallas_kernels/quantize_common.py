@@ -26,6 +26,7 @@ flush-to-zero, exactly like the references.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -42,9 +43,6 @@ TILE = 128
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
-# The NaN byte jnp/XLA produce for a *positive* NaN cast to each FP8 dtype (ml_dtypes'
-# canonical quiet NaN). Hopper's cvt.satfinite always gives 0x7F, so E5M2 needs a fix-up.
-FP8_POSITIVE_NAN_BYTE = {jnp.dtype(jnp.float8_e4m3fn): 0x7F, jnp.dtype(jnp.float8_e5m2): 0x7E}
 FLT_MAX = float(np.finfo(np.float32).max)
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 F32_INF_BITS = 0x7F800000
@@ -125,6 +123,35 @@ def iota(shape: tuple[int, int], dimension: int, layout) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.uint32, shape, dimension, layout=layout)
 
 
+@functools.cache
+def _xla_nan_codes(fp8_name: str, platform: str, through_product: bool) -> tuple[int, int]:
+    dtype = jnp.dtype(fp8_name)
+    limit = FP8_MAX[dtype]
+
+    def cast(v, selector, scale):
+        if through_product:  # FP8 block: clip(x · scale), x NaN
+            v = v * scale
+        else:  # MXFP8: a NaN block's values are replaced by NaN, then cast
+            v = jnp.where(selector, jnp.float32(jnp.nan), v)
+        return jnp.clip(v, -limit, limit).astype(dtype)
+
+    values = np.array([np.nan, -np.nan], np.float32)  # 0x7FC00000, 0xFFC00000
+    # Run it now, outside any abstract mesh a caller (or a cross-lowering test) traces under.
+    empty_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.ensure_compile_time_eval(), jax.sharding.use_abstract_mesh(empty_mesh):
+        codes = jax.jit(cast)(values, np.array([True, True]), np.float32(1))
+    positive, negative = np.asarray(codes).view(np.uint8).tolist()
+    return positive, negative
+
+
+def xla_nan_codes(fp8_dtype, *, through_product: bool) -> tuple[int, int]:
+    """The bytes the jnp references' saturating cast gives a positive and a negative quiet NaN,
+    on the backend the kernel is traced for: XLA:CPU keeps the sign and gives E5M2 0x7E, while
+    Hopper's cvt.satfinite (what this kernel's cast compiles to) gives 0x7F; the kernels write
+    the reference's byte. Probed once per backend with a tiny XLA computation."""
+    return _xla_nan_codes(jnp.dtype(fp8_dtype).name, jax.default_backend(), through_product)
+
+
 def saturating_fp8(v: jax.Array, fp8_dtype) -> jax.Array:
     """RNE cast to FP8, saturating to ±max, NaN → NaN (Hopper's cvt.rn.satfinite; the clip makes
     the interpreter, which uses XLA's non-saturating cast, agree)."""
@@ -171,6 +198,17 @@ def crop(a: jax.Array, rows: int, cols: int) -> jax.Array:
             lax.bitcast_convert_type(a, unsigned)[:rows, :cols], a.dtype
         )
     return a[:rows, :cols]
+
+
+def crop_codes(a: jax.Array, rows: int, cols: int, dtype) -> jax.Array:
+    """Crop a uint8 code array and view it as `dtype` (a bitcast: no conversion)."""
+    a = a[:rows, :cols] if a.shape != (rows, cols) else a
+    return a if jnp.dtype(dtype) == jnp.uint8 else lax.bitcast_convert_type(a, dtype)
+
+
+def as_bytes(codes: jax.Array) -> jax.Array:
+    """FP8 codes as their uint8 bit patterns (kernels store bytes)."""
+    return codes if codes.dtype == jnp.uint8 else lax.bitcast_convert_type(codes, jnp.uint8)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -221,12 +259,17 @@ class TileConfig:
         through a TMA pipeline (`plgpu.emit_pipeline`), prefetching the next tiles while it
         quantizes one. Reduced to a divisor of the number of column tiles.
       max_concurrent_steps: pipeline depth (shared-memory buffers) when steps_per_cta > 1.
+      stage_outputs: write the codes of each tile into shared memory and copy them out with
+        TMA (whole 128-byte lines), instead of storing each thread's row straight to global
+        memory (16-byte pieces of 32 different lines per warp store). Scales are always stored
+        directly (they are 1/16 to 1/32 of the codes).
     """
 
     tile_m: int = TILE
     tile_k: int = TILE
     steps_per_cta: int = 1
     max_concurrent_steps: int = 2
+    stage_outputs: bool = True
 
     def __post_init__(self):
         for name in ("tile_m", "tile_k", "steps_per_cta", "max_concurrent_steps"):
@@ -242,6 +285,8 @@ class TileConfig:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
             )
+        if not isinstance(self.stage_outputs, bool):
+            raise TypeError(f"stage_outputs must be a bool, got {self.stage_outputs!r}")
 
     def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
@@ -267,53 +312,148 @@ def tile_transforms(dtype) -> tuple:
     )
 
 
-def tile_scratch(config: TileConfig, dtype, cols: int) -> tuple:
-    """Scratch for `for_each_tile`: one tile buffer and its barrier for one-tile CTAs (the
-    pipeline allocates its own buffers)."""
+# Byte-wide code tiles in shared memory: 8×32-byte tiles with the 32-byte swizzle, so that the
+# 16-byte row stores of 8 consecutive threads (rows) land in 8 distinct bank groups.
+OUT_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOutput:
+    """A byte array of codes written one tile at a time: the rowwise copy (a tile_m × tile_k/d
+    block) or the transposed columnwise copy (tile_k × tile_m/d), d = elements per byte."""
+
+    columnwise: bool
+    elements_per_byte: int = 1
+
+    def block(self, config: TileConfig) -> tuple[int, int]:
+        if self.columnwise:
+            return config.tile_k, config.tile_m // self.elements_per_byte
+        return config.tile_m, config.tile_k // self.elements_per_byte
+
+    def block_index(self, i, jt):
+        """Block coordinates of tile (i, jt) of x in this output."""
+        return (jt, i) if self.columnwise else (i, jt)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileDest:
+    """Where a tile's codes go: a shared-memory tile buffer (origin 0, 0) or the global output
+    at the tile's origin. `cols(start, width)` is the (lines, width) view at column `start`."""
+
+    ref: object
+    line0: object
+    col0: object
+    lines: int
+
+    def cols(self, start: int, width: int):
+        return self.ref.at[pl.ds(self.line0, self.lines), pl.ds(self.col0 + start, width)]
+
+
+def _staged(config: TileConfig, outputs) -> bool:
+    return config.stage_outputs and bool(outputs)
+
+
+def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
+    """Scratch for `for_each_tile`: the input tile buffer and its barrier (one-tile CTAs; the
+    pipeline allocates its own), then the staged output tiles."""
+    staged = [
+        plgpu.SMEM(out.block(config), jnp.uint8, transforms=OUT_TRANSFORMS)
+        for out in (outputs if _staged(config, outputs) else ())
+    ]
     if config.steps(cols) > 1:
-        return ()
+        return tuple(staged)
     smem = plgpu.SMEM((config.tile_m, config.tile_k), dtype, transforms=tile_transforms(dtype))
-    return (smem, plgpu.Barrier())
+    return (smem, plgpu.Barrier(), *staged)
 
 
-def split_refs(refs, config: TileConfig, cols: int) -> tuple[list, tuple]:
+H100_SMEM_BYTES = 227 * 1024  # per CTA on sm_90 (Hopper's opt-in maximum)
+
+
+def check_smem(config: TileConfig, dtype, cols: int, outputs=()) -> None:
+    """ValueError naming the config when its buffers do not fit in one SM's shared memory."""
+    stages = 1 if config.steps(cols) == 1 else min(config.max_concurrent_steps, config.steps(cols))
+    needed = stages * config.smem_bytes(dtype)
+    if _staged(config, outputs):
+        needed += sum(math.prod(out.block(config)) for out in outputs)
+    if needed > H100_SMEM_BYTES - 4096:  # leave room for barriers and reduction scratch
+        raise ValueError(
+            f"config {config} needs {needed} bytes of shared memory for {jnp.dtype(dtype)} "
+            f"input, more than the {H100_SMEM_BYTES} an sm_90 CTA has: use smaller tiles, "
+            "fewer concurrent steps or stage_outputs=False"
+        )
+
+
+def split_refs(refs, config: TileConfig, cols: int, outputs=()) -> tuple[list, tuple]:
     """(output refs, scratch refs) of a kernel that used `tile_scratch`."""
-    n_scratch = 0 if config.steps(cols) > 1 else 2
+    n_scratch = (0 if config.steps(cols) > 1 else 2) + (
+        len(outputs) if _staged(config, outputs) else 0
+    )
     if n_scratch == 0:
         return list(refs), ()
     return list(refs[:-n_scratch]), tuple(refs[-n_scratch:])
 
 
-def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body) -> None:
-    """Run `body(x_smem, m0, k0)` on each of this CTA's tiles of x (first row m0, column k0),
-    with the tile in shared memory (see `tile_transforms`)."""
+def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body, outputs=()) -> None:
+    """Run `body(x_smem, m0, k0, dests)` on each of this CTA's tiles of x (first row m0, column
+    k0) with the tile in shared memory (see `tile_transforms`). `outputs` pairs each global
+    code array (uint8: FP8 codes are bitcast outside the kernel) with its `DataOutput`;
+    `dests` gives the body one `TileDest` per output, staged in shared memory and copied out
+    by TMA when `config.stage_outputs`."""
     tm, tk = config.tile_m, config.tile_k
     steps = config.steps(cols)
+    staged = _staged(config, outputs)
     i, j = lax.axis_index("m"), lax.axis_index("k")
     if steps == 1:
-        x_smem, barrier = scratch
+        x_smem, barrier, *out_smems = scratch
+    else:
+        out_smems = list(scratch)
+
+    def run_body(x_smem, m0, k0, jt):
+        if not staged:
+            dests = []
+            for gmem, out in outputs:
+                lines, _ = out.block(config)
+                line0, col0 = (k0, m0) if out.columnwise else (m0, k0)
+                dests.append(TileDest(gmem, line0, col0 // out.elements_per_byte, lines))
+            body(x_smem, m0, k0, dests)
+            return
+        # The previous tile's output copies must have finished reading the buffers.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dests = [
+            TileDest(smem, 0, 0, out.block(config)[0])
+            for smem, (_, out) in zip(out_smems, outputs, strict=True)
+        ]
+        body(x_smem, m0, k0, dests)
+        plgpu.commit_smem()
+        for smem, (gmem, out) in zip(out_smems, outputs, strict=True):
+            rows, width = out.block(config)
+            bi, bj = out.block_index(i, jt)
+            plgpu.copy_smem_to_gmem(smem, gmem.at[pl.ds(bi * rows, rows), pl.ds(bj * width, width)])
+
+    if steps == 1:
         m0, k0 = i * tm, j * tk
         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)], x_smem, barrier)
         plgpu.barrier_wait(barrier)
-        body(x_smem, m0, k0)
-        return
+        run_body(x_smem, m0, k0, j)
+    else:
 
-    def step(indices, x_smem):
-        (s,) = indices
-        body(x_smem, i * tm, (j * steps + s) * tk)
+        def step(indices, x_smem):
+            (s,) = indices
+            jt = j * steps + s
+            run_body(x_smem, i * tm, jt * tk, jt)
 
-    plgpu.emit_pipeline(
-        step,
-        grid=(steps,),
-        in_specs=[
-            plgpu.BlockSpec(
-                (tm, tk),
-                lambda s: (i, j * steps + s),
-                transforms=tile_transforms(x_gmem.dtype),
-            )
-        ],
-        max_concurrent_steps=min(config.max_concurrent_steps, steps),
-    )(x_gmem)
+        plgpu.emit_pipeline(
+            step,
+            grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (tm, tk), lambda s: (i, j * steps + s), transforms=tile_transforms(x_gmem.dtype)
+                )
+            ],
+            max_concurrent_steps=min(config.max_concurrent_steps, steps),
+        )(x_gmem)
+    if staged:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:

@@ -86,10 +86,12 @@ def _codes(v, scale_b, fp8_dtype, fix_nan: bool):
     codes = qc.saturating_fp8(v * scale_b, fp8_dtype)
     if not fix_nan:
         return codes
-    # XLA's cast keeps a NaN's sign (cvt.satfinite does not) and gives 0x7E for E5M2.
+    # A NaN element gets the byte the reference's cast gives it on this backend (XLA:CPU keeps
+    # the sign and gives E5M2 0x7E; cvt.satfinite gives 0x7F).
+    positive, negative = qc.xla_nan_codes(fp8_dtype, through_product=True)
     v_bits = lax.bitcast_convert_type(v, jnp.uint32)
     is_nan = qc.is_nan_bits(v_bits & jnp.uint32(qc.ABS_MASK))
-    nan_code = jnp.uint32(qc.FP8_POSITIVE_NAN_BYTE[jnp.dtype(fp8_dtype)]) | ((v_bits >> 31) << 7)
+    nan_code = jnp.where(v_bits >> 31 != 0, jnp.uint32(negative), jnp.uint32(positive))
     keep = jnp.where(is_nan, jnp.uint32(0), jnp.uint32(0xFF)).astype(jnp.uint8)
     fix = jnp.where(is_nan, nan_code, jnp.uint32(0)).astype(jnp.uint8)
     bits = (lax.bitcast_convert_type(codes, jnp.uint8) & keep) | fix
@@ -97,28 +99,45 @@ def _codes(v, scale_b, fp8_dtype, fix_nan: bool):
 
 
 def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
-    """Quantize with and without the NaN fix-up under a tile-uniform predicate."""
+    """Quantize with and without the NaN fix-up under a tile-uniform predicate; store bytes."""
 
     @pl.when(tile_has_nan)
     def _():
-        qc.store_line_bytes(dst_ref, _codes(v, scale_b, fp8_dtype, True))
+        qc.store_line_bytes(dst_ref, qc.as_bytes(_codes(v, scale_b, fp8_dtype, True)))
 
     @pl.when(jnp.logical_not(tile_has_nan))
     def _():
-        qc.store_line_bytes(dst_ref, _codes(v, scale_b, fp8_dtype, False))
+        qc.store_line_bytes(dst_ref, qc.as_bytes(_codes(v, scale_b, fp8_dtype, False)))
 
 
-def _kernel(x_gmem, *refs, config, cols, **options):
-    outs, scratch = qc.split_refs(refs, config, cols)
-    body = functools.partial(_tile, outs=outs, config=config, **options)
-    qc.for_each_tile(x_gmem, scratch, config, cols, body)
+def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
+    return [
+        qc.DataOutput(columnwise=c)
+        for c, wanted in ((False, rowwise), (True, columnwise))
+        if wanted
+    ]
+
+
+def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, **options):
+    data_outputs = _data_outputs(rowwise, columnwise)
+    outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
+    data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    body = functools.partial(
+        _tile,
+        scale_gmems=scale_gmems,
+        copies=[o.columnwise for o in data_outputs],
+        config=config,
+        **options,
+    )
+    qc.for_each_tile(
+        x_gmem, scratch, config, cols, body, list(zip(data_gmems, data_outputs, strict=True))
+    )
 
 
 def _tile(
-    x_smem, m0, k0, *, outs, config, in_dtype, fp8_dtype, two_d, rowwise, columnwise, scale_rule
+    x_smem, m0, k0, dests, *, scale_gmems, copies, config, in_dtype, fp8_dtype, two_d, scale_rule
 ):
     tm, tk = config.tile_m, config.tile_k
-    row_layout = qc.rows_layout(in_dtype)
 
     def row_chunk(c):  # (tm, 32) rowwise slice
         return qc.load_rows(x_smem.at[:, pl.ds(c * CHUNK, CHUNK)], in_dtype)
@@ -134,61 +153,29 @@ def _tile(
         return amax
 
     if two_d:
-        # One 128×128 block per tile: one scale for both copies.
-        row_amax = chunked_amax(row_chunk, range(tk // CHUNK))
-        tile_amax = jnp.max(row_amax)
+        # One 128×128 block per tile: one scale for both copies (the columnwise copy is the
+        # transpose of the rowwise one).
+        tile_amax = jnp.max(chunked_amax(row_chunk, range(tk // CHUNK)))
         tile_has_nan = qc.is_nan_bits(tile_amax)
         scale, scale_inv = scale_rule(tile_amax)
         i, j = m0 // BLOCK, k0 // BLOCK
-        if rowwise:
-            data_gmem, scale_gmem = outs[:2]
-            outs = outs[2:]
-            for c in range(tk // CHUNK):
-                _store_codes(
-                    row_chunk(c),
-                    scale,
-                    fp8_dtype,
-                    tile_has_nan,
-                    data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + c * CHUNK, CHUNK)],
-                )
-            scale_gmem[i, j] = scale_inv
-        if columnwise:
-            data_gmem, scale_gmem = outs[:2]
-            for c in range(tm // CHUNK):
-                _store_codes(
-                    column_chunk(c),
-                    scale,
-                    fp8_dtype,
-                    tile_has_nan,
-                    data_gmem.at[pl.ds(k0, tk), pl.ds(m0 + c * CHUNK, CHUNK)],
-                )
-            scale_gmem[j, i] = scale_inv
+        for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+            load = column_chunk if columnwise else row_chunk
+            for c in range((tm if columnwise else tk) // CHUNK):
+                _store_codes(load(c), scale, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
+            if columnwise:
+                scale_gmem[j, i] = scale_inv
+            else:
+                scale_gmem[i, j] = scale_inv
         return
 
     per_block = BLOCK // CHUNK
-    for copy in ("rowwise", "columnwise"):
-        if not {"rowwise": rowwise, "columnwise": columnwise}[copy]:
-            continue
-        data_gmem, scale_gmem = outs[:2]
-        outs = outs[2:]
-        if copy == "rowwise":
-            load, layout, lines, line0, n_blocks, col0 = (
-                row_chunk,
-                row_layout,
-                tm,
-                m0,
-                tk // BLOCK,
-                k0,
-            )
+    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+        if columnwise:
+            load, layout, lines, line0, col0 = column_chunk, qc.RPT1, tk, k0, m0
         else:
-            load, layout, lines, line0, n_blocks, col0 = (
-                column_chunk,
-                qc.RPT1,
-                tk,
-                k0,
-                tm // BLOCK,
-                m0,
-            )
+            load, layout, lines, line0, col0 = row_chunk, qc.rows_layout(in_dtype), tm, m0, k0
+        n_blocks = (tm if columnwise else tk) // BLOCK
         scale_invs = []
         for b in range(n_blocks):
             chunks = range(b * per_block, (b + 1) * per_block)
@@ -197,13 +184,8 @@ def _tile(
             scale, scale_inv = scale_rule(amax)
             for c in chunks:  # second pass: re-read shared memory and quantize
                 v = load(c)
-                _store_codes(
-                    v,
-                    qc.broadcast_rows(scale, v.shape, layout),
-                    fp8_dtype,
-                    tile_has_nan,
-                    data_gmem.at[pl.ds(line0, lines), pl.ds(col0 + c * CHUNK, CHUNK)],
-                )
+                scale_b = qc.broadcast_rows(scale, v.shape, layout)
+                _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
             scale_invs.append(qc.column(scale_inv))
         qc.store_line_bytes(
             scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
@@ -257,17 +239,18 @@ def quantize_fp8_block(
     rows, cols = x.shape
     pr, pc = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, pr, pc)
+    qc.check_smem(config, x.dtype, pc, _data_outputs(rowwise, columnwise))
     out_types = []
     if rowwise:
         scale_shape = (pr // BLOCK, pc // BLOCK) if two_d else (pr, pc // BLOCK)
         out_types += [
-            jax.ShapeDtypeStruct((pr, pc), fp8_dtype),
+            jax.ShapeDtypeStruct((pr, pc), jnp.uint8),  # codes as bytes, bitcast below
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
         ]
     if columnwise:
         scale_shape = (pc // BLOCK, pr // BLOCK) if two_d else (pc, pr // BLOCK)
         out_types += [
-            jax.ShapeDtypeStruct((pc, pr), fp8_dtype),
+            jax.ShapeDtypeStruct((pc, pr), jnp.uint8),
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
         ]
     kernel = functools.partial(
@@ -285,7 +268,7 @@ def quantize_fp8_block(
         plgpu.kernel(
             kernel,
             out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(config, x.dtype, pc),
+            scratch_types=qc.tile_scratch(config, x.dtype, pc, _data_outputs(rowwise, columnwise)),
             interpret=qc.interpret_params(interpret),
             compiler_params=qc.kernel_params(config, pc),
             **qc.tile_grid(pr, pc, config),
@@ -304,7 +287,7 @@ def quantize_fp8_block(
             continue
         data, scale = outs[:2]
         outs = outs[2:]
-        result[f"{copy}_data"] = qc.crop(data, lines, width)
+        result[f"{copy}_data"] = qc.crop_codes(data, lines, width, fp8_dtype)
         scale_lines = lines // BLOCK if two_d else lines
         result[f"{copy}_scale_inv"] = qc.crop(scale, scale_lines, width // BLOCK)
     return FP8BlockQuantized(

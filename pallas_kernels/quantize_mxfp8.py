@@ -118,62 +118,63 @@ def quantize_lines(v: jax.Array, layout, fp8_dtype) -> tuple[jax.Array, jax.Arra
         second, v.shape, layout
     )
     codes = qc.saturating_fp8(scaled, fp8_dtype)
-    # A NaN block's codes are all the reference's positive NaN byte (0x7F E4M3, 0x7E E5M2);
-    # cvt.satfinite gives 0x7F (and a NaN input could carry a sign), so mask them: a bitwise
-    # AND is the only 8-bit pointwise op Mosaic supports.
-    nan_byte = qc.FP8_POSITIVE_NAN_BYTE[fp8_dtype]
-    mask = jnp.where(byte == 0xFF, jnp.uint32(nan_byte), jnp.uint32(0xFF)).astype(jnp.uint8)
-    bits = lax.bitcast_convert_type(codes, jnp.uint8) & qc.broadcast_rows(mask, v.shape, layout)
+    # A NaN block's codes are all the byte the reference's cast gives NaN on this backend
+    # (cvt.satfinite gives 0x7F, and a NaN input could carry its sign into the product);
+    # bitwise AND / OR are the 8-bit pointwise ops Mosaic supports.
+    nan_code, _ = qc.xla_nan_codes(fp8_dtype, through_product=False)
+    is_nan_block = byte == 0xFF
+    keep = jnp.where(is_nan_block, jnp.uint32(0), jnp.uint32(0xFF)).astype(jnp.uint8)
+    fix = jnp.where(is_nan_block, jnp.uint32(nan_code), jnp.uint32(0)).astype(jnp.uint8)
+    bits = lax.bitcast_convert_type(codes, jnp.uint8) & qc.broadcast_rows(keep, v.shape, layout)
+    bits = bits | qc.broadcast_rows(fix, v.shape, layout)
     codes = lax.bitcast_convert_type(bits, fp8_dtype)
     return codes, byte.astype(jnp.uint8)
 
 
+def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
+    return [
+        qc.DataOutput(columnwise=c)
+        for c, wanted in ((False, rowwise), (True, columnwise))
+        if wanted
+    ]
+
+
 def _kernel(x_gmem, *refs, config, cols, fp8_dtype, rowwise, columnwise, in_dtype):
-    outs, scratch = qc.split_refs(refs, config, cols)
+    data_outputs = _data_outputs(rowwise, columnwise)
+    outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
+    data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    body = functools.partial(
+        _tile,
+        scale_gmems=scale_gmems,
+        config=config,
+        fp8_dtype=fp8_dtype,
+        copies=[o.columnwise for o in data_outputs],
+        in_dtype=in_dtype,
+    )
     qc.for_each_tile(
-        x_gmem,
-        scratch,
-        config,
-        cols,
-        functools.partial(
-            _tile,
-            outs=outs,
-            config=config,
-            fp8_dtype=fp8_dtype,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            in_dtype=in_dtype,
-        ),
+        x_gmem, scratch, config, cols, body, list(zip(data_gmems, data_outputs, strict=True))
     )
 
 
-def _tile(x_smem, m0, k0, *, outs, config, fp8_dtype, rowwise, columnwise, in_dtype):
+def _tile(x_smem, m0, k0, dests, *, scale_gmems, config, fp8_dtype, copies, in_dtype):
     tm, tk = config.tile_m, config.tile_k
-    if rowwise:
-        data_gmem, scale_gmem = outs[:2]
-        outs = outs[2:]
+    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         scale_bytes = []
-        for j in range(tk // BLOCK):
-            v = qc.load_rows(x_smem.at[:, pl.ds(j * BLOCK, BLOCK)], in_dtype)
-            codes, byte = quantize_lines(v, qc.rows_layout(in_dtype), fp8_dtype)
-            qc.store_line_bytes(data_gmem.at[pl.ds(m0, tm), pl.ds(k0 + j * BLOCK, BLOCK)], codes)
-            scale_bytes.append(qc.column(byte))
-        qc.store_line_bytes(
-            scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // BLOCK, tk // BLOCK)],
-            qc.concat_columns(scale_bytes),
-        )
-    if columnwise:
-        data_gmem, scale_gmem = outs[:2]
-        scale_bytes = []
-        for i in range(tm // BLOCK):
-            v = qc.load_columns(x_smem.at[pl.ds(i * BLOCK, BLOCK), :])
-            codes, byte = quantize_lines(v, qc.RPT1, fp8_dtype)
-            qc.store_line_bytes(data_gmem.at[pl.ds(k0, tk), pl.ds(m0 + i * BLOCK, BLOCK)], codes)
-            scale_bytes.append(qc.column(byte))
-        qc.store_line_bytes(
-            scale_gmem.at[pl.ds(k0, tk), pl.ds(m0 // BLOCK, tm // BLOCK)],
-            qc.concat_columns(scale_bytes),
-        )
+        if not columnwise:
+            for j in range(tk // BLOCK):
+                v = qc.load_rows(x_smem.at[:, pl.ds(j * BLOCK, BLOCK)], in_dtype)
+                codes, byte = quantize_lines(v, qc.rows_layout(in_dtype), fp8_dtype)
+                qc.store_line_bytes(dest.cols(j * BLOCK, BLOCK), qc.as_bytes(codes))
+                scale_bytes.append(qc.column(byte))
+            scale_view = scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // BLOCK, tk // BLOCK)]
+        else:
+            for i in range(tm // BLOCK):
+                v = qc.load_columns(x_smem.at[pl.ds(i * BLOCK, BLOCK), :])
+                codes, byte = quantize_lines(v, qc.RPT1, fp8_dtype)
+                qc.store_line_bytes(dest.cols(i * BLOCK, BLOCK), qc.as_bytes(codes))
+                scale_bytes.append(qc.column(byte))
+            scale_view = scale_gmem.at[pl.ds(k0, tk), pl.ds(m0 // BLOCK, tm // BLOCK)]
+        qc.store_line_bytes(scale_view, qc.concat_columns(scale_bytes))
 
 
 def quantize_mxfp8(
@@ -201,15 +202,16 @@ def quantize_mxfp8(
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
-    out_types = []
+    qc.check_smem(config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise))
+    out_types = []  # codes come out as bytes and are bitcast to fp8_dtype below
     if rowwise:
         out_types += [
-            jax.ShapeDtypeStruct((padded_rows, padded_cols), fp8_dtype),
+            jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.uint8),
             jax.ShapeDtypeStruct((padded_rows, padded_cols // BLOCK), jnp.uint8),
         ]
     if columnwise:
         out_types += [
-            jax.ShapeDtypeStruct((padded_cols, padded_rows), fp8_dtype),
+            jax.ShapeDtypeStruct((padded_cols, padded_rows), jnp.uint8),
             jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.uint8),
         ]
     kernel = functools.partial(
@@ -224,7 +226,9 @@ def quantize_mxfp8(
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_types),
-        scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
+        scratch_types=qc.tile_scratch(
+            config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise)
+        ),
         interpret=qc.interpret_params(interpret),
         compiler_params=qc.kernel_params(config, padded_cols),
         **qc.tile_grid(padded_rows, padded_cols, config),
@@ -235,11 +239,11 @@ def quantize_mxfp8(
     if rowwise:
         data, scale = outs[:2]
         outs = outs[2:]
-        result["rowwise_data"] = qc.crop(data, rows, cols32)
+        result["rowwise_data"] = qc.crop_codes(data, rows, cols32, fp8_dtype)
         result["rowwise_scale"] = qc.crop(scale, rows, cols32 // BLOCK)
     if columnwise:
         data, scale = outs[:2]
-        result["columnwise_data"] = qc.crop(data, cols, rows32)
+        result["columnwise_data"] = qc.crop_codes(data, cols, rows32, fp8_dtype)
         result["columnwise_scale"] = qc.crop(scale, cols, rows32 // BLOCK)
     return MXFP8Quantized(
         rowwise_data=result.get("rowwise_data"),

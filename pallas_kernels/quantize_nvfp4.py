@@ -210,95 +210,102 @@ def quantize_block_lines(v, layout, t, s_dec, uniforms=None) -> tuple[jax.Array,
     return packed, block_scale
 
 
+_BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
+
+
 def _quantize_copy(
-    load_block,
-    layout,
-    n_blocks,
-    lines,
-    line0,
-    col0,
-    data_gmem,
-    scale_gmem,
-    scalars,
-    seed,
-    hadamard,
+    load_pair, layout, n_blocks, lines, line0, col0, dest, scale_gmem, scalars, seed, hadamard
 ):
-    """Quantize `n_blocks` consecutive 16-column blocks of `lines` rows (global row `line0`,
-    first global column `col0`), storing packed codes and block scales."""
+    """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
+    `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
+    `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array."""
     t, s_dec = scalars
-    scales = []
-    for b in range(n_blocks):
-        v = load_block(b)
-        if hadamard:
-            v = hadamard16_lines(v)
-        uniforms = None
-        if seed is not None:
-            rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
-            cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
-            uniforms = hash_uniforms(rows, cols, seed)
-        packed, block_scale = quantize_block_lines(v, layout, t, s_dec, uniforms)
-        qc.store_line_bytes(
-            data_gmem.at[pl.ds(line0, lines), pl.ds((col0 + b * BLOCK) // 2, BLOCK // 2)], packed
-        )
-        scales.append(qc.column(block_scale))
+    scales, packed_group = [], []
+    for p in range(n_blocks // 2):
+        pair = load_pair(p)
+        for half in range(2):
+            b = 2 * p + half
+            v = pair[:, half * BLOCK : (half + 1) * BLOCK]
+            if hadamard:
+                v = hadamard16_lines(v)
+            uniforms = None
+            if seed is not None:
+                rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
+                cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
+                uniforms = hash_uniforms(rows, cols, seed)
+            packed, block_scale = quantize_block_lines(v, layout, t, s_dec, uniforms)
+            packed_group.append(packed)
+            scales.append(qc.column(block_scale))
+            if len(packed_group) == _BLOCKS_PER_STORE or b == n_blocks - 1:
+                first = (b + 1 - len(packed_group)) * (BLOCK // 2)
+                width = len(packed_group) * (BLOCK // 2)
+                qc.store_line_bytes(dest.cols(first, width), jnp.concatenate(packed_group, axis=1))
+                packed_group = []
     qc.store_line_bytes(
         scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
         qc.concat_columns(scales),
     )
 
 
-def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, **options):
-    outs, scratch = qc.split_refs(refs, config, cols)
+def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
+    return [
+        qc.DataOutput(columnwise=c, elements_per_byte=2)
+        for c, wanted in ((False, rowwise), (True, columnwise))
+        if wanted
+    ]
+
+
+def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, rowwise, columnwise, **options):
+    data_outputs = _data_outputs(rowwise, columnwise)
+    outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
+    data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
         _tile,
         scalars_gmem=scalars_gmem,
         seeds_gmem=seeds_gmem,
-        outs=outs,
+        scale_gmems=scale_gmems,
+        copies=[o.columnwise for o in data_outputs],
         config=config,
         **options,
     )
-    qc.for_each_tile(x_gmem, scratch, config, cols, body)
+    qc.for_each_tile(
+        x_gmem, scratch, config, cols, body, list(zip(data_gmems, data_outputs, strict=True))
+    )
 
 
 def _tile(
     x_smem,
     m0,
     k0,
+    dests,
     *,
     scalars_gmem,
     seeds_gmem,
-    outs,
+    scale_gmems,
+    copies,
     config,
     in_dtype,
-    rowwise,
-    columnwise,
     hadamard,
     stochastic,
 ):
     tm, tk = config.tile_m, config.tile_k
-    for copy in ("rowwise", "columnwise"):
-        if not {"rowwise": rowwise, "columnwise": columnwise}[copy]:
-            continue
-        data_gmem, scale_gmem = outs[:2]
-        outs = outs[2:]
-        c = 0 if copy == "rowwise" else 1
+    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+        c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
         seed = seeds_gmem[c] if stochastic else None
-        if copy == "rowwise":
+        if not columnwise:
 
-            def load_row_block(b):
-                pair = x_smem.at[:, pl.ds((b // 2) * 32, 32)]  # 32-column slices only
-                v = qc.load_rows(pair, in_dtype)
-                return v[:, (b % 2) * BLOCK : (b % 2 + 1) * BLOCK]
+            def load_row_pair(p):
+                return qc.load_rows(x_smem.at[:, pl.ds(p * 32, 32)], in_dtype)
 
             _quantize_copy(
-                load_row_block,
+                load_row_pair,
                 qc.rows_layout(in_dtype),
                 tk // BLOCK,
                 tm,
                 m0,
                 k0,
-                data_gmem,
+                dest,
                 scale_gmem,
                 scalars,
                 seed,
@@ -306,17 +313,17 @@ def _tile(
             )
         else:
 
-            def load_column_block(b):
-                return qc.load_columns(x_smem.at[pl.ds(b * BLOCK, BLOCK), :])
+            def load_column_pair(p):
+                return qc.load_columns(x_smem.at[pl.ds(p * 32, 32), :])
 
             _quantize_copy(
-                load_column_block,
+                load_column_pair,
                 qc.RPT1,
                 tm // BLOCK,
                 tk,
                 k0,
                 m0,
-                data_gmem,
+                dest,
                 scale_gmem,
                 scalars,
                 seed,
@@ -389,6 +396,7 @@ def quantize_nvfp4(
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
+    qc.check_smem(config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise))
     out_types = []
     if rowwise:
         out_types += [
@@ -414,7 +422,9 @@ def quantize_nvfp4(
         plgpu.kernel(
             kernel,
             out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
+            scratch_types=qc.tile_scratch(
+                config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise)
+            ),
             interpret=qc.interpret_params(interpret),
             compiler_params=qc.kernel_params(config, padded_cols),
             **qc.tile_grid(padded_rows, padded_cols, config),
