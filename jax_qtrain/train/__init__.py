@@ -9,7 +9,7 @@ from jax_qtrain.train.compare import compare
 from jax_qtrain.train.config import PRESETS, RECIPE_NAMES, TrainConfig, recipe_for
 from jax_qtrain.train.corpus import Corpus, load_corpus
 from jax_qtrain.train.model import ModelConfig, Transformer
-from jax_qtrain.train.trainer import RunError, RunSummary, read_metrics, train
+from jax_qtrain.train.trainer import RunError, RunSummary, read_metrics, restore_model, train
 
 __all__ = [
     "PRESETS",
@@ -24,5 +24,6 @@ __all__ = [
     "load_corpus",
     "read_metrics",
     "recipe_for",
+    "restore_model",
     "train",
 ]

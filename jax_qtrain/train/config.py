@@ -31,18 +31,18 @@ class TrainConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     recipe: str = "bf16"
-    steps: int = 150
+    steps: int = 120
     batch_size: int = 16
     learning_rate: float = 3e-3
-    warmup_steps: int = 15
+    warmup_steps: int = 12
     final_lr_fraction: float = 0.1
     weight_decay: float = 0.1
     grad_clip_norm: float = 1.0
     aux_loss_weight: float = 0.01
     seed: int = 0
-    eval_every: int = 50
-    eval_windows: int = 32
-    checkpoint_every: int = 50
+    eval_every: int = 40
+    eval_windows: int = 128
+    checkpoint_every: int = 40
 
     def __post_init__(self):
         recipe_for(self.recipe)
@@ -78,7 +78,7 @@ class TrainConfig:
 
 
 PRESETS: dict[str, TrainConfig] = {
-    # About a minute per recipe on a 2-core CPU (docs/training.md has the measured times).
+    # Well under a minute per recipe on a 2-core CPU (docs/training.md has measured times).
     "cpu": TrainConfig(),
     # One H200: a 4-layer, d_model 512 MoE model on 512-byte windows.
     "h200": TrainConfig(

@@ -7,8 +7,8 @@
 The attention's query/key/value and output projections and every feed-forward GEMM are
 `jax_qtrain.nn` layers without a recipe of their own, so they quantize with whatever
 `jax_qtrain.autocast` is active when the model runs (none: high precision). The attention
-score and value products, the norms, the softmax and the output head stay in high precision, as
-in TransformerEngine.
+score and value products, the norms, the softmax, the MoE router and the output head stay in
+high precision, as in TransformerEngine.
 
 A feed-forward block maps (batch, seq, d_model) to the same shape plus an auxiliary loss (the
 MoE load-balancing loss; 0 for a dense block) and is built by `build_feed_forward` from
@@ -18,7 +18,6 @@ MoE load-balancing loss; 0 for a dense block) and is built by `build_feed_forwar
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Literal, Protocol
 
 import jax
@@ -39,11 +38,11 @@ class ModelConfig:
     d_model: int = 128
     num_layers: int = 2
     num_heads: int = 4
-    seq_len: int = 128
+    seq_len: int = 64
     feed_forward: FeedForwardKind = "moe"
     num_experts: int = 4
     experts_per_token: int = 2
-    expert_hidden: int = 256
+    expert_hidden: int = 128
     compute_dtype: str = "bfloat16"
     vocab_size: int = VOCAB_SIZE
 
@@ -71,15 +70,17 @@ class ModelConfig:
 
 
 class FeedForward(Protocol):
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(batch, seq, d_model) → (same shape, scalar auxiliary loss)."""
+    """The call convention of `jax_qtrain.nn.MoE`."""
+
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool) -> jax.Array | tuple:
+        """(batch, seq, d_model) → same shape, and the auxiliary loss with return_aux_loss."""
         ...
 
 
 class DenseFeedForward(nnx.Module):
-    """SwiGLU with `expert_hidden` units: down(silu(gate(x)) · up(x)); auxiliary loss 0.
+    """SwiGLU with `expert_hidden` units, down(silu(gate(x)) · up(x)); auxiliary loss 0.
 
-    The temporary stand-in for `jax_qtrain.nn.MoE` while that layer does not exist.
+    The dense baseline for `feed_forward="dense"`, with MoE's call convention.
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -88,26 +89,29 @@ class DenseFeedForward(nnx.Module):
         self.gate_up = qnn.Linear(d, 2 * hidden, **linear)
         self.down = qnn.Linear(hidden, d, **linear)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up), jnp.zeros((), jnp.float32)
-
-
-def moe_available() -> bool:
-    return hasattr(qnn, "MoE")
+        y = self.down(jax.nn.silu(gate) * up)
+        return (y, jnp.zeros((), jnp.float32)) if return_aux_loss else y
 
 
 def build_feed_forward(config: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
+    """`jax_qtrain.nn.MoE` (top-k routed SwiGLU experts on grouped GEMMs; the router stays in
+    float32) or the dense SwiGLU block. The load-balancing loss is returned unscaled
+    (coefficient 1: 1.0 means perfectly uniform routing); the trainer weights it."""
     if config.feed_forward == "dense":
         return DenseFeedForward(config, rngs)
-    if not moe_available():
-        warnings.warn(
-            "jax_qtrain.nn.MoE is not available yet: the 'moe' feed-forward falls back to the "
-            "dense SwiGLU block",
-            stacklevel=2,
-        )
-        return DenseFeedForward(config, rngs)
-    raise NotImplementedError("wire jax_qtrain.nn.MoE here")
+    return qnn.MoE(
+        config.d_model,
+        config.expert_hidden,
+        config.num_experts,
+        top_k=config.experts_per_token,
+        activation="swiglu",
+        aux_loss_coef=1.0,
+        dtype=config.dtype,
+        param_dtype=jnp.float32,
+        rngs=rngs,
+    )
 
 
 class CausalSelfAttention(nnx.Module):
@@ -140,7 +144,9 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = x + self.attention(self.attention_norm(x).astype(x.dtype))
-        update, aux_loss = self.feed_forward(self.feed_forward_norm(x).astype(x.dtype))
+        update, aux_loss = self.feed_forward(
+            self.feed_forward_norm(x).astype(x.dtype), return_aux_loss=True
+        )
         return x + update.astype(x.dtype), aux_loss
 
 

@@ -2,8 +2,9 @@
 
     OUT/config.json      the TrainConfig and the corpus fingerprint (written first)
     OUT/metrics.jsonl    one JSON object a line: {"kind": "train", "step", "loss", ...} after
-                         every step, {"kind": "eval", "step", "val_loss"} after evaluations
-    OUT/checkpoints/N/   Orbax checkpoints of the model and optimizer after N steps
+                         every step, {"kind": "eval", "step", "val_loss"} after evaluations,
+                         {"kind": "resume", "step"} where a resumed run restarted
+    OUT/checkpoints/N/   Orbax checkpoint of the model and optimizer state after N steps
     OUT/summary.json     final losses and timings (written last)
 
 A run is a pure function of its TrainConfig and the corpus: the initial parameters come from
@@ -39,6 +40,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_ITEM = "state"  # OUT/checkpoints/<step>/state/: the model and optimizer state
 
 
 class RunError(Exception):
@@ -85,30 +87,40 @@ def check_writable(out_dir: Path) -> None:
         raise RunError(f"output directory {out_dir} is not writable: {error.strerror}") from None
 
 
-def checkpoint_manager(out_dir: Path, config: TrainConfig, *, read_only: bool = False):
+def checkpoint_manager(out_dir: Path) -> ocp.CheckpointManager:
+    """Saves OUT/checkpoints/<step>/state/, synchronously; keeps the latest two."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=2,
         save_interval_steps=1,  # the loop decides when to save
         enable_async_checkpointing=False,
-        create=not read_only,
-        read_only=read_only,
-        cleanup_tmp_directories=not read_only,  # a save cut short by a kill leaves a tmp dir
+        cleanup_tmp_directories=True,  # a save cut short by a kill leaves a tmp directory
     )
     return ocp.CheckpointManager((out_dir / CHECKPOINT_DIR).absolute(), options=options)
 
 
-def latest_checkpoint_step(out_dir: Path, config: TrainConfig) -> int | None:
-    if not (out_dir / CHECKPOINT_DIR).is_dir():
-        return None
-    with checkpoint_manager(out_dir, config, read_only=True) as manager:
-        return manager.latest_step()
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: nnx.State) -> None:
+    manager.save(step, args=ocp.args.Composite(**{CHECKPOINT_ITEM: ocp.args.StandardSave(state)}))
+
+
+def latest_checkpoint_step(out_dir: str | os.PathLike) -> int | None:
+    """The step of the newest finished (committed) checkpoint in `out_dir`, or None."""
+    directory = Path(out_dir) / CHECKPOINT_DIR
+    steps = ocp.utils.checkpoint_steps(directory) if directory.is_dir() else []
+    return max(steps, default=None)
+
+
+def restore_checkpoint(out_dir: str | os.PathLike, step: int, target: nnx.State) -> nnx.State:
+    """Checkpoint `step` of `out_dir`, with the structure, dtypes and shardings of `target`."""
+    path = (Path(out_dir) / CHECKPOINT_DIR / str(step) / CHECKPOINT_ITEM).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path, target)
 
 
 def saved_config(out_dir: str | os.PathLike) -> TrainConfig:
     """The config of the run in `out_dir` (RunError if there is none)."""
     config_path = Path(out_dir) / CONFIG_FILE
     if not config_path.is_file():
-        raise RunError(f"--resume: {out_dir} holds no run to resume (no {CONFIG_FILE})")
+        raise RunError(f"no training run in {out_dir} (no {CONFIG_FILE})")
     return TrainConfig.from_dict(json.loads(config_path.read_text())["config"])
 
 
@@ -130,7 +142,7 @@ def prepare_run(out_dir: Path, config: TrainConfig, *, resume: bool) -> TrainCon
                 f"--resume: the options differ from the run's saved config in {out_dir} "
                 f"({'; '.join(changed)}); resume without them or with the saved values"
             )
-        if latest_checkpoint_step(out_dir, saved) is None:
+        if latest_checkpoint_step(out_dir) is None:
             raise RunError(
                 f"--resume: no finished checkpoint in {out_dir / CHECKPOINT_DIR} (the run "
                 f"stopped before its first one: remove {out_dir} and start again)"
@@ -191,6 +203,17 @@ def next_byte_loss(model: Transformer, windows: jax.Array) -> tuple[jax.Array, j
     return jnp.mean(cross_entropy), aux_loss
 
 
+def max_expert_share(intermediates: nnx.State) -> jax.Array:
+    """The largest fraction of a MoE layer's routed assignments that one expert received, over
+    all layers (1 / num_experts is perfect balance; 0 without MoE layers)."""
+    shares = [jnp.zeros((), jnp.float32)]
+    for path, counts in nnx.to_flat_state(intermediates):
+        if path[-1] == "tokens_per_expert":
+            counts = counts.get_value()
+            shares.append(jnp.max(counts) / jnp.maximum(jnp.sum(counts), 1))
+    return jnp.max(jnp.stack(shares))
+
+
 class CompiledSteps:
     """The jitted train and eval steps on a split (graphdef, state) of model and optimizer.
 
@@ -212,9 +235,14 @@ class CompiledSteps:
                 return loss + aux_weight * aux_loss, (loss, aux_loss)
 
             grads, (loss, aux_loss) = nnx.grad(objective, has_aux=True)(model)
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             optimizer.update(model, grads)
-            metrics = {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm}
+            metrics = {
+                "loss": loss,
+                "aux_loss": aux_loss,
+                "grad_norm": grad_norm,
+                "max_expert_share": max_expert_share(nnx.state(model, nnx.Intermediate)),
+            }
             return nnx.state((model, optimizer)), metrics
 
         def eval_step(state, windows):
@@ -239,6 +267,20 @@ class CompiledSteps:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], size - count, 0)])
             losses.append(float(self.eval_step(state, chunk)) * count)
         return sum(losses) / len(windows)
+
+
+def restore_model(out_dir: str | os.PathLike) -> Transformer:
+    """The model of the run in `out_dir`, with the weights of its latest checkpoint."""
+    out_dir = Path(out_dir)
+    config = saved_config(out_dir)
+    model, optimizer = build_model_and_optimizer(config)
+    graphdef, state = nnx.split((model, optimizer))
+    step = latest_checkpoint_step(out_dir)
+    if step is None:
+        raise RunError(f"no finished checkpoint in {out_dir / CHECKPOINT_DIR}")
+    state = restore_checkpoint(out_dir, step, state)
+    model, _ = nnx.merge(graphdef, state)
+    return model
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -292,7 +334,7 @@ def train(
     steps = CompiledSteps(config, graphdef, state)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    manager = checkpoint_manager(out_dir, config)
+    manager = checkpoint_manager(out_dir)
     run_record = {"config": config.to_dict(), "corpus": corpus.fingerprint()}
     if resume:
         saved = json.loads((out_dir / CONFIG_FILE).read_text())
@@ -301,8 +343,8 @@ def train(
                 f"--resume: the corpus differs from the one the run in {out_dir} started on "
                 f"(saved {saved['corpus']}, now {run_record['corpus']})"
             )
-        start_step = manager.latest_step()
-        state = manager.restore(start_step, args=ocp.args.StandardRestore(state))
+        start_step = latest_checkpoint_step(out_dir)
+        state = restore_checkpoint(out_dir, start_step, state)
         _truncate_metrics(out_dir, start_step)
     else:
         start_step = 0
@@ -326,6 +368,8 @@ def train(
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
 
+        if resume:
+            log({"kind": "resume", "step": start_step})
         for step in range(start_step, config.steps):
             windows = corpus.train_batch(config.seed, step, config.batch_size, config.model.seq_len)
             started = time.perf_counter()
@@ -343,6 +387,7 @@ def train(
                     "loss": train_loss,
                     "aux_loss": float(metrics["aux_loss"]),
                     "grad_norm": float(metrics["grad_norm"]),
+                    "max_expert_share": float(metrics["max_expert_share"]),
                     "lr": float(schedule(step)),
                     "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s,
@@ -357,7 +402,7 @@ def train(
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
             if done % config.checkpoint_every == 0 or done == config.steps:
-                manager.save(done, args=ocp.args.StandardSave(state))
+                save_checkpoint(manager, done, state)
     manager.close()
 
     records = read_metrics(out_dir)

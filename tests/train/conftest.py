@@ -1,0 +1,48 @@
+"""Fixtures for the trainer tests: a tiny configuration and the corpus, loaded once."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_qtrain.train.config import TrainConfig
+from jax_qtrain.train.corpus import load_corpus
+from jax_qtrain.train.model import ModelConfig
+
+# A few seconds per run on a CPU, for tests of the machinery rather than of the numbers.
+TINY_MODEL = ModelConfig(
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    seq_len=16,
+    num_experts=2,
+    experts_per_token=1,
+    expert_hidden=32,
+)
+TINY = TrainConfig(
+    model=TINY_MODEL,
+    steps=8,
+    batch_size=4,
+    warmup_steps=2,
+    eval_every=4,
+    eval_windows=6,
+    checkpoint_every=4,
+)
+
+# The same, as command-line options.
+TINY_OPTIONS = [
+    "--d-model=32",
+    "--layers=1",
+    "--heads=2",
+    "--seq-len=16",
+    "--experts=2",
+    "--experts-per-token=1",
+    "--expert-hidden=32",
+    "--batch-size=4",
+    "--warmup-steps=2",
+    "--eval-windows=6",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    return load_corpus()
