@@ -33,24 +33,24 @@ def assert_bits_equal(got, want, what: str = "") -> None:
 
 
 def assert_equal_up_to_summation_order(got, want, what: str = "") -> None:
-    """For results of *different* GEMM implementations over the same exact products (grouped
-    ragged GEMMs vs one dense GEMM per expert, or vs JAX's autodiff of ragged_dot).
+    """For results of *different* GEMM implementations over the same products: grouped ragged
+    GEMMs vs one dense GEMM per expert, or vs JAX's autodiff of ragged_dot.
 
-    On XLA:CPU they agree bit for bit for these shapes (asserted). On the GPU the two GEMMs may
-    sum the float32 products in different orders; then each element may differ by the float32
-    rounding of a K-term sum, which after the cast to the output dtype is at most one unit in
-    its last place (2^-7 relative for bfloat16) of the tensor's largest magnitude, and most
-    elements still agree exactly.
+    They are not bit-identical in general: XLA:CPU lowers lax.ragged_dot to a dot that
+    contracts over (K, groups) at once, the GPU may pick other GEMM algorithms, and both can sum
+    the float32 products in another order than a plain dot. Each element may then differ by the
+    float32 rounding of its sum; after the cast to the output dtype that is at most one unit in
+    its last place (eps·|want|), plus a float32-sized absolute slack where the sum cancels.
+    Quantized operands have few significant bits, so their sums are usually exact and the
+    results identical; asserted: ≥ 99% of the elements bit-equal on the CPU (90% on the GPU).
     """
-    if not ON_GPU:
-        assert_bits_equal(got, want, what)
-        return
-    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
     eps = float(jnp.finfo(got.dtype).eps)
-    scale = max(float(np.max(np.abs(w))), np.finfo(np.float32).tiny)
-    assert np.max(np.abs(g - w)) <= 2 * eps * scale, what
-    assert np.mean(g == w) > 0.9, what
+    slack = 2.0**-16 * float(np.max(np.abs(w), initial=0.0))
+    excess = np.abs(g - w) - (eps * np.abs(w) + slack)
+    assert np.all(excess <= 0), (what, float(np.max(excess)))
+    assert np.mean(bits(got) == bits(want)) >= (0.9 if ON_GPU else 0.99), what
 
 
 def group_slices(sizes) -> list[slice]:
