@@ -32,10 +32,10 @@ class ShardedLinear(Linear):
     """`jax_qtrain.nn.Linear` with its kernel split over `sharding.axis` (FSDP).
 
     The kernel param is created on `sharding.mesh`, split along `sharding.kernel_dim`; the bias
-    is replicated. A call gathers the kernel with `sharding.strategy`, computes on each device's
-    batch rows (the input's leading dim is split over `sharding.batch_axes`), re-gathers in
-    backward and reduce-scatters the kernel gradient (`jax_qtrain.sharding.dense`). Call it
-    under `jax.jit`/`nnx.jit`.
+    is replicated on the mesh. A call gathers the kernel with `sharding.strategy`, computes on
+    each device's batch rows (the input's leading dim is split over `sharding.batch_axes`),
+    re-gathers in backward and reduce-scatters the kernel gradient
+    (`jax_qtrain.sharding.dense`). Call it under `jax.jit`/`nnx.jit`.
 
     Args:
       in_features, out_features, recipe, save_original_input, and `nnx.Linear`'s keyword
@@ -55,6 +55,16 @@ class ShardedLinear(Linear):
     ):
         if not isinstance(sharding, WeightSharding):
             raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+        split_name, split_size = (
+            ("in_features", in_features)
+            if sharding.kernel_dim == 0
+            else ("out_features", out_features)
+        )
+        if split_size % sharding.axis_size:
+            raise ValueError(
+                f"{split_name} {split_size} must be a multiple of {sharding.axis_size}, the size "
+                f"of mesh axis {sharding.axis!r} it is split over"
+            )
         for option in _UNSUPPORTED_LINEAR_OPTIONS:
             if option in kwargs:
                 raise ValueError(
@@ -62,6 +72,12 @@ class ShardedLinear(Linear):
                     "kept quantized weight is not supported with a split kernel"
                 )
         kwargs["kernel_metadata"] = _kernel_metadata(sharding, kwargs.get("kernel_metadata"))
+        # The bias is replicated on the mesh (in a multi-process run, a global array too).
+        kwargs["bias_metadata"] = {
+            "out_sharding": (None,),
+            "mesh": sharding.mesh,
+            **dict(kwargs.get("bias_metadata") or {}),
+        }
         super().__init__(
             in_features,
             out_features,
