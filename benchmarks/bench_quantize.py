@@ -71,7 +71,8 @@ def pallas_copy(x: jax.Array, config: qc.TileConfig | None = None) -> jax.Array:
     config = config or qc.TileConfig()
     rows, cols = x.shape
 
-    def tile(x_smem, m0, k0, out_gmem):
+    def tile(x_smem, m0, k0, dests, *, out_gmem):
+        del dests  # no staged outputs: stores go straight to global memory
         for j in range(config.tile_k // 32):
             v = plgpu.load(x_smem.at[:, pl.ds(32 * j, 32)], layout=qc.rows_layout(x.dtype))
             qc.store_line_bytes(out_gmem.at[pl.ds(m0, config.tile_m), pl.ds(k0 + 32 * j, 32)], v)
