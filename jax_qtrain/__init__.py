@@ -1,6 +1,6 @@
 """jax_qtrain: TransformerEngine-style quantized training for JAX and Flax NNX."""
 
-from jax_qtrain import nn
+from jax_qtrain import nn, sharding
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.nn.dot_general import dot_general, einsum
 from jax_qtrain.ops import autocast, current_recipe, dense, saved_residuals
@@ -24,6 +24,7 @@ from jax_qtrain.recipes import (
     Recipe,
     recipe_from_name,
 )
+from jax_qtrain.sharding import WeightSharding
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "QuantizedWeight",
     "QuantizerSpec",
     "Recipe",
+    "WeightSharding",
     "autocast",
     "current_recipe",
     "dense",
@@ -55,4 +57,5 @@ __all__ = [
     "quantize_weight",
     "recipe_from_name",
     "saved_residuals",
+    "sharding",
 ]

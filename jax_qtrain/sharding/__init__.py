@@ -18,7 +18,7 @@ from jax_qtrain.sharding.gather import (
     quantize_shard,
 )
 from jax_qtrain.sharding.layers import ShardedLinear
-from jax_qtrain.sharding.residuals import per_device_saved_residuals
+from jax_qtrain.sharding.residuals import DeviceResidual, per_device_saved_residuals
 from jax_qtrain.sharding.sharded_dense import dense, fsdp_dense
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "GATHER_THEN_QUANTIZE",
     "QUANTIZE_THEN_GATHER",
     "STRATEGIES",
+    "DeviceResidual",
     "GatherBytes",
     "ShardedLinear",
     "Strategy",
