@@ -111,16 +111,18 @@ DEFAULT_FP8_CONFIG = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=128)
 DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128)
 
 
-def _smem_bytes(config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype) -> int:
+def _smem_bytes(
+    config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
+) -> int:
     epilogue = 2 * 2 * config.tile_m * config.epi_tile_n * jnp.dtype(out_dtype).itemsize
-    return config.max_concurrent_steps * stage_bytes + epilogue
+    return config.max_concurrent_steps * stage_bytes + epilogue + prefetch_bytes
 
 
 def fit_default_config(
-    config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype
+    config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> GroupedMatmulConfig:
     """Shrinks a *default* config (epilogue width, then depth) until it fits in SMEM."""
-    while _smem_bytes(config, stage_bytes, out_dtype) > SMEM_BYTES:
+    while _smem_bytes(config, stage_bytes, out_dtype, prefetch_bytes) > SMEM_BYTES:
         if config.epi_tile_n > 32:
             config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
         elif config.max_concurrent_steps > 2:
@@ -132,14 +134,15 @@ def fit_default_config(
     return config
 
 
-def _check_smem(config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype) -> None:
-    epilogue = 2 * 2 * config.tile_m * config.epi_tile_n * jnp.dtype(out_dtype).itemsize
-    total = config.max_concurrent_steps * stage_bytes + epilogue
+def _check_smem(
+    config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
+) -> None:
+    total = _smem_bytes(config, stage_bytes, out_dtype, prefetch_bytes)
     if total > SMEM_BYTES:
         raise ValueError(
             f"config needs {total} bytes of shared memory ({config.max_concurrent_steps} "
-            f"stages x {stage_bytes} + {epilogue} epilogue), more than {SMEM_BYTES}; lower "
-            "max_concurrent_steps, tile sizes or epi_tile_n"
+            f"stages x {stage_bytes}, epilogue and {prefetch_bytes} of prefetched scales), "
+            f"more than {SMEM_BYTES}; lower max_concurrent_steps, tile sizes or epi_tile_n"
         )
 
 
@@ -232,12 +235,14 @@ def grouped_matmul(
             )
     if config is None:
         config = DEFAULT_FP8_CONFIG if is_fp8 else DEFAULT_BF16_CONFIG
-        config = fit_default_config(config, _stage_bytes(config, lhs, rhs), out_dtype)
+        config = fit_default_config(
+            config, _stage_bytes(config, lhs, rhs), out_dtype, _vector_bytes(config)
+        )
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
 
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-    _check_smem(config, _stage_bytes(config, lhs, rhs), out_dtype)
+    _check_smem(config, _stage_bytes(config, lhs, rhs), out_dtype, _vector_bytes(config))
 
     rows_p, cols_p = _padded_problem(lhs, num_cols, config, num_rows)
     lhs_p = _pad_axis(lhs, 0, rows_p)
@@ -359,6 +364,16 @@ def _stage_bytes(config: GroupedMatmulConfig, lhs: jax.Array, rhs: jax.Array) ->
     )
 
 
+def _block_scale_bytes(config: GroupedMatmulConfig, k: int) -> int:
+    # Per-consumer SMEM copy of the tile's (K/128, tile_m) f32 lhs block scales.
+    return 2 * 4 * (k // 128) * config.tile_m
+
+
+def _vector_bytes(config: GroupedMatmulConfig) -> int:
+    # Per-consumer SMEM copies of a row-scale and a column-scale vector (f32).
+    return 2 * 4 * (config.tile_m + config.tile_n)
+
+
 def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
     # fp8 lhs and rhs tiles (the lhs block scales are prefetched per tile, not per step).
     return config.tile_k * (config.tile_m + 2 * config.tile_n)
@@ -415,7 +430,10 @@ def grouped_matmul_fp8_block(
     common.check_row_stride("out", num_cols, out_dtype)
     if config is None:
         config = fit_default_config(
-            DEFAULT_FP8_BLOCK_CONFIG, _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG), out_dtype
+            DEFAULT_FP8_BLOCK_CONFIG,
+            _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG),
+            out_dtype,
+            _block_scale_bytes(DEFAULT_FP8_BLOCK_CONFIG, k),
         )
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
@@ -430,7 +448,7 @@ def grouped_matmul_fp8_block(
             "accumulators must both stay in registers); use tile_m=64"
         )
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-    _check_smem(config, _block_stage_bytes(config), out_dtype)
+    _check_smem(config, _block_stage_bytes(config), out_dtype, _block_scale_bytes(config, k))
 
     rows_p, cols_p = _padded_problem(lhs, num_cols, config, num_rows)
     lhs_p = _pad_axis(lhs, 0, rows_p)

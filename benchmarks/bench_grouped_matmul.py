@@ -1,0 +1,553 @@
+"""Grouped (MoE) matmul kernels of issue 5 against their peers, on the H200.
+
+TFLOP/s = 2·M·N·K / time. Time = median over batches of back-to-back calls (per-call
+mean of a batch, after warm-up), rotating between two argument sets of random data;
+it includes whatever small XLA ops a wrapper adds (scale transposes, padding).
+Each kernel config's output is compared with an f32 XLA reference on the same
+(dequantized) operands (relative Frobenius error), so a fast wrong config shows.
+Peers run in the same process: lax.ragged_dot / ragged_dot_general (bf16), XLA dense
+bf16 and fp8 GEMMs of the same total size (ceilings), torch._grouped_mm and
+torch._scaled_grouped_mm where torch has them.
+
+    PYTHONPATH=. python3 benchmarks/bench_grouped_matmul.py OUT_DIR [BUDGET_SECONDS]
+
+writes OUT_DIR/bench_grouped_matmul.jsonl (one line per measurement, as they happen)
+and OUT_DIR/bench_grouped_matmul.md (the table). Work past the time budget is skipped
+and listed as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_fp8_block,
+)
+from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig, grouped_matmul_wgrad
+
+BF16, E4M3, E5M2 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2
+
+# (name, G, M, K, N, group sizes) — fwd: out (M, N) contracts K; dgrad swaps K and N.
+SHAPES = {
+    "G8 balanced": (8, 16384, 4096, 4096, [2048] * 8),
+    "G8 skewed": (8, 16384, 4096, 4096, [6000, 3100, 2050, 1500, 1100, 1000, 900, 734]),
+    "G64 small experts": (64, 32768, 2048, 1408, [512] * 64),
+}
+
+
+def fwd_config(tm, tn, tk, steps, epi, minor=0, width=8):
+    return GroupedMatmulConfig(
+        tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, epi_tile_n=epi,
+        grid_minor_dim=minor, grid_tile_width=width,
+    )
+
+
+def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4):
+    return GroupedWgradConfig(
+        tile_m=tm, tile_n=tn, tile_t=tt, max_concurrent_steps=steps, epi_tile_n=epi,
+        grid_minor_dim=minor, grid_tile_width=width,
+    )
+
+
+# CPU smoke test of this script (--small): tiny shapes through the Pallas interpreter.
+INTERPRET = False
+
+# Sweeps, most promising first (the budget may cut the tail).
+BF16_FWD_CONFIGS = [
+    fwd_config(128, 128, 64, 4, 32),
+    fwd_config(128, 128, 64, 3, 64),
+    fwd_config(128, 128, 64, 4, 32, minor=1),
+    fwd_config(128, 128, 64, 4, 32, width=16),
+    fwd_config(192, 128, 64, 3, 32),
+    fwd_config(128, 64, 64, 5, 64),
+]
+FP8_FWD_CONFIGS = [
+    fwd_config(128, 128, 128, 4, 32),
+    fwd_config(128, 128, 128, 3, 64),
+    fwd_config(128, 128, 128, 4, 32, minor=1),
+    fwd_config(192, 128, 128, 3, 32),
+    fwd_config(128, 128, 64, 6, 32),
+]
+BLOCK_CONFIGS = [
+    fwd_config(64, 128, 128, 4, 64),
+    fwd_config(64, 128, 128, 4, 64, minor=1),
+    fwd_config(64, 128, 128, 3, 64, width=16),
+]
+BF16_WGRAD_CONFIGS = [
+    wgrad_config(128, 128, 64, 3, 32),
+    wgrad_config(128, 128, 64, 3, 32, minor=0),
+    wgrad_config(128, 64, 64, 4, 64),
+]
+FP8_WGRAD_CONFIGS = [
+    wgrad_config(128, 128, 128, 3, 32),
+    wgrad_config(128, 128, 64, 5, 32),
+]
+
+
+class Bench:
+    """Collects measurements, enforces the time budget, appends JSON lines as it goes."""
+
+    def __init__(self, out_dir: Path, budget_s: float):
+        self.out_dir = out_dir
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.rows: list[dict] = []
+        self.jsonl = out_dir / "bench_grouped_matmul.jsonl"
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.start > self.budget_s
+
+    def record(self, **row) -> dict:
+        row["t_elapsed_s"] = round(time.perf_counter() - self.start, 1)
+        self.rows.append(row)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        flops = row.get("tflops")
+        err = row.get("rel_err")
+        print(
+            f"[{row['t_elapsed_s']:6.1f}s] {row.get('shape', ''):18s} {row.get('op', ''):6s} "
+            f"{row.get('impl', ''):34s} "
+            + (f"{flops:8.1f} TFLOP/s" if flops else f"{row.get('status', '')[:90]}")
+            + (f"  err {err:.2e}" if err is not None else ""),
+            flush=True,
+        )
+        return row
+
+
+def time_call(fn: Callable, arg_sets: list[tuple], target_batch_s: float = 0.03) -> float:
+    """Median per-call seconds over 5 batches of back-to-back calls (after warm-up)."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    single = time.perf_counter() - start
+    calls = int(min(40, max(3, target_batch_s / max(single, 1e-6))))
+    per_call = []
+    for _ in range(5):
+        start = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call)
+
+
+def rel_err(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def measure(bench: Bench, *, shape, op, impl, flops, fn, arg_sets, ref=None, config=None):
+    """Times ``fn`` (jitted) on arg_sets; compares its output on arg_sets[0] with ``ref``."""
+    if bench.over_budget():
+        return bench.record(shape=shape, op=op, impl=impl, status="skipped (time budget)")
+    try:
+        jitted = jax.jit(fn)
+        err = None
+        if ref is not None:
+            err = rel_err(jitted(*arg_sets[0]), ref)
+        seconds = time_call(jitted, arg_sets)
+        return bench.record(
+            shape=shape, op=op, impl=impl, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+            rel_err=err, config=None if config is None else asdict(config), status="ok",
+        )
+    except Exception as e:  # record and keep going: one failure must not end the run
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc(limit=3)
+        return bench.record(shape=shape, op=op, impl=impl, status=f"error {msg}",
+                            config=None if config is None else asdict(config))
+
+
+def best(rows: list[dict], max_err: float) -> dict | None:
+    good = [r for r in rows if r and r.get("tflops") and (r.get("rel_err") or 0) < max_err]
+    return max(good, key=lambda r: r["tflops"]) if good else None
+
+
+def config_of(row: dict | None, cls, default):
+    return cls(**row["config"]) if row and row.get("config") else default
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def random_operands(key, g, m, k, n, sizes):
+    """Two argument sets: lhs (M, K) bf16, rhs (G, N, K) bf16 and their fp8 versions."""
+    sets = []
+    for i in range(2):
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, i), 4)
+        lhs = jax.random.normal(k1, (m, k), jnp.float32)
+        rhs = jax.random.normal(k2, (g, n, k), jnp.float32)
+        sets.append(
+            dict(
+                lhs=lhs.astype(BF16),
+                rhs=rhs.astype(BF16),
+                lhs8=lhs.astype(E4M3),
+                rhs8=rhs.astype(E4M3),
+                lhs_row_scale=jax.random.uniform(k3, (m,), jnp.float32, 0.5, 2.0),
+                rhs_col_scale=jax.random.uniform(k4, (g, n), jnp.float32, 0.5, 2.0),
+            )
+        )
+    sets[0]["sizes"] = sets[1]["sizes"] = jnp.asarray(sizes, jnp.int32)
+    return sets
+
+
+def ragged_ref(lhs_f32, rhs_nk_f32, sizes):
+    return lax.ragged_dot(
+        lhs_f32, jnp.swapaxes(rhs_nk_f32, 1, 2), sizes, precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def wgrad_ref(lhs_km_f32, rhs_nm_f32, sizes):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return lax.ragged_dot_general(
+        lhs_km_f32.T, rhs_nm_f32.T, sizes, dims, precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+# ---------------------------------------------------------------------------- peers
+
+
+def torch_peers(bench: Bench, shape: str, sets, g, m, k, n, flops):
+    try:
+        import torch
+    except ImportError:
+        bench.record(shape=shape, op="fwd", impl="torch", status="torch not installed")
+        return
+    if bench.over_budget() or not torch.cuda.is_available():
+        return
+    dev = "cuda"
+    sizes = np.asarray(sets[0]["sizes"])
+    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=dev)
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w_nk = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
+
+    def torch_time(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True
+            )
+            start.record()
+            for _ in range(10):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 10 / 1e3)
+        return statistics.median(times)
+
+    def record_torch(impl: str, fn) -> None:
+        try:
+            seconds = torch_time(fn)
+            bench.record(shape=shape, op="fwd", impl=impl, ms=seconds * 1e3,
+                         tflops=flops / seconds / 1e12, status="ok")
+        except Exception as e:
+            bench.record(shape=shape, op="fwd", impl=impl, status=f"error {type(e).__name__}: {e}")
+
+    record_torch("torch._grouped_mm bf16",
+                 lambda: torch._grouped_mm(a, w_nk.transpose(-2, -1), offs=offs))
+    a8 = a.to(torch.float8_e4m3fn)
+    w8 = w_nk.to(torch.float8_e4m3fn)
+    sa = torch.rand(m, device=dev, dtype=torch.float32) + 0.5
+    sb = torch.rand(g, n, device=dev, dtype=torch.float32) + 0.5
+    record_torch(
+        "torch._scaled_grouped_mm fp8 row",
+        lambda: torch._scaled_grouped_mm(
+            a8, w8.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
+        ),
+    )
+    torch.cuda.empty_cache()
+
+
+def xla_dense_peers(bench: Bench, shape: str, m, k, n):
+    flops = 2 * m * k * n
+    keys = jax.random.split(jax.random.key(7), 4)
+    bf = [(jax.random.normal(keys[i], (m, k), BF16), jax.random.normal(keys[i + 2], (k, n), BF16))
+          for i in range(2)]
+    measure(bench, shape=shape, op="dense", impl="XLA dense bf16 (M,K)@(K,N)", flops=flops,
+            fn=lambda a, b: a @ b, arg_sets=bf)
+    f8 = [(a.astype(E4M3), b.T.astype(E4M3)) for a, b in bf]
+
+    def fp8_nt(a, b_nk):
+        return lax.dot_general(a, b_nk, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
+
+    measure(bench, shape=shape, op="dense", impl="XLA dense fp8 e4m3 NT", flops=flops,
+            fn=fp8_nt, arg_sets=f8)
+
+
+# ---------------------------------------------------------------------------- suites
+
+
+def forward_suite(bench: Bench, shape: str, op: str, g, m, k, n, sizes, peers: bool,
+                  bf16_cfgs, fp8_cfgs, block_cfgs):
+    """Forward (or dgrad: the caller swaps K and N) for bf16, fp8 rowwise and fp8 block."""
+    if bench.over_budget():
+        return
+    flops = 2 * m * k * n
+    sets = random_operands(jax.random.key(zlib.crc32(f'{shape}/{op}'.encode())), g, m, k, n, sizes)
+    s0 = sets[0]
+    ref = ragged_ref(s0["lhs"].astype(jnp.float32), s0["rhs"].astype(jnp.float32), s0["sizes"])
+    bf16_rows = []
+    for cfg in bf16_cfgs:
+        bf16_rows.append(measure(
+            bench, shape=shape, op=op, impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops, config=cfg,
+            fn=lambda a, b, s, cfg=cfg: grouped_matmul(a, b, s, config=cfg, interpret=INTERPRET),
+            arg_sets=[(x["lhs"], x["rhs"], x["sizes"]) for x in sets], ref=ref,
+        ))
+    rows_kn = [(x["lhs"], jnp.swapaxes(x["rhs"], 1, 2), x["sizes"]) for x in sets]
+    if peers:
+        measure(bench, shape=shape, op=op, impl="lax.ragged_dot bf16", flops=flops,
+                fn=lambda a, b, s: lax.ragged_dot(a, b, s), arg_sets=rows_kn, ref=ref)
+    best_bf16 = best(bf16_rows, 1e-2)
+    if best_bf16 is not None and peers:
+        cfg = config_of(best_bf16, GroupedMatmulConfig, None)
+        measure(bench, shape=shape, op=op, impl="pallas bf16 rhs (G,K,N)", flops=flops,
+                config=cfg, fn=lambda a, b, s: grouped_matmul(
+                    a, b, s, rhs_layout="kn", config=cfg, interpret=INTERPRET),
+                arg_sets=rows_kn, ref=ref)
+    del ref, rows_kn
+
+    ref8 = ragged_ref(
+        s0["lhs8"].astype(jnp.float32) * s0["lhs_row_scale"][:, None],
+        s0["rhs8"].astype(jnp.float32) * s0["rhs_col_scale"][:, :, None],
+        s0["sizes"],
+    )
+    for cfg in fp8_cfgs:
+        measure(
+            bench, shape=shape, op=op, impl=f"pallas fp8 rowwise {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops, config=cfg,
+            fn=lambda a, b, s, sa, sb, cfg=cfg: grouped_matmul(
+                a, b, s, lhs_scale=sa, rhs_scale=sb, config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=[(x["lhs8"], x["rhs8"], x["sizes"], x["lhs_row_scale"], x["rhs_col_scale"])
+                      for x in sets],
+            ref=ref8,
+        )
+    del ref8
+
+    if k % 128 == 0 and block_cfgs:
+        block_sets = []
+        for i, x in enumerate(sets):
+            kb1, kb2 = jax.random.split(jax.random.key(100 + i))
+            block_sets.append((
+                x["lhs8"], jax.random.uniform(kb1, (m, k // 128), jnp.float32, 0.5, 2.0),
+                x["rhs8"], jax.random.uniform(kb2, (g, -(-n // 128), k // 128), jnp.float32,
+                                              0.5, 2.0),
+                x["sizes"],
+            ))
+        lq, ls, rq, rs, sz = block_sets[0]
+        lhs_dq = lq.astype(jnp.float32) * jnp.repeat(ls, 128, axis=1)
+        rhs_dq = rq.astype(jnp.float32) * jnp.repeat(jnp.repeat(rs, 128, axis=1), 128, axis=2)[
+            :, :n
+        ]
+        ref_block = ragged_ref(lhs_dq, rhs_dq, sz)
+        del lhs_dq, rhs_dq
+        for cfg in block_cfgs:
+            measure(
+                bench, shape=shape, op=op, impl=f"pallas fp8 block {cfg.tile_m}x{2 * cfg.tile_n}",
+                flops=flops, config=cfg,
+                fn=lambda a, sa, b, sb, s, cfg=cfg: grouped_matmul_fp8_block(
+                    a, sa, b, sb, s, config=cfg, interpret=INTERPRET
+                ),
+                arg_sets=block_sets, ref=ref_block,
+            )
+        del ref_block, block_sets
+    return best_bf16
+
+
+def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_cfgs, fp8_cfgs):
+    if bench.over_budget():
+        return
+    flops = 2 * m * k * n
+    sets = []
+    for i in range(2):
+        k1, k2, k3 = jax.random.split(jax.random.key(200 + i), 3)
+        x_km = jax.random.normal(k1, (k, m), jnp.float32)
+        dy_nm = jax.random.normal(k2, (n, m), jnp.float32)
+        sets.append(dict(x=x_km.astype(BF16), dy=dy_nm.astype(BF16), x8=x_km.astype(E4M3),
+                         dy8=dy_nm.astype(E5M2),
+                         xs=jax.random.uniform(k3, (k,), jnp.float32, 0.5, 2.0),
+                         sizes=jnp.asarray(sizes, jnp.int32)))
+    s0 = sets[0]
+    ref = wgrad_ref(s0["x"].astype(jnp.float32), s0["dy"].astype(jnp.float32), s0["sizes"])
+    for cfg in bf16_cfgs:
+        measure(bench, shape=shape, op="wgrad", impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
+                flops=flops, config=cfg,
+                fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
+                    a, b, s, config=cfg, interpret=INTERPRET),
+                arg_sets=[(x["x"], x["dy"], x["sizes"]) for x in sets], ref=ref)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[],
+    )
+    if peers:
+        measure(bench, shape=shape, op="wgrad", impl="lax.ragged_dot_general bf16 (M,K),(M,N)",
+                flops=flops,
+                fn=lambda a, b, s: lax.ragged_dot_general(a, b, s, dims,
+                                                          preferred_element_type=jnp.float32),
+                arg_sets=[(x["x"].T, x["dy"].T, x["sizes"]) for x in sets], ref=ref)
+    del ref
+    ref8 = wgrad_ref(s0["x8"].astype(jnp.float32) * s0["xs"][:, None],
+                     s0["dy8"].astype(jnp.float32), s0["sizes"])
+    for cfg in fp8_cfgs:
+        measure(bench, shape=shape, op="wgrad",
+                impl=f"pallas fp8 e4m3xe5m2 {cfg.tile_m}x{2 * cfg.tile_n}", flops=flops,
+                config=cfg,
+                fn=lambda a, b, s, sa, cfg=cfg: grouped_matmul_wgrad(
+                    a, b, s, lhs_scale=sa, rhs_scale=jnp.float32(1.0), config=cfg,
+                    interpret=INTERPRET),
+                arg_sets=[(x["x8"], x["dy8"], x["sizes"], x["xs"]) for x in sets], ref=ref8)
+
+
+def dense_block_suite(bench: Bench, size: int, configs, peers: bool):
+    if bench.over_budget():
+        return
+    shape = f"dense {size}^3"
+    flops = 2 * size**3
+    sets = []
+    for i in range(2):
+        k1, k2, k3, k4 = jax.random.split(jax.random.key(300 + i), 4)
+        sets.append((
+            jax.random.normal(k1, (size, size), jnp.float32).astype(E4M3),
+            jax.random.uniform(k2, (size, size // 128), jnp.float32, 0.5, 2.0),
+            jax.random.normal(k3, (size, size), jnp.float32).astype(E4M3),
+            jax.random.uniform(k4, (size // 128, size // 128), jnp.float32, 0.5, 2.0),
+        ))
+    a, sa, b, sb = sets[0]
+    ref = (a.astype(jnp.float32) * jnp.repeat(sa, 128, axis=1)) @ (
+        b.astype(jnp.float32) * jnp.repeat(jnp.repeat(sb, 128, axis=0), 128, axis=1)
+    ).T
+    for cfg in configs:
+        measure(bench, shape=shape, op="dense", impl=f"pallas fp8 block {cfg.tile_m}x256",
+                flops=flops, config=cfg,
+                fn=lambda a, sa, b, sb, cfg=cfg: dense_matmul_fp8_block(
+                    a, sa, b, sb, config=cfg, interpret=INTERPRET),
+                arg_sets=sets, ref=ref)
+    del ref
+    if peers:
+        xla_dense_peers(bench, shape, size, size, size)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| shape | op | implementation | ms | TFLOP/s | rel. error | note |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if r.get("ms") else ""
+        tf = f"{r['tflops']:.0f}" if r.get("tflops") else ""
+        err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
+        note = "" if r.get("status") == "ok" else r.get("status", "")[:120]
+        lines.append(f"| {r.get('shape', '')} | {r.get('op', '')} | {r.get('impl', '')} | {ms} "
+                     f"| {tf} | {err} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = False) -> str:
+    global INTERPRET
+    # Leave GPU memory for torch's peers (read when the backend starts, below).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    out = Path(out_dir or "bench_out")
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(out, budget_s)
+    device = jax.devices()[0]
+    bench.record(shape="device", op="", impl=f"{device.device_kind} jax {jax.__version__}",
+                 status="ok")
+    shapes = dict(SHAPES)
+    bf16_fwd, fp8_fwd, block, bf16_wgrad, fp8_wgrad = (
+        BF16_FWD_CONFIGS, FP8_FWD_CONFIGS, BLOCK_CONFIGS, BF16_WGRAD_CONFIGS, FP8_WGRAD_CONFIGS
+    )
+    narrow = [fwd_config(128, 88, 64, 3, 88), fwd_config(128, 128, 64, 4, 32)]
+    narrow8 = [fwd_config(128, 88, 128, 3, 88), fwd_config(128, 128, 128, 4, 32)]
+    dense_size = 8192
+    if small:
+        INTERPRET = True
+        shapes = {
+            "G8 balanced": (2, 256, 256, 256, [100, 120]),
+            "G8 skewed": (2, 256, 256, 256, [200, 40]),
+            "G64 small experts": (3, 256, 256, 128, [64, 0, 150]),
+        }
+        tiny = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2,
+                                   epi_tile_n=32, num_sms=2, grid_tile_width=1)
+        tiny_block = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128,
+                                         max_concurrent_steps=2, epi_tile_n=64, num_sms=2)
+        tiny_wgrad = GroupedWgradConfig(tile_m=128, tile_n=64, tile_t=128,
+                                        max_concurrent_steps=2, epi_tile_n=32, num_sms=2)
+        bf16_fwd = fp8_fwd = narrow = narrow8 = [tiny]
+        block = [tiny_block]
+        bf16_wgrad = fp8_wgrad = [tiny_wgrad]
+        dense_size = 256
+
+    # Pass 1, coverage: every shape and op with the first config, peers alongside.
+    g, m, k, n, sizes = shapes["G8 balanced"]
+    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1],
+                  fp8_fwd[:1], block[:1])
+    if not bench.over_budget():
+        sets = random_operands(jax.random.key(1), g, m, k, n, sizes)
+        torch_peers(bench, "G8 balanced", sets, g, m, k, n, 2 * m * k * n)
+        del sets
+        xla_dense_peers(bench, "G8 balanced", m, k, n)
+    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
+    g, m, k, n, sizes = shapes["G8 skewed"]
+    forward_suite(bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1],
+                  block[:1])
+    wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
+    g, m, k, n, sizes = shapes["G64 small experts"]
+    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow[:1],
+                  narrow8[:1], [])
+    forward_suite(bench, "G64 small experts", "dgrad", g, m, n, k, sizes, True, bf16_fwd[:1],
+                  fp8_fwd[:1], [])
+    wgrad_suite(bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1],
+                fp8_wgrad[:1])
+    dense_block_suite(bench, dense_size, block[:1], True)
+
+    # Pass 2, tuning: the remaining configs while the budget lasts.
+    g, m, k, n, sizes = shapes["G8 balanced"]
+    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, False, bf16_fwd[1:],
+                  fp8_fwd[1:], block[1:])
+    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, False, bf16_wgrad[1:], fp8_wgrad[1:])
+    g, m, k, n, sizes = shapes["G64 small experts"]
+    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, False, narrow[1:],
+                  narrow8[1:], [])
+    dense_block_suite(bench, dense_size, block[1:], False)
+
+    text = markdown(bench.rows)
+    (out / "bench_grouped_matmul.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--small"]
+    main(args[0] if args else None, float(args[1]) if len(args) > 1 else 200.0,
+         small="--small" in sys.argv)

@@ -1,0 +1,152 @@
+"""Grouped-matmul kernels (issue 5) on the H200, against float64 references.
+
+Skipped without a GPU (tests/conftest.py). Shapes are chosen so that tiles are
+partial in every direction (M, N, K not multiples of the tiles), groups are empty,
+tiny, straddle tiles, and rows/tokens past sum(group_sizes) exist. Every element is
+compared, tail rows included (they must be exactly zero).
+
+Error bounds, as max |out - ref| / max |ref| with ref in float64 on the same
+(dequantized) operands:
+  bf16 operands, f32 out ............. 1e-5 (exact products, f32 sums)
+  any operands, bf16 out ............. 2^-8 (one bf16 rounding)
+  FP8 per-tensor / row scales ........ 2e-3 (fp8 wgmma sums in reduced precision
+                                        inside the tensor core, ~2^-13 per add)
+  FP8 block (promotion every 128 K) .. 1e-3
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import grouped_matmul, grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
+from tests.pallas_kernels.test_grouped_matmul import (
+    BF16,
+    E4M3,
+    E5M2,
+    assert_close,
+    dequant_fp8_block,
+    f64,
+    keys,
+    random_fp8,
+    ref_ragged_contraction,
+    ref_ragged_rows,
+)
+
+pytestmark = pytest.mark.gpu
+
+ROWS, K_DIM, N_DIM = 1000, 512, 384
+SIZES = jnp.asarray([0, 300, 1, 0, 550], jnp.int32)  # 149 tail rows
+NUM_GROUPS = 5
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("rhs_layout", ["nk", "kn"])
+def test_gpu_bf16_forward(out_dtype, rhs_layout):
+    k_lhs, k_rhs = keys(2, seed=10)
+    lhs = jax.random.normal(k_lhs, (ROWS, K_DIM), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
+    rhs_arg = rhs if rhs_layout == "nk" else jnp.swapaxes(rhs, 1, 2)
+    out = jax.jit(grouped_matmul, static_argnames=("out_dtype", "rhs_layout"))(
+        lhs, rhs_arg, SIZES, out_dtype=out_dtype, rhs_layout=rhs_layout
+    )
+    rel = 1e-5 if out_dtype == jnp.float32 else 2**-8
+    assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), SIZES), rel=rel)
+
+
+@pytest.mark.parametrize("scales", ["row_col", "tensor_group"])
+def test_gpu_fp8_forward_mixed(scales):
+    k = keys(4, seed=11)
+    lhs = random_fp8(k[0], (ROWS, K_DIM), E5M2)
+    rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E4M3)
+    if scales == "row_col":
+        lhs_scale = jax.random.uniform(k[2], (ROWS,), jnp.float32, 0.25, 4.0)
+        rhs_scale = jax.random.uniform(k[3], (NUM_GROUPS, N_DIM), jnp.float32, 0.25, 4.0)
+        lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
+        rhs_ref = f64(rhs) * f64(rhs_scale)[:, :, None]
+    else:
+        lhs_scale = jnp.float32(0.375)
+        rhs_scale = jax.random.uniform(k[3], (NUM_GROUPS,), jnp.float32, 0.25, 4.0)
+        lhs_ref = f64(lhs) * 0.375
+        rhs_ref = f64(rhs) * f64(rhs_scale)[:, None, None]
+    out = jax.jit(grouped_matmul, static_argnames=("out_dtype",))(
+        lhs, rhs, SIZES, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=jnp.float32
+    )
+    assert_close(out, ref_ragged_rows(lhs_ref, rhs_ref, SIZES), rel=2e-3)
+
+
+def test_gpu_fp8_block_forward():
+    k = keys(4, seed=12)
+    lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+    rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (ROWS, K_DIM // 128), jnp.float32, 2.0**-6, 2.0**6)
+    rhs_scale = jax.random.uniform(
+        k[3], (NUM_GROUPS, N_DIM // 128, K_DIM // 128), jnp.float32, 2.0**-6, 2.0**6
+    )
+    out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype",))(
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32
+    )
+    ref = ref_ragged_rows(
+        dequant_fp8_block(lhs, lhs_scale, 1, 128), dequant_fp8_block(rhs, rhs_scale, 128, 128), SIZES
+    )
+    assert_close(out, ref, rel=1e-3)
+
+
+@pytest.mark.parametrize("operands", ["bf16", "fp8"])
+def test_gpu_wgrad(operands):
+    tokens = 1008
+    sizes = jnp.asarray([0, 300, 1, 0, 550], jnp.int32)  # 157 unused tokens
+    k = keys(3, seed=13)
+    if operands == "bf16":
+        lhs = jax.random.normal(k[0], (K_DIM, tokens), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (N_DIM, tokens), jnp.float32).astype(BF16)
+        lhs = lhs.at[:, 900:].set(jnp.nan)  # garbage past sum(group_sizes)
+        kwargs, lhs_ref, rhs_ref, rel = {}, f64(lhs), f64(rhs), 1e-5
+    else:
+        lhs = random_fp8(k[0], (K_DIM, tokens), E4M3)
+        rhs = random_fp8(k[1], (N_DIM, tokens), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (K_DIM,), jnp.float32, 0.25, 4.0)
+        kwargs = {"lhs_scale": lhs_scale, "rhs_scale": jnp.float32(2.0)}
+        lhs_ref, rhs_ref, rel = f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * 2.0, 2e-3
+    out = jax.jit(grouped_matmul_wgrad)(lhs, rhs, sizes, **kwargs)
+    assert out.shape == (NUM_GROUPS, K_DIM, N_DIM)
+    assert_close(out, ref_ragged_contraction(lhs_ref, rhs_ref, sizes), rel=rel)
+
+
+def test_gpu_dense_entry_points():
+    k = keys(6, seed=14)
+    lhs = jax.random.normal(k[0], (ROWS, K_DIM), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k[1], (N_DIM, K_DIM), jnp.float32).astype(BF16)
+    out = jax.jit(dense_matmul, static_argnames=("out_dtype",))(lhs, rhs, out_dtype=jnp.float32)
+    assert_close(out, f64(lhs) @ f64(rhs).T, rel=1e-5)
+    lhs8 = random_fp8(k[2], (ROWS, K_DIM), E4M3)
+    rhs8 = random_fp8(k[3], (N_DIM, K_DIM), E4M3)
+    lhs_scale = jax.random.uniform(k[4], (ROWS, K_DIM // 128), jnp.float32, 0.5, 2.0)
+    rhs_scale = jax.random.uniform(k[5], (N_DIM // 128, K_DIM // 128), jnp.float32, 0.5, 2.0)
+    out = jax.jit(dense_matmul_fp8_block, static_argnames=("out_dtype",))(
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32
+    )
+    ref = dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(
+        rhs8, rhs_scale, 128, 128
+    ).T
+    assert_close(out, ref, rel=1e-3)
+
+
+def test_gpu_fp8_error_is_real_not_elided():
+    # numerics.md §6: XLA can elide fake-quant round trips on the GPU. The kernel
+    # consumes real fp8 bytes, so an e4m3 GEMM on N(0,1) data must show e4m3-sized
+    # error against the unquantized product (~3.8e-2), not bf16-sized (~3e-4).
+    k_lhs, k_rhs = keys(2, seed=15)
+    lhs32 = jax.random.normal(k_lhs, (ROWS, K_DIM), jnp.float32)
+    rhs32 = jax.random.normal(k_rhs, (1, N_DIM, K_DIM), jnp.float32)
+    sizes = jnp.asarray([ROWS], jnp.int32)
+    out = jax.jit(grouped_matmul, static_argnames=("out_dtype",))(
+        lhs32.astype(E4M3), rhs32.astype(E4M3), sizes, out_dtype=jnp.float32
+    )
+    exact = np.asarray(lhs32, np.float64) @ np.asarray(rhs32[0], np.float64).T
+    rel = np.linalg.norm(np.asarray(out) - exact) / np.linalg.norm(exact)
+    assert 1e-2 < rel < 1e-1, rel
