@@ -86,14 +86,12 @@ def _codes(v, scale_b, fp8_dtype, fix_nan: bool):
     codes = qc.saturating_fp8(v * scale_b, fp8_dtype)
     if not fix_nan:
         return codes
-    # A NaN element gets the byte the reference's cast gives it on this backend (XLA:CPU keeps
-    # the sign and gives E5M2 0x7E; cvt.satfinite gives 0x7F).
-    positive, negative = qc.xla_nan_codes(fp8_dtype, through_product=True)
+    # A NaN element gets the canonical NaN byte whatever its sign (the interpreter's XLA cast
+    # keeps the sign and gives E5M2 0x7E).
     v_bits = lax.bitcast_convert_type(v, jnp.uint32)
     is_nan = qc.is_nan_bits(v_bits & jnp.uint32(qc.ABS_MASK))
-    nan_code = jnp.where(v_bits >> 31 != 0, jnp.uint32(negative), jnp.uint32(positive))
     keep = jnp.where(is_nan, jnp.uint32(0), jnp.uint32(0xFF)).astype(jnp.uint8)
-    fix = jnp.where(is_nan, nan_code, jnp.uint32(0)).astype(jnp.uint8)
+    fix = jnp.where(is_nan, jnp.uint32(qc.CANONICAL_FP8_NAN), jnp.uint32(0)).astype(jnp.uint8)
     bits = (lax.bitcast_convert_type(codes, jnp.uint8) & keep) | fix
     return lax.bitcast_convert_type(bits, fp8_dtype)
 

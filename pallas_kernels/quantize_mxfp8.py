@@ -118,10 +118,9 @@ def quantize_lines(v: jax.Array, layout, fp8_dtype) -> tuple[jax.Array, jax.Arra
         second, v.shape, layout
     )
     codes = qc.saturating_fp8(scaled, fp8_dtype)
-    # A NaN block's codes are all the byte the reference's cast gives NaN on this backend
-    # (cvt.satfinite gives 0x7F, and a NaN input could carry its sign into the product);
-    # bitwise AND / OR are the 8-bit pointwise ops Mosaic supports.
-    nan_code, _ = qc.xla_nan_codes(fp8_dtype, through_product=False)
+    # A NaN block's codes are all the canonical NaN byte (the interpreter's XLA cast would keep
+    # a NaN's sign or give E5M2 0x7E); bitwise AND / OR are the 8-bit pointwise ops Mosaic has.
+    nan_code = qc.CANONICAL_FP8_NAN
     is_nan_block = byte == 0xFF
     keep = jnp.where(is_nan_block, jnp.uint32(0), jnp.uint32(0xFF)).astype(jnp.uint8)
     fix = jnp.where(is_nan_block, jnp.uint32(nan_code), jnp.uint32(0)).astype(jnp.uint8)

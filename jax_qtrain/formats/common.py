@@ -87,14 +87,21 @@ def pow2_reciprocal(v: jax.Array) -> jax.Array:
     return jnp.where(reciprocal_exponent >= 1, normal, subnormal)
 
 
+CANONICAL_FP8_NAN = 0x7F  # what CUDA's __nv_cvt_float_to_fp8 (and Hopper's cvt.satfinite) give NaN
+
+
 def saturating_cast(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Round-to-nearest-even cast of float32 `x` to an FP8 dtype, saturating to ±max.
 
     JAX's own float8 casts do not saturate (E4M3: 480 → NaN; E5M2 overflows to Inf), so clip
-    first; NaN stays NaN (clip propagates it).
+    first. NaN becomes the canonical NaN byte 0x7F, as TransformerEngine's CUDA cast gives; XLA's
+    own NaN bytes differ by backend (XLA:CPU keeps the sign and gives E5M2 0x7E).
     """
     limit = fp8_max(dtype)
-    return jnp.clip(x, -limit, limit).astype(dtype)
+    codes = jnp.clip(x, -limit, limit).astype(dtype)
+    code_bits = lax.bitcast_convert_type(codes, jnp.uint8)
+    code_bits = jnp.where(jnp.isnan(x), jnp.uint8(CANONICAL_FP8_NAN), code_bits)
+    return lax.bitcast_convert_type(code_bits, dtype)
 
 
 def materialize(x: jax.Array) -> jax.Array:

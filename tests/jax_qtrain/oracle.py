@@ -30,7 +30,8 @@ def fp8_bits(values: np.ndarray, dtype) -> np.ndarray:
     """Saturating round-to-nearest-even FP8 cast, as uint8 bits."""
     limit = FP8_MAX[np.dtype(dtype)]
     with np.errstate(invalid="ignore"):
-        return np.clip(values, -limit, limit).astype(dtype).view(np.uint8)
+        codes = np.clip(values, -limit, limit).astype(dtype).view(np.uint8)
+    return np.where(np.isnan(values), np.uint8(0x7F), codes)  # CUDA's canonical NaN
 
 
 def te_scale(amax: np.ndarray, fp8_max, pow2: bool, overflow=FLT_MAX, eps=0.0) -> np.ndarray:

@@ -616,6 +616,108 @@ def test_manual_weight_write_then_refresh():
     _check_cache(layer, recipe, new_kernel, BOTH)
 
 
+# --- grouped layers (MoE experts) -----------------------------------------------------------------
+GROUP_SIZES = (40, 0, 56)  # an empty expert included
+
+
+def _grouped_layer(kind: str, recipe, quantized_weight: bool):
+    if kind == "linear":
+        return jq.nn.GroupedLinear(
+            3, 64, 48, recipe=recipe, quantized_weight=quantized_weight, rngs=nnx.Rngs(0)
+        )
+    return jq.nn.GroupedMLP(
+        3,
+        64,
+        32,
+        out_features=48,
+        recipe=recipe,
+        quantized_weight=quantized_weight,
+        rngs=nnx.Rngs(0),
+    )
+
+
+def _kept_copies(layer) -> list[tuple[jq.QuantizedWeight, jax.Array]]:
+    if isinstance(layer, jq.nn.GroupedLinear):
+        return [(layer.quantized_kernel.get_value(), layer.kernel[...])]
+    return [
+        (layer.quantized_fc1_kernel.get_value(), layer.fc1_kernel[...]),
+        (layer.quantized_fc2_kernel.get_value(), layer.fc2_kernel[...]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [(name, "linear") for name in sorted(RECIPES)] + [("mxfp8", "mlp"), ("nvfp4", "mlp")],
+)
+def test_grouped_layers_keep_usages_through_train_infer_train(name, kind):
+    """TE #2929 was found in the grouped linear op: train/infer/train with the weights changed
+    by the optimizer before every train step. Kept per-expert copies give the very y, dx and
+    weight gradients of the same layer quantizing in every call, and always hold both usages."""
+    recipe = RECIPES[name]
+    cached, plain = (_grouped_layer(kind, recipe, q) for q in (True, False))
+    optimizers = [jq.nn.Optimizer(m, optax.sgd(-1.0), wrt=nnx.Param) for m in (cached, plain)]
+    sizes = jnp.array(GROUP_SIZES, jnp.int32)
+
+    @nnx.jit
+    def train(layer, x, dy):
+        def f(layer, x):
+            return jnp.sum(layer(x, sizes) * dy)
+
+        return nnx.grad(f, argnums=(0, 1))(layer, x)
+
+    infer = nnx.jit(lambda layer, x: layer(x, sizes))
+    key = jax.random.key(0)
+    for stage in ("train", "infer", "train"):
+        for _ in range(2):
+            key, k_weights, k_x, k_dy = jax.random.split(key, 4)
+            x = jax.random.normal(k_x, (96, 64))
+            if stage == "train":
+                for model, optimizer in zip((cached, plain), optimizers, strict=True):
+                    overwrite_weights(model, optimizer, k_weights)
+                dy = jax.random.normal(k_dy, (96, 48))
+                assert_bits_equal(train(cached, x, dy), train(plain, x, dy))
+            else:
+                assert_bits_equal(infer(cached, x), infer(plain, x))
+            for kept, kernel in _kept_copies(cached):
+                assert kept.usages == BOTH
+                assert_bits_equal(kept, jq.quantize_weight(kernel, recipe))
+
+
+def test_grouped_ops_check_kept_weights():
+    recipe = RECIPES["mxfp8"]
+    x, sizes = jnp.ones((8, 64)), jnp.array([8, 0], jnp.int32)
+    kernels = jnp.ones((2, 64, 48))
+    with pytest.raises(ValueError, match="holds only"):
+        jq.grouped_dense(
+            x,
+            kernels,
+            sizes,
+            recipe=recipe,
+            quantized_kernels=jq.quantize_weight(kernels, recipe, ("columnwise",)),
+        )
+    with pytest.raises(ValueError, match="quantization of its weight"):
+        jq.grouped_dense(
+            x,
+            kernels,
+            sizes,
+            recipe=recipe,
+            quantized_kernels=jq.quantize_weight(kernels[:1], recipe),
+        )
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        jq.grouped_dense(
+            x, kernels, sizes, recipe=recipe, quantized_kernels=jq.quantize(kernels[0], recipe)
+        )
+    with pytest.raises(ValueError, match="quantizes weights as"):
+        jq.grouped_mlp(
+            x,
+            jnp.ones((2, 64, 64)),
+            jnp.ones((2, 32, 48)),
+            sizes,
+            recipe=recipe,
+            quantized_fc2=jq.quantize_weight(jnp.ones((2, 32, 48)), RECIPES["fp8"]),
+        )
+
+
 # --- 20 alternating jitted train and eval steps ---------------------------------------------------
 class MLP(nnx.Module):
     def __init__(self, recipe, quantized_weight: bool, rngs: nnx.Rngs):

@@ -1,0 +1,165 @@
+"""NNX layers: nn.GroupedLinear, nn.GroupedMLP and the MoE block nn.MoE."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_qtrain as jq
+from jax_qtrain.nn.moe import load_balancing_loss, permute_by_expert
+
+from .grouped_common import ON_GPU, RECIPES, assert_bits_equal
+
+
+def test_grouped_linear_calls_grouped_dense_with_its_parameters():
+    layer = jq.nn.GroupedLinear(
+        4, 64, 32, dtype=jnp.bfloat16, recipe=RECIPES["mxfp8"], rngs=nnx.Rngs(0)
+    )
+    assert layer.kernel[...].shape == (4, 64, 32) and layer.kernel[...].dtype == jnp.float32
+    assert layer.bias[...].shape == (4, 32)
+    # lecun_normal per expert: the fan-in is in_features, not 4 * in_features
+    assert 0.8 < float(jnp.std(layer.kernel[...])) * np.sqrt(64) < 1.2
+    x = jax.random.normal(jax.random.key(1), (100, 64), jnp.float32)
+    group_sizes = jnp.array([30, 0, 50, 10], jnp.int32)
+    layer.bias[...] = jax.random.normal(jax.random.key(2), (4, 32))
+    want = jq.grouped_dense(
+        x.astype(jnp.bfloat16),
+        layer.kernel[...].astype(jnp.bfloat16),
+        group_sizes,
+        layer.bias[...].astype(jnp.bfloat16),
+        recipe=RECIPES["mxfp8"],
+    )
+    got = layer(x, group_sizes)
+    assert got.dtype == jnp.bfloat16
+    assert_bits_equal(got, want)
+    no_bias = jq.nn.GroupedLinear(2, 8, 8, use_bias=False, rngs=nnx.Rngs(0))
+    assert no_bias.bias is None
+    assert no_bias(jnp.ones((3, 8)), jnp.array([1, 2], jnp.int32)).shape == (3, 8)
+
+
+def test_grouped_mlp_layer_calls_grouped_mlp():
+    mlp = jq.nn.GroupedMLP(4, 32, 48, recipe=RECIPES["fp8"], rngs=nnx.Rngs(0))
+    assert mlp.fc1_kernel[...].shape == (4, 32, 96) and mlp.fc2_kernel[...].shape == (4, 48, 32)
+    x = jax.random.normal(jax.random.key(3), (64, 32), jnp.float32)
+    probs = jax.random.uniform(jax.random.key(4), (64,))
+    group_sizes = jnp.array([16, 16, 0, 32], jnp.int32)
+    want = jq.grouped_mlp(
+        x, mlp.fc1_kernel[...], mlp.fc2_kernel[...], group_sizes, probs, recipe=RECIPES["fp8"]
+    )
+    assert_bits_equal(mlp(x, group_sizes, probs), want)
+    plain = jq.nn.GroupedMLP(2, 8, 16, activation="srelu", out_features=4, rngs=nnx.Rngs(0))
+    assert plain.fc1_kernel[...].shape == (2, 8, 16) and plain.fc2_kernel[...].shape == (2, 16, 4)
+
+
+def test_a_layer_recipe_stays_inside_a_global_autocast():
+    mlp = jq.nn.GroupedMLP(4, 32, 32, recipe=RECIPES["mxfp8"], rngs=nnx.Rngs(0))
+    follower = jq.nn.GroupedMLP(4, 32, 32, rngs=nnx.Rngs(0))  # same weights, follows autocast
+    x = jax.random.normal(jax.random.key(5), (64, 32), jnp.bfloat16)
+    group_sizes = jnp.array([16, 16, 16, 16], jnp.int32)
+    forward = nnx.jit(lambda m, x: m(x, group_sizes))
+    alone = forward(mlp, x)
+    with jq.autocast(RECIPES["nvfp4"]):
+        assert_bits_equal(forward(mlp, x), alone)
+        assert not np.array_equal(np.asarray(forward(follower, x)), np.asarray(alone))
+    with jq.autocast(RECIPES["mxfp8"]):
+        assert_bits_equal(forward(follower, x), alone)
+
+
+def reference_moe(model, x):
+    """Token by token: Σ_j p_j · expert_{e_j}(x_t), float32 (the MoE block with recipe None)."""
+    w_router = np.asarray(model.router.kernel[...], np.float64)
+    fc1 = np.asarray(model.experts.fc1_kernel[...], np.float64)
+    fc2 = np.asarray(model.experts.fc2_kernel[...], np.float64)
+    tokens = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    logits = tokens @ w_router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(tokens)
+    ffn = fc2.shape[1]
+    for t, row in enumerate(tokens):
+        top = np.argsort(-probs[t], kind="stable")[: model.top_k]
+        weights = probs[t, top] / probs[t, top].sum()
+        for e, p in zip(top, weights, strict=True):
+            h = row @ fc1[e]
+            a, b = h[:ffn], h[ffn:]
+            out[t] += p * ((a / (1 + np.exp(-a)) * b) @ fc2[e])
+    return out.reshape(x.shape), probs
+
+
+def test_moe_routes_each_token_to_its_top_k_experts():
+    model = jq.nn.MoE(16, 24, 4, top_k=2, aux_loss_coef=0.5, rngs=nnx.Rngs(0))
+    model.router.kernel[...] = jax.random.normal(jax.random.key(6), (16, 4)) * 0.5
+    x = jax.random.normal(jax.random.key(7), (3, 10, 16), jnp.float32)
+    (y, aux_loss), intermediates = nnx.capture(model, nnx.Intermediate)(x, return_aux_loss=True)
+    want, probs = reference_moe(model, x)
+    tolerance = 2e-2 if ON_GPU else 2e-4  # the GPU may run float32 GEMMs in TF32
+    np.testing.assert_allclose(np.asarray(y), want, rtol=tolerance, atol=tolerance / 10)
+    counts = np.zeros(4)
+    for t in range(30):
+        counts[np.argsort(-probs[t], kind="stable")[:2]] += 1
+    expected_aux = 0.5 * 4 * np.sum(counts / 60 * probs.mean(0))
+    np.testing.assert_allclose(float(aux_loss), expected_aux, rtol=1e-5)
+    np.testing.assert_allclose(float(intermediates["aux_loss"][...]), expected_aux, rtol=1e-5)
+    np.testing.assert_array_equal(intermediates["tokens_per_expert"][...], counts)
+
+
+def test_permutation_and_load_balancing_helpers():
+    top_experts = jnp.array([[2, 0], [0, 1], [2, 1]], jnp.int32)
+    order, inverse, group_sizes = permute_by_expert(top_experts, 4)
+    np.testing.assert_array_equal(group_sizes, [2, 2, 2, 0])
+    np.testing.assert_array_equal(top_experts.reshape(-1)[order], [0, 0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(order[inverse], np.arange(6))
+    np.testing.assert_array_equal(order // 2, [0, 1, 1, 2, 0, 2])  # tokens keep their order
+    uniform = jnp.full((8, 4), 0.25)
+    balanced = jnp.array([[0, 1], [2, 3]] * 4, jnp.int32)
+    np.testing.assert_allclose(load_balancing_loss(uniform, balanced), 1.0)
+    skewed = jnp.zeros((8, 2), jnp.int32)  # every assignment to expert 0
+    np.testing.assert_allclose(load_balancing_loss(uniform, skewed), 4 * 0.25)
+    peaked = jnp.tile(jnp.array([[1.0, 0.0, 0.0, 0.0]]), (8, 1))
+    np.testing.assert_allclose(load_balancing_loss(peaked, skewed), 4.0)  # the worst case
+
+
+def test_moe_with_a_recipe_trains():
+    model = jq.nn.MoE(
+        32, 64, 4, top_k=2, recipe=RECIPES["mxfp8"], dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    kx, kt = jax.random.split(jax.random.key(8))
+    x = jax.random.normal(kx, (2, 32, 32), jnp.float32)
+    target = jnp.tanh(x @ jax.random.normal(kt, (32, 32)) * 0.3)
+    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss_fn(model):
+            y, aux_loss = model(x, return_aux_loss=True)
+            return jnp.mean((y.astype(jnp.float32) - target) ** 2) + aux_loss
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(30)]
+    assert losses[-1] < 0.25 * losses[0]
+    router_grad = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32)))(model).router.kernel
+    assert float(jnp.abs(router_grad[...]).max()) > 0  # the router learns through the probs
+
+
+def test_bad_layer_arguments_are_named():
+    cases = [
+        (ValueError, "top_k", lambda: jq.nn.MoE(8, 8, 2, top_k=3, rngs=nnx.Rngs(0))),
+        (ValueError, "num_experts", lambda: jq.nn.MoE(8, 8, 0, rngs=nnx.Rngs(0))),
+        (
+            ValueError,
+            "activation",
+            lambda: jq.nn.GroupedMLP(2, 8, 8, activation="x", rngs=nnx.Rngs(0)),
+        ),
+        (TypeError, "recipe", lambda: jq.nn.GroupedLinear(2, 8, 8, recipe="fp8", rngs=nnx.Rngs(0))),
+        (ValueError, "in_features", lambda: jq.nn.GroupedLinear(2, 0, 8, rngs=nnx.Rngs(0))),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+    with pytest.raises(ValueError, match="last dim"):
+        jq.nn.MoE(8, 8, 2, rngs=nnx.Rngs(0))(jnp.ones((4, 6)))
