@@ -16,9 +16,10 @@ older weight. Here that cannot happen, by construction:
 3. The usages are part of the pytree structure (a copy it does not hold is a None child), so
    jit, scan, `tree_map` and NNX state plumbing carry them unchanged.
 
-Stacked expert weights (G, K, N) are quantized per expert (each expert its own scales and, for
-per-tensor formats, its own amax): the tensor's arrays get a leading G axis, its metadata
-(`tensor.shape`) is one expert's (K, N), and `qw.expert(g)` is expert g's `QuantizedTensor`.
+Stacked expert weights (G, K, N) are quantized per expert, as the grouped ops quantize them
+(`quantize_per_expert`: each expert its own scales and, for per-tensor formats, its own amax):
+the tensor's arrays get a leading G axis, its metadata (`tensor.shape`) is one expert's (K, N),
+and `qw.expert(g)` is expert g's `QuantizedTensor`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import USAGES, QuantizedTensor, Usage, quantize
@@ -79,20 +79,24 @@ def _check_weight(weight: Any, argument: str = "weight") -> None:
 
 def _quantize_copies(weight: jax.Array, recipe: Recipe, usages: tuple[str, ...]):
     """Every copy in `usages`, quantized from `weight` in one call (per expert if stacked)."""
-
-    def one(kernel: jax.Array) -> QuantizedTensor:
+    if weight.ndim == 2:
         return quantize(
-            kernel,
+            weight,
             recipe,
             "weight",
             rowwise="rowwise" in usages,
             columnwise="columnwise" in usages,
         )
+    # Exactly what the grouped ops quantize in every call. Imported here: jax_qtrain.ops
+    # imports this module (ops/dense.py).
+    from jax_qtrain.ops.grouped_quantize import quantize_per_expert
 
-    if weight.ndim == 2:
-        return one(weight)
-    # lax.map (a scan over experts), not vmap: the GPU quantize kernels need no batching rule.
-    return lax.map(one, weight)
+    return quantize_per_expert(
+        weight,
+        recipe,
+        rowwise="rowwise" in usages,
+        columnwise="columnwise" in usages,
+    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -188,7 +192,7 @@ class QuantizedWeight:
         """One copy's values in the weight's shape ((K, N) or (G, K, N))."""
         if self.num_groups is None:
             return self._tensor.dequantize(usage, dtype)
-        return lax.map(lambda q: q.dequantize(usage, dtype), self._tensor)
+        return jax.vmap(lambda q: q.dequantize(usage, dtype))(self._tensor)
 
     # --- the only way to a new one ---------------------------------------------------------------
     def refresh(self, weight: jax.Array, *, add_usages: Iterable[Usage] = ()) -> QuantizedWeight:
@@ -245,3 +249,35 @@ def quantize_weight(
     return QuantizedWeight._make(
         _quantize_copies(jnp.asarray(weight), recipe, usages), recipe, tuple(weight.shape)
     )
+
+
+def check_kept_weight(
+    quantized: Any, weight: jax.Array, recipe: Recipe, *, argument: str
+) -> QuantizedTensor:
+    """The `QuantizedTensor` of a kept `QuantizedWeight` passed to an op as `argument`, checked
+    against the op's high-precision `weight` and `recipe`: same shape and dtype, the recipe's
+    weight quantizer, and every copy training reads (`needed_weight_usages`)."""
+    if not isinstance(quantized, QuantizedWeight):
+        raise TypeError(
+            f"{argument} must be a QuantizedWeight (jax_qtrain.quantize_weight), got "
+            f"{type(quantized).__name__}"
+        )
+    if quantized.shape != tuple(weight.shape) or quantized.dtype != jnp.dtype(weight.dtype):
+        raise ValueError(
+            f"{argument} must be the quantization of its weight: it has shape {quantized.shape} "
+            f"and dtype {quantized.dtype}, the weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    if quantized.spec != recipe.spec("weight"):
+        raise ValueError(
+            f"{argument} was quantized as {quantized.spec.describe()}, but the recipe "
+            f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
+        )
+    needed = needed_weight_usages(recipe, training=True)
+    missing = [u for u in needed if not quantized.has_usage(u)]
+    if missing:
+        raise ValueError(
+            f"{argument} holds only {list(quantized.usages)}, but this op reads {list(needed)} "
+            f"(fprop the columnwise copies, dgrad the rowwise ones); refresh it with "
+            f"add_usages={tuple(missing)}"
+        )
+    return quantized.tensor

@@ -11,7 +11,6 @@ from flax import nnx
 from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.dense import dense
 from jax_qtrain.quantize import Usage
-from jax_qtrain.quantized_weight import needed_weight_usages, quantize_weight
 from jax_qtrain.recipes import Recipe
 
 
@@ -71,12 +70,9 @@ class Linear(nnx.Linear):
         self.save_original_input = save_original_input
         quantized_kernel = None
         if quantized_weight:
-            usages = quantized_weight_usages
-            if usages is None:
-                usages = needed_weight_usages(recipe, training=True)
             weight_dtype = self.dtype if self.dtype is not None else self.param_dtype
-            quantized_kernel = QuantizedKernel(
-                quantize_weight(self.kernel[...].astype(weight_dtype), recipe, usages)
+            quantized_kernel = QuantizedKernel.of(
+                self.kernel[...].astype(weight_dtype), recipe, quantized_weight_usages
             )
             if not keep_master_weight:
                 self.kernel = None
@@ -142,8 +138,7 @@ class Linear(nnx.Linear):
                     "from another quantized copy would not be the weight's"
                 )
             return
-        kernel = self.kernel[...].astype(quantized.dtype)
-        self.quantized_kernel.set_value(quantized.refresh(kernel, add_usages=add_usages))
+        self.quantized_kernel.refresh(self.kernel[...], add_usages=add_usages)
 
 
 def _check_quantized_weight_options(
@@ -169,7 +164,7 @@ def _check_quantized_weight_options(
         raise ValueError(
             "quantized_weight=True needs recipe=: the weight is quantized once, ahead of the "
             "calls, so it cannot follow jax_qtrain.autocast"
-        )
+        )  # (checked before nnx.Linear draws the kernel)
     if not keep_master_weight and recipe.backward_override == "high_precision":
         raise ValueError(
             'keep_master_weight=False with backward_override="high_precision": that backward '

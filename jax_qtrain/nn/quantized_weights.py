@@ -28,11 +28,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 from flax import nnx
 from flax.typing import MISSING
 
 from jax_qtrain.quantize import Usage
-from jax_qtrain.quantized_weight import QuantizedWeight
+from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages, quantize_weight
+from jax_qtrain.recipes import Recipe
 
 
 def _check_replacement(old: Any, new: Any) -> None:
@@ -67,8 +69,9 @@ def _check_if_weights(old: Any, new: Any) -> None:
 class QuantizedKernel(nnx.Variable):
     """A layer's kernel in quantized form: its value is a `QuantizedWeight`.
 
-    Replacing the value (`set_value`, or `nnx.update` with another state) checks that the new
-    value quantizes the same weight with the same recipe and keeps every usage held now.
+    Made by `QuantizedKernel.of(kernel, recipe)` and rebuilt by `refresh(kernel)`. Replacing the
+    value any other way (`set_value`, `nnx.update` with another state, `copy_from`) checks that
+    the new value quantizes the same weight with the same recipe and keeps every usage held now.
     """
 
     def __init__(self, value: QuantizedWeight, **metadata: Any):
@@ -78,6 +81,27 @@ class QuantizedKernel(nnx.Variable):
                 f"{type(value).__name__}"
             )
         super().__init__(value, **metadata)
+
+    @classmethod
+    def of(
+        cls, kernel: jax.Array, recipe: Recipe | None, usages: Iterable[Usage] | None = None
+    ) -> QuantizedKernel:
+        """`kernel` quantized by `recipe` for `usages` (default: what training reads). Pass the
+        kernel in the dtype the layer computes in; refreshes keep that dtype."""
+        if recipe is None:
+            raise ValueError(
+                "quantized_weight=True needs recipe=: the weight is quantized once, ahead of the "
+                "calls, so it cannot follow jax_qtrain.autocast"
+            )
+        if usages is None:
+            usages = needed_weight_usages(recipe, training=True)
+        return cls(quantize_weight(kernel, recipe, usages))
+
+    def refresh(self, kernel: jax.Array, *, add_usages: Iterable[Usage] = ()) -> None:
+        """Rebuild every copy (plus `add_usages`) from the high-precision `kernel`, cast to the
+        dtype the kept copies were made from (`QuantizedWeight.refresh`)."""
+        quantized = self.get_value()
+        self.set_value(quantized.refresh(kernel.astype(quantized.dtype), add_usages=add_usages))
 
     def set_value(self, value: QuantizedWeight, *, index: Any = MISSING) -> None:
         if index is not MISSING and index is not Ellipsis:
