@@ -4,18 +4,26 @@ Both take activations whose rows are sorted by expert plus `group_sizes` (G,) in
 `jax_qtrain.nn.MoE` for the routing that produces them). A layer's `recipe` is static config: a
 layer built with `MXFP8BlockScaling()` stays MXFP8 inside an NVFP4 `autocast`, and its backward
 uses the recipe of its own forward (it is a nondiff argument of the op's custom_vjp).
+
+With `quantized_weight=True` a layer keeps its experts' quantized copies (per expert) in
+`QuantizedKernel` variables next to the kernels and computes with them; they are rebuilt by
+`jax_qtrain.nn.Optimizer.update` / `refresh_quantized_weights` (docs/quantized_weights.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.ops.grouped_dense import grouped_dense
 from jax_qtrain.ops.grouped_mlp import grouped_mlp
+from jax_qtrain.quantize import Usage
 from jax_qtrain.recipes import Recipe
 
 # lecun_normal per expert: fan-in is the expert's in_features, not G·in_features.
@@ -26,6 +34,23 @@ default_bias_init = nnx.initializers.zeros_init()
 def _check_recipe(recipe) -> None:
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}")
+
+
+def _keep_quantized(kernel: jax.Array, recipe: Recipe | None, dtype, quantized_weight: bool):
+    """The kept QuantizedKernel of a (G, in, out) kernel (cast to the compute dtype), or None."""
+    if not isinstance(quantized_weight, bool):
+        raise TypeError(f"quantized_weight must be a bool, got {quantized_weight!r}")
+    if not quantized_weight:
+        return None
+    return QuantizedKernel.of(kernel if dtype is None else kernel.astype(dtype), recipe)
+
+
+def _kept_value(variable: QuantizedKernel | None, kernel: jax.Array):
+    """(kernel in the kept copies' dtype, the kept QuantizedWeight) or (kernel, None)."""
+    if variable is None:
+        return kernel, None
+    quantized = variable.get_value()
+    return kernel.astype(quantized.dtype), quantized
 
 
 def _check_sizes(**sizes) -> None:
@@ -45,6 +70,8 @@ class GroupedLinear(nnx.Module):
       kernel_init, bias_init: initializers of the (G, in, out) kernel and (G, out) bias.
       recipe: this layer's recipe; None follows `jax_qtrain.autocast`.
       save_original_input: see `jax_qtrain.grouped_dense`.
+      quantized_weight: keep the experts' quantized copies in `self.quantized_kernel` (needs
+        `recipe`; docs/quantized_weights.md).
       rngs: the parameter RNG stream.
 
     Call: `layer(x, group_sizes, key=None)` with x (M, in_features) sorted by group.
@@ -63,6 +90,7 @@ class GroupedLinear(nnx.Module):
         bias_init=default_bias_init,
         recipe: Recipe | None = None,
         save_original_input: bool = False,
+        quantized_weight: bool = False,
         rngs: nnx.Rngs,
     ):
         _check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
@@ -81,6 +109,7 @@ class GroupedLinear(nnx.Module):
         self.param_dtype = param_dtype
         self.recipe = recipe
         self.save_original_input = save_original_input
+        self.quantized_kernel = _keep_quantized(self.kernel[...], recipe, dtype, quantized_weight)
 
     def __call__(
         self, x: jax.Array, group_sizes: jax.Array, *, key: jax.Array | None = None
@@ -88,6 +117,7 @@ class GroupedLinear(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        kernel, quantized = _kept_value(self.quantized_kernel, kernel)
         return grouped_dense(
             x,
             kernel,
@@ -96,7 +126,13 @@ class GroupedLinear(nnx.Module):
             recipe=self.recipe,
             save_original_input=self.save_original_input,
             key=key,
+            quantized_kernels=quantized,
         )
+
+    def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
+        """Rebuild the kept quantized copies from `kernel` (jax_qtrain.nn.QuantizedWeightLayer)."""
+        if self.quantized_kernel is not None:
+            self.quantized_kernel.refresh(self.kernel[...], add_usages=add_usages)
 
 
 class GroupedMLP(nnx.Module):
@@ -108,7 +144,8 @@ class GroupedMLP(nnx.Module):
         ((G, in, ffn) for plain ones), fc2_kernel (G, ffn, out).
       out_features: default in_features.
       activation: see `jax_qtrain.grouped_mlp` (default "swiglu").
-      dtype, param_dtype, kernel_init, recipe, save_original_input, rngs: as GroupedLinear.
+      dtype, param_dtype, kernel_init, recipe, save_original_input, quantized_weight, rngs: as
+        GroupedLinear (the kept copies: `quantized_fc1_kernel`, `quantized_fc2_kernel`).
 
     Call: `mlp(x, group_sizes, probs=None, key=None)`; probs (M,) scale each row before FC2.
     """
@@ -126,6 +163,7 @@ class GroupedMLP(nnx.Module):
         kernel_init=default_expert_kernel_init,
         recipe: Recipe | None = None,
         save_original_input: bool = False,
+        quantized_weight: bool = False,
         rngs: nnx.Rngs,
     ):
         out_features = in_features if out_features is None else out_features
@@ -151,6 +189,9 @@ class GroupedMLP(nnx.Module):
         self.param_dtype = param_dtype
         self.recipe = recipe
         self.save_original_input = save_original_input
+        fc1, fc2 = self.fc1_kernel[...], self.fc2_kernel[...]
+        self.quantized_fc1_kernel = _keep_quantized(fc1, recipe, dtype, quantized_weight)
+        self.quantized_fc2_kernel = _keep_quantized(fc2, recipe, dtype, quantized_weight)
 
     def __call__(
         self,
@@ -163,6 +204,8 @@ class GroupedMLP(nnx.Module):
         x, fc1, fc2 = dtypes.promote_dtype(
             (x, self.fc1_kernel[...], self.fc2_kernel[...]), dtype=self.dtype
         )
+        fc1, quantized_fc1 = _kept_value(self.quantized_fc1_kernel, fc1)
+        fc2, quantized_fc2 = _kept_value(self.quantized_fc2_kernel, fc2)
         return grouped_mlp(
             x,
             fc1,
@@ -173,4 +216,15 @@ class GroupedMLP(nnx.Module):
             recipe=self.recipe,
             save_original_input=self.save_original_input,
             key=key,
+            quantized_fc1=quantized_fc1,
+            quantized_fc2=quantized_fc2,
         )
+
+    def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
+        """Rebuild the kept quantized copies from fc1 and fc2 (nn.QuantizedWeightLayer)."""
+        for variable, kernel in (
+            (self.quantized_fc1_kernel, self.fc1_kernel),
+            (self.quantized_fc2_kernel, self.fc2_kernel),
+        ):
+            if variable is not None:
+                variable.refresh(kernel[...], add_usages=add_usages)

@@ -18,6 +18,10 @@ expert's weight is quantized separately. What backward reads follows `dense` (te
 group_sizes is saved too (GROUP_SIZES), and the stochastic-rounding key when one is given.
 Zero-size groups are allowed (their weight gradient is 0); rows past sum(group_sizes) give 0 in
 y and dx. Bias gradients are per-group sums of the raw dy.
+
+Kept quantized weights (`quantized_kernels=`, docs/quantized_weights.md): the experts' copies
+are read from a `QuantizedWeight` made by `jax_qtrain.quantize_weight` instead of being quantized
+in the call; it must hold the copies training reads. The gradient still flows to `kernels`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from jax_qtrain.ops.grouped_quantize import (
     token_alignment,
 )
 from jax_qtrain.quantize import QuantizedTensor
+from jax_qtrain.quantized_weight import QuantizedWeight, check_kept_weight
 from jax_qtrain.recipes import Recipe
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -99,16 +104,20 @@ def forward_operands(
     *,
     save_original_input: bool,
     dtype=None,
+    quantized_kernels: QuantizedTensor | None = None,
 ) -> tuple[GroupedQuantizedTensor, QuantizedTensor]:
     """The forward's quantized operands: x (already in the aligned layout) per group and each
     expert's weight. Mode None keeps the copies backward reads too (x's columnwise copy unless
-    the raw input is saved; the experts' rowwise copies); an override only the fprop copies."""
+    the raw input is saved; the experts' rowwise copies); an override only the fprop copies.
+    `quantized_kernels`: the experts' kept copies (checked by the caller), used as they are."""
     mode = recipe.backward_override
     keep_x_columnwise = mode is None and not save_original_input
     qx = quantize_aligned(
         x_aligned, recipe, "input", layout, rowwise=True, columnwise=keep_x_columnwise, dtype=dtype
     )
-    qw = quantize_per_expert(kernels, recipe, rowwise=mode is None, columnwise=True)
+    qw = quantized_kernels
+    if qw is None:
+        qw = quantize_per_expert(kernels, recipe, rowwise=mode is None, columnwise=True)
     return qx, qw
 
 
@@ -179,13 +188,17 @@ def quantize_grad(dy, recipe: Recipe, layout: GroupLayout, key) -> GroupedQuanti
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _grouped_dense(x, kernels, bias, group_sizes, key, config: _GroupedDenseConfig):
-    y, _ = _grouped_dense_fwd(x, kernels, bias, group_sizes, key, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _grouped_dense(
+    x, kernels, bias, group_sizes, key, quantized_kernels, config: _GroupedDenseConfig
+):
+    y, _ = _grouped_dense_fwd(x, kernels, bias, group_sizes, key, quantized_kernels, config)
     return y
 
 
-def _grouped_dense_fwd(x, kernels, bias, group_sizes, key, config: _GroupedDenseConfig):
+def _grouped_dense_fwd(
+    x, kernels, bias, group_sizes, key, quantized_kernels, config: _GroupedDenseConfig
+):
     """Forward. Residuals (saved_input, saved_kernels, group_sizes, key), each named:
 
     - saved_input (INPUT): GroupedQuantizedTensor with only the columnwise copy (mode None), the
@@ -193,14 +206,20 @@ def _grouped_dense_fwd(x, kernels, bias, group_sizes, key, config: _GroupedDense
       GroupedQuantizedTensor with only the rowwise copy ("dequantized");
     - saved_kernels (KERNEL): the experts' QuantizedTensor with only the rowwise copies (mode
       None), the raw kernels ("high_precision"), or the forward's columnwise copies
-      ("dequantized");
+      ("dequantized"); views of `quantized_kernels` when kept copies are given;
     - group_sizes (GROUP_SIZES): the caller's (G,) int32, from which backward rebuilds the layout;
     - key (SR_KEY): the caller's stochastic-rounding key, or None.
     """
     recipe, soi = config.recipe, config.save_original_input
     layout = group_layout(group_sizes, x.shape[0], token_alignment(recipe))
     qx, qw = forward_operands(
-        layout.to_aligned(x), kernels, recipe, layout, save_original_input=soi, dtype=x.dtype
+        layout.to_aligned(x),
+        kernels,
+        recipe,
+        layout,
+        save_original_input=soi,
+        dtype=x.dtype,
+        quantized_kernels=quantized_kernels,
     )
     acc = layout.from_aligned(quantized_fprop(qx, qw, layout))
     if bias is not None:
@@ -231,7 +250,8 @@ def _grouped_dense_bwd(config: _GroupedDenseConfig, residuals, dy):
     dbias = None
     if config.bias_dtype is not None:
         dbias = group_bias_grad(dy, layout.row_group, layout.num_groups, config.bias_dtype)
-    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None, None
+    # No cotangent for group_sizes, the key and the kept copies (their gradient is the kernels').
+    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None, None, None
 
 
 _grouped_dense.defvjp(_grouped_dense_fwd, _grouped_dense_bwd)
@@ -275,6 +295,7 @@ def grouped_dense(
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    quantized_kernels: QuantizedWeight | None = None,
 ) -> jax.Array:
     """Quantized grouped linear layer with TransformerEngine's GroupedLinear semantics.
 
@@ -291,6 +312,8 @@ def grouped_dense(
         instead of saving its columnwise copy (overridden by `backward_override`).
       key: jax.random key for stochastic rounding of the output gradient (NVFP4); group g uses
         fold_in(key, g). Without one, the key is a hash of the gradient itself.
+      quantized_kernels: `kernels` already quantized per expert (`jax_qtrain.quantize_weight`,
+        holding the copies training reads); the op then does not quantize the kernels.
 
     Returns: (M, out_features) in the promoted dtype of x and kernels.
     """
@@ -305,6 +328,11 @@ def grouped_dense(
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
+    kept = None
+    if quantized_kernels is not None:
+        if recipe is None:
+            raise ValueError("quantized_kernels needs the recipe it was quantized with")
+        kept = check_kept_weight(quantized_kernels, kernels, recipe, argument="quantized_kernels")
     out_dtype = jnp.promote_types(x.dtype, kernels.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
@@ -321,4 +349,4 @@ def grouped_dense(
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
         out_dtype=out_dtype,
     )
-    return _grouped_dense(x, kernels, bias, group_sizes, key, config)
+    return _grouped_dense(x, kernels, bias, group_sizes, key, kept, config)

@@ -31,6 +31,9 @@ as TE's fused activation-cast kernels do (numerics.md §0).
 
 Stochastic rounding (NVFP4 gradients): FC1's dh draws from fold_in(key, 1), FC2's dy from
 fold_in(key, 2); without a key each from a hash of its own gradient (as grouped_dense).
+
+Kept quantized weights (`quantized_fc1=`, `quantized_fc2=`, docs/quantized_weights.md): the
+experts' copies are read from `QuantizedWeight`s instead of being quantized in the call.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from jax_qtrain.ops.grouped_dense import (
 )
 from jax_qtrain.ops.grouped_gemm import ragged_nn
 from jax_qtrain.ops.grouped_quantize import clamp_group_sizes, group_layout, token_alignment
+from jax_qtrain.quantized_weight import QuantizedWeight, check_kept_weight
 from jax_qtrain.recipes import Recipe
 
 
@@ -89,25 +93,35 @@ def stage_keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | Non
     return jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _grouped_mlp(x, fc1, fc2, probs, group_sizes, key, config: _GroupedMLPConfig):
-    y, _ = _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _grouped_mlp(x, fc1, fc2, probs, group_sizes, key, kept, config: _GroupedMLPConfig):
+    y, _ = _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, kept, config)
     return y
 
 
-def _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, config: _GroupedMLPConfig):
+def _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, kept, config: _GroupedMLPConfig):
     """Forward. Residuals (saved_x, saved_fc1, h, probs, saved_a, saved_fc2, group_sizes, key),
     named FC1_INPUT, FC1_KERNEL, PRE_ACTIVATION, PROBS, FC2_INPUT, FC2_KERNEL, GROUP_SIZES,
-    SR_KEY; per mode as in the module docstring (saved_a is None where a is recomputed)."""
+    SR_KEY; per mode as in the module docstring (saved_a is None where a is recomputed).
+    `kept`: (fc1's, fc2's) kept quantized copies, each a QuantizedTensor or None."""
     recipe, soi, hidden = config.recipe, config.save_original_input, config.hidden_dtype
+    kept_fc1, kept_fc2 = kept
     layout = group_layout(group_sizes, x.shape[0], token_alignment(recipe))
     qx, qw1 = forward_operands(
-        layout.to_aligned(x), fc1, recipe, layout, save_original_input=soi, dtype=x.dtype
+        layout.to_aligned(x),
+        fc1,
+        recipe,
+        layout,
+        save_original_input=soi,
+        dtype=x.dtype,
+        quantized_kernels=kept_fc1,
     )
     h_aligned = quantized_fprop(qx, qw1, layout).astype(hidden)
     probs_aligned = None if probs is None else layout.to_aligned(probs)
     a_aligned = scaled_activation(h_aligned, probs_aligned, config.activation, hidden)
-    qa, qw2 = forward_operands(a_aligned, fc2, recipe, layout, save_original_input=soi)
+    qa, qw2 = forward_operands(
+        a_aligned, fc2, recipe, layout, save_original_input=soi, quantized_kernels=kept_fc2
+    )
     y = layout.from_aligned(quantized_fprop(qa, qw2, layout)).astype(config.out_dtype)
 
     saved_x, saved_fc1 = saved_operands(x, fc1, qx, qw1, recipe, save_original_input=soi)
@@ -163,6 +177,7 @@ def _grouped_mlp_bwd(config: _GroupedMLPConfig, residuals, dy):
         dprobs,
         None,
         None,
+        None,  # the kept copies: their gradient is fc1's and fc2's
     )
 
 
@@ -202,6 +217,8 @@ def grouped_mlp(
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    quantized_fc1: QuantizedWeight | None = None,
+    quantized_fc2: QuantizedWeight | None = None,
 ) -> jax.Array:
     """The MoE expert block, fused: `(act(x_g @ fc1[g]) · probs_g) @ fc2[g]` per group.
 
@@ -218,6 +235,8 @@ def grouped_mlp(
       save_original_input: mode None saves the raw x and recomputes FC2's input instead of
         saving their columnwise copies (both re-quantized in backward).
       key: stochastic-rounding key (NVFP4 gradients); see the module docstring.
+      quantized_fc1, quantized_fc2: fc1 and fc2 already quantized per expert
+        (`jax_qtrain.quantize_weight`, holding the copies training reads); either may be given.
 
     Returns: (M, N) in the promoted dtype; rows past the groups are 0.
     """
@@ -225,6 +244,17 @@ def grouped_mlp(
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
+    kept = (None, None)
+    if quantized_fc1 is not None or quantized_fc2 is not None:
+        if recipe is None:
+            raise ValueError("quantized_fc1/quantized_fc2 need the recipe they were quantized with")
+        kept = tuple(
+            None if q is None else check_kept_weight(q, w, recipe, argument=name)
+            for q, w, name in (
+                (quantized_fc1, fc1, "quantized_fc1"),
+                (quantized_fc2, fc2, "quantized_fc2"),
+            )
+        )
     hidden = jnp.promote_types(x.dtype, fc1.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
@@ -239,7 +269,7 @@ def grouped_mlp(
         fc1_dtype=jnp.dtype(fc1.dtype),
         fc2_dtype=jnp.dtype(fc2.dtype),
     )
-    return _grouped_mlp(x, fc1, fc2, probs, group_sizes, key, config)
+    return _grouped_mlp(x, fc1, fc2, probs, group_sizes, key, kept, config)
 
 
 def unfused_grouped_mlp(
