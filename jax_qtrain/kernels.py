@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax
 
+from jax_qtrain.formats import common
 from jax_qtrain.formats.spec import QuantizerSpec
 
 # format name -> (applies(spec, shape2d, dtype) -> bool, run(x2d, spec, **kw) -> fields dict)
@@ -25,6 +26,19 @@ def quantize_kernel_applies(spec: QuantizerSpec, shape2d: tuple[int, int], dtype
     """True when a Pallas kernel covers this spec and shape and we are on a GPU."""
     entry = _QUANTIZE_KERNELS.get(spec.format)
     return entry is not None and on_gpu() and entry[0](spec, shape2d, dtype)
+
+
+def tensor_amaxes(x2d: jax.Array, spec: QuantizerSpec, usages) -> dict:
+    """Per-tensor amax of each requested copy, for formats that need one (FP8 current scaling,
+    NVFP4's global scales; None for the block formats). NVFP4 gets both in one Pallas pass, the
+    columnwise one after the Hadamard transform, instead of rotating xᵀ in jnp first."""
+    if spec.format == "nvfp4":
+        row_amax, col_amax = _pallas().nvfp4_amax(x2d, hadamard_columnwise=spec.hadamard_columnwise)
+        return {u: row_amax if u == "rowwise" else col_amax for u in usages}
+    if spec.format == "fp8":
+        tensor_amax = common.amax(x2d)  # xᵀ has the same amax
+        return {u: tensor_amax for u in usages}
+    return {u: None for u in usages}
 
 
 def quantize(

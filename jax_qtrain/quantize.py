@@ -388,37 +388,35 @@ def _quantize(
         and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
     )
 
-    per_copy = {}
-    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        if not wanted:
-            continue
-        source = x2d if usage == "rowwise" else columnwise_source(x2d, spec)
-        tensor_amax = None
-        if spec.format in ("fp8", "nvfp4"):
-            tensor_amax = common.amax(source)
-            if amax_axis_name is not None:
-                tensor_amax = lax.pmax(tensor_amax, amax_axis_name)
-        seed = _copy_seed(key, usage) if spec.stochastic_rounding else None
-        per_copy[usage] = (source, tensor_amax, seed)
+    usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
+    if use_kernel:
+        sources = {}
+        amaxes = kernels.tensor_amaxes(x2d, spec, usages)  # one Pallas pass for NVFP4's two
+    else:
+        sources = {u: x2d if u == "rowwise" else columnwise_source(x2d, spec) for u in usages}
+        per_tensor = spec.format in ("fp8", "nvfp4")
+        amaxes = {u: common.amax(sources[u]) if per_tensor else None for u in usages}
+    if amax_axis_name is not None:
+        amaxes = {u: None if a is None else lax.pmax(a, amax_axis_name) for u, a in amaxes.items()}
+    seeds = {u: _copy_seed(key, u) if spec.stochastic_rounding else None for u in usages}
 
     if use_kernel:
         # The kernels read x once and write both copies; they get the (reduced) amaxes and seeds.
-        fields = kernels.quantize(
-            x2d,
-            spec,
-            input_dtype=x.dtype,
-            amaxes={usage: amax for usage, (_, amax, _) in per_copy.items()},
-            seeds={usage: seed for usage, (_, _, seed) in per_copy.items()},
-        )
+        fields = kernels.quantize(x2d, spec, input_dtype=x.dtype, amaxes=amaxes, seeds=seeds)
     else:
         fields = {}
-        for usage, (source, tensor_amax, seed) in per_copy.items():
+        for usage in usages:
             origin = None
             if offset_matters:  # the columnwise copy quantizes xᵀ: its (row, col) is x's (col, row)
                 row, col = position_offset if usage == "rowwise" else position_offset[::-1]
                 origin = (jnp.uint32(0) - row, jnp.uint32(0) - col)  # stochastic_uniforms subtracts
             data, scale_inv, copy_amax = quantize_reference_copy(
-                source, spec, input_dtype=x.dtype, tensor_amax=tensor_amax, seed=seed, origin=origin
+                sources[usage],
+                spec,
+                input_dtype=x.dtype,
+                tensor_amax=amaxes[usage],
+                seed=seeds[usage],
+                origin=origin,
             )
             fields.update(
                 {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": copy_amax}
