@@ -121,13 +121,14 @@ def _fail(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from jax_qtrain.train.trainer import RunError, saved_config, train
+    from jax_qtrain.train.trainer import RunError, prepare_run, saved_config, train
 
     if args.resume and args.out is None:
         return _fail("--resume needs --out, the directory of the run to continue")
     out = args.out if args.out is not None else _default_out("train")
     try:
         config = _config_from_args(args, saved_config(out) if args.resume else None)
+        prepare_run(out, config, resume=args.resume)  # fails before anything is written
         verb = "resuming" if args.resume else "training"
         print(f"{verb} {config.recipe} in {out}", file=sys.stderr)
         summary = train(config, out, resume=args.resume, progress=not args.no_progress)
@@ -136,25 +137,29 @@ def run_train(args: argparse.Namespace) -> int:
     print(
         f"{summary.recipe}: {summary.steps} steps, train loss {summary.final_train_loss:.4f}, "
         f"validation loss {summary.final_val_loss:.4f}, "
-        f"{summary.mean_step_time_s * 1e3:.0f} ms/step, {summary.tokens_per_s:,.0f} tokens/s "
+        f"{summary.step_time_s * 1e3:.0f} ms/step, {summary.tokens_per_s:,.0f} tokens/s "
         f"({summary.parameters:,} parameters); metrics in {out}/metrics.jsonl"
     )
     return 0
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from jax_qtrain.train.compare import PLOT_FILE, TABLE_FILE, compare, markdown_table
+    from jax_qtrain.train.compare import (
+        PLOT_FILE,
+        TABLE_FILE,
+        compare,
+        markdown_table,
+        prepare_comparison,
+    )
     from jax_qtrain.train.trainer import RunError
 
+    out = args.out if args.out is not None else _default_out("compare")
     try:
         config = _config_from_args(args)
-    except ValueError as error:
-        return _fail(str(error))
-    out = args.out if args.out is not None else _default_out("compare")
-    print(f"comparing {','.join(args.recipes)} into {out}", file=sys.stderr)
-    try:
+        prepare_comparison(out, args.recipes)  # fails before anything is written
+        print(f"comparing {','.join(args.recipes)} in {out}", file=sys.stderr)
         rows = compare(config, args.recipes, out, progress=not args.no_progress)
-    except RunError as error:
+    except (RunError, ValueError) as error:
         return _fail(str(error))
     print(markdown_table(rows), end="")
     print(f"plot: {out / PLOT_FILE}; table: {out / TABLE_FILE}")

@@ -33,7 +33,7 @@ class TrainConfig:
     recipe: str = "bf16"
     steps: int = 120
     batch_size: int = 16
-    learning_rate: float = 3e-3
+    learning_rate: float = 2e-3
     warmup_steps: int = 12
     final_lr_fraction: float = 0.1
     weight_decay: float = 0.1

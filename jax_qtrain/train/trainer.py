@@ -53,7 +53,7 @@ class RunSummary:
     steps: int
     final_train_loss: float
     final_val_loss: float
-    mean_step_time_s: float  # compiled steps only; compilation is reported separately
+    step_time_s: float  # median over the steps (robust to a busy machine); excludes compiling
     tokens_per_s: float
     compile_time_s: float
     parameters: int
@@ -325,6 +325,14 @@ def train(
     out_dir = Path(out_dir)
     config = prepare_run(out_dir, config, resume=resume)
     corpus = load_corpus() if corpus is None else corpus
+    run_record = {"config": config.to_dict(), "corpus": corpus.fingerprint()}
+    if resume:
+        saved_corpus = json.loads((out_dir / CONFIG_FILE).read_text())["corpus"]
+        if saved_corpus != run_record["corpus"]:
+            raise RunError(
+                f"--resume: the corpus differs from the one the run in {out_dir} started on "
+                f"(saved {saved_corpus}, now {run_record['corpus']})"
+            )
     validation_windows = corpus.validation_windows(config.eval_windows, config.model.seq_len)
 
     model, optimizer = build_model_and_optimizer(config)
@@ -335,14 +343,7 @@ def train(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manager = checkpoint_manager(out_dir)
-    run_record = {"config": config.to_dict(), "corpus": corpus.fingerprint()}
     if resume:
-        saved = json.loads((out_dir / CONFIG_FILE).read_text())
-        if saved["corpus"] != run_record["corpus"]:
-            raise RunError(
-                f"--resume: the corpus differs from the one the run in {out_dir} started on "
-                f"(saved {saved['corpus']}, now {run_record['corpus']})"
-            )
         start_step = latest_checkpoint_step(out_dir)
         state = restore_checkpoint(out_dir, start_step, state)
         _truncate_metrics(out_dir, start_step)
@@ -351,7 +352,6 @@ def train(
         _write_json_atomically(out_dir / CONFIG_FILE, run_record)
 
     schedule = learning_rate_schedule(config)
-    step_times: list[float] = []
     train_loss = val_loss = float("nan")
     bar = tqdm(
         total=config.steps,
@@ -376,7 +376,6 @@ def train(
             state, metrics = steps.train_step(state, windows)
             metrics = jax.device_get(metrics)
             step_time = time.perf_counter() - started
-            step_times.append(step_time)
             done = step + 1
             train_loss = float(metrics["loss"])
             tokens_per_s = config.tokens_per_step / step_time
@@ -408,14 +407,14 @@ def train(
     records = read_metrics(out_dir)
     train_records = [r for r in records if r["kind"] == "train"]
     eval_records = [r for r in records if r["kind"] == "eval"]
-    mean_step_time = float(np.mean([r["step_time_s"] for r in train_records]))
+    step_time = float(np.median([r["step_time_s"] for r in train_records]))
     summary = RunSummary(
         recipe=config.recipe,
         steps=config.steps,
         final_train_loss=train_records[-1]["loss"],
         final_val_loss=eval_records[-1]["val_loss"],
-        mean_step_time_s=mean_step_time,
-        tokens_per_s=config.tokens_per_step / mean_step_time,
+        step_time_s=step_time,
+        tokens_per_s=config.tokens_per_step / step_time,
         compile_time_s=steps.compile_time_s,
         parameters=parameters,
     )

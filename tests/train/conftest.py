@@ -46,3 +46,10 @@ TINY_OPTIONS = [
 @pytest.fixture(scope="session")
 def corpus():
     return load_corpus()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start this directory's slow tests (whole training runs) first, so that under
+    `pytest -n 2` they overlap the rest of the suite instead of finishing last."""
+    slow = [item for item in items if "slow" in item.keywords and "tests/train/" in item.nodeid]
+    items[:] = slow + [item for item in items if item not in slow]

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jax_qtrain as jq
+from jax_qtrain.train.config import PRESETS
 from jax_qtrain.train.model import DenseFeedForward, ModelConfig, Transformer, count_parameters
 
 TINY = ModelConfig(
@@ -89,3 +90,11 @@ def test_projections_and_experts_quantize_under_autocast():
 def test_bad_model_config(changes, message):
     with pytest.raises((ValueError, TypeError), match=message):
         ModelConfig(**{**TINY.__dict__, **changes})
+
+
+def test_h200_preset_model_shapes():
+    config = PRESETS["h200"].model
+    model = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))  # no memory, no compute
+    experts = model.blocks[0].feed_forward.experts
+    assert experts.fc1_kernel.shape == (8, 512, 2 * 1024)
+    assert 50_000_000 < count_parameters(model) < 60_000_000

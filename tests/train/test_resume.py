@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.train.conftest import TINY_OPTIONS
 
 STEPS = 60
@@ -48,6 +50,7 @@ def _losses(out: Path) -> list[tuple]:
     ]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
     reference = tmp_path / "reference"
     subprocess.run(_command(*OPTIONS, f"--out={reference}"), check=True, timeout=300)

@@ -1,0 +1,52 @@
+"""`jax-qtrain compare` with the H200 preset: loss gaps and step times of every recipe on one GPU.
+
+Trains the `h200` preset (d_model 512, 4 layers, 8 experts top-2, 64 × 512-byte windows a step)
+once per recipe for `steps` steps and returns the comparison table (final losses, relative gap
+to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
+
+    python -m benchmarks.bench_train [--small] [--out DIR]      # or via benchmarks.run
+
+`--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from benchmarks.timing import device_description
+from jax_qtrain.train import PRESETS, RECIPE_NAMES, compare
+from jax_qtrain.train.compare import markdown_table
+
+H200_STEPS = 300  # five runs must fit the device time of one session
+
+
+def main(out_dir: str | None = None, small: bool = False) -> str:
+    if small:
+        config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
+    else:
+        config = PRESETS["h200"].replace(
+            steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
+        )
+    base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="bench_train-"))
+    runs = base / "bench_train"
+    rows = compare(config, RECIPE_NAMES, runs, progress=True)
+    model = config.model
+    text = (
+        f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
+        f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers, "
+        f"{model.num_experts} experts top-{model.experts_per_token}, {device_description()}\n\n"
+        + markdown_table(rows)
+    )
+    (base / "bench_train.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    main(args.out, args.small)

@@ -1,0 +1,47 @@
+"""`jax-qtrain compare` on the default configuration: every recipe trains, the plot and tables
+are written, and each recipe's final validation loss is within its tolerance of bf16's:
+FP8 (per-tensor and block) ≤ 1%, MXFP8 ≤ 1.5%, NVFP4 ≤ 3% (relative). docs/training.md
+reports the measured gaps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jax_qtrain.__main__ import main
+from jax_qtrain.train.compare import JSON_FILE, PLOT_FILE, TABLE_FILE
+from jax_qtrain.train.config import PRESETS, RECIPE_NAMES
+
+TOLERANCE = {"fp8": 0.01, "fp8-block": 0.01, "mxfp8": 0.015, "nvfp4": 0.03}
+
+
+@pytest.mark.slow
+def test_default_budget_loss_gaps(tmp_path, capsys):
+    out = tmp_path / "compare"
+    recipes = ",".join(RECIPE_NAMES)
+    status = main(["compare", "--recipes", recipes, "--out", str(out), "--no-progress"])
+    assert status == 0
+
+    png = (out / PLOT_FILE).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    table = (out / TABLE_FILE).read_text()
+    assert capsys.readouterr().out.startswith(table)
+    rows = {row["recipe"]: row for row in json.loads((out / JSON_FILE).read_text())["rows"]}
+    assert list(rows) == list(RECIPE_NAMES)
+    for recipe, row in rows.items():
+        summary = json.loads((out / recipe / "summary.json").read_text())
+        assert row["final_val_loss"] == summary["final_val_loss"]
+        assert summary["steps"] == PRESETS["cpu"].steps
+        losses = f"{row['final_train_loss']:.4f} | {row['final_val_loss']:.4f}"
+        assert f"| {recipe} | {losses} |" in table
+
+    baseline = rows["bf16"]["final_val_loss"]
+    # The baseline learned: far below ln 256 ≈ 5.55 nats, the loss of a uniform guess.
+    assert baseline < 0.55 * np.log(256)
+    gaps = {recipe: rows[recipe]["val_gap_vs_bf16"] for recipe in TOLERANCE}
+    for recipe, gap in gaps.items():
+        assert gap == pytest.approx((rows[recipe]["final_val_loss"] - baseline) / baseline)
+    too_far = {r: f"{100 * g:+.2f}%" for r, g in gaps.items() if g > TOLERANCE[r]}
+    assert not too_far, f"relative validation-loss gaps over tolerance: {too_far}"
