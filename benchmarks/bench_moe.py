@@ -1,0 +1,167 @@
+"""MoE expert block forward and forward+backward: `jax_qtrain.grouped_mlp` per recipe against the
+same block in plain JAX (`lax.ragged_dot` in bfloat16, differentiated by JAX).
+
+The block is what an MoE layer runs after routing: x (tokens, hidden) sorted by expert, FC1
+(E, hidden, 2·ffn) → SwiGLU × router probabilities → FC2 (E, ffn, hidden), bf16 activations and
+weights. Group sizes are balanced (tokens / E each) or skewed (expert e gets a share ∝ 1/(e+1)).
+TFLOP/s counts the GEMMs only: 6·T·H·F forward, 18·T·H·F forward+backward, including the
+quantization work inside the op (the layer's effective rate). "saved MiB" is what one call keeps
+for its backward (`jq.saved_residuals`). The grouped GEMMs run on whatever
+`jax_qtrain.ops.grouped_gemm` dispatches to (the lax.ragged_dot reference until the Pallas
+grouped-matmul kernels are wired in).
+
+    python -m benchmarks.bench_moe [--small] [--out DIR]
+writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_qtrain as jq
+from benchmarks.timing import device_description, median_seconds
+
+RECIPES = {
+    "fp8": jq.Float8CurrentScaling(),
+    "fp8-block": jq.Float8BlockScaling(),
+    "mxfp8": jq.MXFP8BlockScaling(),
+    "nvfp4": jq.NVFP4BlockScaling(),
+}
+CONFIGS = {  # name: (tokens, hidden, experts, ffn)
+    "8 experts": (16384, 4096, 8, 1792),
+    "64 small experts": (32768, 2048, 64, 1408),
+}
+SMALL_CONFIGS = {"4 experts": (256, 128, 4, 64), "16 small experts": (512, 64, 16, 32)}
+
+
+def plain_jax_block(x, fc1, fc2, group_sizes, probs):
+    """The reference block, written with lax.ragged_dot alone."""
+    h = lax.ragged_dot(x, fc1, group_sizes, preferred_element_type=jnp.float32)
+    a, b = jnp.split(h.astype(x.dtype).astype(jnp.float32), 2, axis=-1)
+    act = (jax.nn.silu(a) * b * probs[:, None]).astype(x.dtype)
+    y = lax.ragged_dot(act, fc2, group_sizes, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def quantized_block(recipe):
+    def block(x, fc1, fc2, group_sizes, probs):
+        return jq.grouped_mlp(x, fc1, fc2, group_sizes, probs, "swiglu", recipe=recipe)
+
+    return block
+
+
+def group_sizes_for(tokens: int, experts: int, routing: str) -> jax.Array:
+    if routing == "balanced":
+        sizes = np.full(experts, tokens // experts)
+    else:  # skewed: shares ∝ 1/(e+1)
+        shares = 1.0 / np.arange(1, experts + 1)
+        sizes = np.floor(tokens * shares / shares.sum()).astype(np.int64)
+    sizes[0] += tokens - sizes.sum()
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def make_arguments(tokens, hidden, experts, ffn, routing, sets=2):
+    out = []
+    for i in range(sets):
+        kx, k1, k2, kp, kg = jax.random.split(jax.random.key(i), 5)
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
+        fc1 = (jax.random.normal(k1, (experts, hidden, 2 * ffn)) * hidden**-0.5).astype(
+            jnp.bfloat16
+        )
+        fc2 = (jax.random.normal(k2, (experts, ffn, hidden)) * ffn**-0.5).astype(jnp.bfloat16)
+        probs = jax.random.uniform(kp, (tokens,), jnp.float32)
+        dy = jax.random.normal(kg, (tokens, hidden), jnp.bfloat16)
+        out.append((x, fc1, fc2, group_sizes_for(tokens, experts, routing), probs, dy))
+    return out
+
+
+def measure(block, argument_sets, iters: int) -> tuple[float, float, int]:
+    """(forward seconds, forward+backward seconds, bytes saved for backward)."""
+    forward = jax.jit(lambda x, w1, w2, gs, p, dy: block(x, w1, w2, gs, p))
+
+    @jax.jit
+    def train(x, w1, w2, gs, p, dy):
+        y, vjp = jax.vjp(lambda x, w1, w2, p: block(x, w1, w2, gs, p), x, w1, w2, p)
+        return y, vjp(dy)
+
+    x, w1, w2, gs, p, _ = argument_sets[0]
+    saved = jq.saved_residuals(lambda x, w1, w2, p: block(x, w1, w2, gs, p), x, w1, w2, p)
+    return (
+        median_seconds(forward, argument_sets, iters=iters),
+        median_seconds(train, argument_sets, iters=iters),
+        sum(r.nbytes for r in saved),
+    )
+
+
+def run(configs: dict, iters: int) -> list[dict]:
+    rows = []
+    for config, (tokens, hidden, experts, ffn) in configs.items():
+        for routing in ("balanced", "skewed"):
+            argument_sets = make_arguments(tokens, hidden, experts, ffn, routing)
+            flops = 6 * tokens * hidden * ffn
+            baseline = None
+            blocks = {"bf16 (lax.ragged_dot)": plain_jax_block}
+            blocks |= {name: quantized_block(recipe) for name, recipe in RECIPES.items()}
+            for name, block in blocks.items():
+                fwd_s, train_s, saved = measure(block, argument_sets, iters)
+                baseline = baseline or train_s
+                rows.append(
+                    {
+                        "config": config,
+                        "routing": routing,
+                        "shape": f"T={tokens} H={hidden} E={experts} F={ffn}",
+                        "recipe": name,
+                        "forward_ms": fwd_s * 1e3,
+                        "forward_tflops": flops / fwd_s / 1e12,
+                        "fwd_bwd_ms": train_s * 1e3,
+                        "fwd_bwd_tflops": 3 * flops / train_s / 1e12,
+                        "speedup_vs_bf16": baseline / train_s,
+                        "saved_mib": saved / 2**20,
+                    }
+                )
+                print(rows[-1], flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        f"MoE expert block (SwiGLU, router probs), bf16 in/out, {device_description()}",
+        "",
+        "| config | routing | recipe | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+        "| × bf16 | saved MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['config']} ({r['shape']}) | {r['routing']} | {r['recipe']} | "
+        f"{r['forward_ms']:.3f} | {r['forward_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | "
+        f"{r['fwd_bwd_tflops']:.0f} | {r['speedup_vs_bf16']:.2f} | {r['saved_mib']:.1f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, small: bool = False) -> str:
+    configs, iters = (SMALL_CONFIGS, 2) if small else (CONFIGS, 10)
+    rows = run(configs, iters)
+    text = markdown(rows)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "bench_moe.json").write_text(json.dumps(rows, indent=2))
+        (Path(out_dir) / "bench_moe.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (runs on the CPU)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    main(args.out, args.small)
