@@ -3,6 +3,7 @@ backward, reduce-scatter the gradient (docs/distributed.md)."""
 
 from jax_qtrain.sharding.config import (
     DEFAULT_STRATEGY,
+    EXPERTS,
     GATHER_THEN_QUANTIZE,
     QUANTIZE_THEN_GATHER,
     STRATEGIES,
@@ -17,22 +18,27 @@ from jax_qtrain.sharding.gather import (
     gather_raw,
     quantize_shard,
 )
-from jax_qtrain.sharding.layers import ShardedLinear
+from jax_qtrain.sharding.layers import ShardedLinear, ShardedMoE
 from jax_qtrain.sharding.residuals import DeviceResidual, per_device_saved_residuals
 from jax_qtrain.sharding.sharded_dense import dense, fsdp_dense
+from jax_qtrain.sharding.sharded_grouped import fsdp_grouped_dense, fsdp_grouped_mlp
 
 __all__ = [
     "DEFAULT_STRATEGY",
+    "EXPERTS",
     "GATHER_THEN_QUANTIZE",
     "QUANTIZE_THEN_GATHER",
     "STRATEGIES",
     "DeviceResidual",
     "GatherBytes",
     "ShardedLinear",
+    "ShardedMoE",
     "Strategy",
     "WeightSharding",
     "dense",
     "fsdp_dense",
+    "fsdp_grouped_dense",
+    "fsdp_grouped_mlp",
     "gather_and_quantize",
     "gather_bytes",
     "gather_quantized",

@@ -34,11 +34,16 @@ def check_strategy(strategy) -> None:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
 
 
-def check_kernel_dim(kernel_dim) -> None:
-    if isinstance(kernel_dim, bool) or kernel_dim not in (0, 1):
+EXPERTS = "experts"  # kernel_dim of a stack of expert kernels (G, K, N) split by expert
+
+
+def check_kernel_dim(kernel_dim, *, grouped: bool = False) -> None:
+    allowed = (0, 1, EXPERTS) if grouped else (0, 1)
+    if isinstance(kernel_dim, bool) or kernel_dim not in allowed:
         raise ValueError(
-            f"kernel_dim must be 0 (split in_features) or 1 (split out_features), got "
-            f"{kernel_dim!r}"
+            "kernel_dim must be 0 (split in_features) or 1 (split out_features)"
+            + (' or "experts" (split the experts)' if grouped else "")
+            + f", got {kernel_dim!r}"
         )
 
 
@@ -58,7 +63,8 @@ class WeightSharding:
     Attributes:
       mesh: the `jax.sharding.Mesh` the layer runs on.
       axis: the mesh axis the kernel is split over.
-      kernel_dim: which kernel dim is split: 0 (in_features, the default) or 1 (out_features).
+      kernel_dim: which kernel dim is split: 0 (in_features, the default) or 1 (out_features);
+        for expert kernels (G, in, out) also "experts" (each device holds G/P whole experts).
       batch_axes: the mesh axes that split the input's leading (batch) dim, in order; None means
         `(axis,)`. Must include `axis`: the kernel gradient is reduce-scattered over `axis` and
         summed over the other batch axes.
@@ -79,7 +85,7 @@ class WeightSharding:
         names = tuple(self.mesh.axis_names)
         if not isinstance(self.axis, str) or self.axis not in names:
             raise ValueError(f"axis {self.axis!r} is not an axis of the mesh (axes: {names})")
-        check_kernel_dim(self.kernel_dim)
+        check_kernel_dim(self.kernel_dim, grouped=True)
         batch_axes = (
             (self.axis,)
             if self.batch_axes is None
@@ -112,10 +118,14 @@ class WeightSharding:
         return size
 
     def kernel_spec(self, ndim: int = 2) -> PartitionSpec:
-        """The kernel's PartitionSpec: its `kernel_dim` (counted from the end, so a stacked
-        (G, K, N) kernel works too) over `axis`."""
+        """The kernel's PartitionSpec, for a (K, N) kernel (ndim 2) or a (G, K, N) stack of
+        expert kernels (ndim 3): `kernel_dim` over `axis`."""
+        if ndim not in (2, 3) or (ndim == 2 and self.kernel_dim == EXPERTS):
+            raise ValueError(
+                f"kernel_spec: kernel_dim={self.kernel_dim!r} does not split a rank-{ndim} kernel"
+            )
         parts: list[str | None] = [None] * ndim
-        parts[ndim - 2 + self.kernel_dim] = self.axis
+        parts[0 if self.kernel_dim == EXPERTS else ndim - 2 + self.kernel_dim] = self.axis
         return PartitionSpec(*parts)
 
     def batch_spec(self) -> PartitionSpec:

@@ -1,14 +1,39 @@
-"""Flax NNX layers whose weights are split over a mesh axis (FSDP)."""
+"""Flax NNX layers whose weights are split over a mesh axis (FSDP): `ShardedLinear` and
+`ShardedMoE`."""
 
 from __future__ import annotations
 
-import jax
+import math
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jax_qtrain.nn.grouped import default_expert_kernel_init
 from jax_qtrain.nn.linear import Linear
+from jax_qtrain.nn.moe import default_router_init, permute_by_expert, route_top_k
+from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.recipes import Recipe
 
-from .config import WeightSharding
+from .config import WeightSharding, check_kernel_dim
 from .sharded_dense import dense as sharded_dense
+from .sharded_dense import laid_out
+from .sharded_grouped import fsdp_grouped_mlp
+
+_NN = (((1,), (0,)), ((), ()))
+
+
+def _latest(previous, new):  # sown intermediates hold the latest call's value (as nn.MoE)
+    del previous
+    return new
+
+
+def _nothing():
+    return None
+
 
 _UNSUPPORTED_LINEAR_OPTIONS = ("quantized_weight", "keep_master_weight", "quantized_weight_usages")
 
@@ -55,6 +80,7 @@ class ShardedLinear(Linear):
     ):
         if not isinstance(sharding, WeightSharding):
             raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+        check_kernel_dim(sharding.kernel_dim)  # "experts" splits grouped layers only
         split_name, split_size = (
             ("in_features", in_features)
             if sharding.kernel_dim == 0
@@ -103,3 +129,165 @@ class ShardedLinear(Linear):
         if self.preferred_element_type is not None:
             y = y.astype(self.preferred_element_type)
         return y
+
+
+class ShardedMoE(nnx.Module):
+    """`jax_qtrain.nn.MoE` with its expert kernels split over `sharding.axis` and its tokens
+    over `sharding.batch_axes` (data parallel); the router replicated.
+
+    The same parameters (created in the same order from the same `rngs`, so an `nn.MoE` built
+    alike starts equal), routing and un-permutation as `nn.MoE`, per device on its own tokens;
+    the experts run `fsdp_grouped_mlp` (sharded_grouped.py). So y and the input gradient on a
+    device are bit for bit `nn.MoE`'s on that device's tokens; parameter gradients are the sums
+    over devices. The load-balancing loss uses the whole batch's expert fractions and mean
+    router probabilities (summed over the batch axes), as `nn.MoE` on the whole batch would.
+
+    Args:
+      in_features, ffn_features, num_experts, top_k, activation, normalize_top_k,
+        aux_loss_coef, recipe, save_original_input, dtype, param_dtype, kernel_init,
+        router_init, rngs: as `jax_qtrain.nn.MoE`.
+      sharding: a `WeightSharding`; `kernel_dim="experts"` gives each device num_experts/P
+        whole experts, 0 or 1 splits every expert's in- or out-features.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        ffn_features: int,
+        num_experts: int,
+        *,
+        sharding: WeightSharding,
+        top_k: int = 2,
+        activation: str = "swiglu",
+        normalize_top_k: bool = True,
+        aux_loss_coef: float = 1e-2,
+        recipe: Recipe | None = None,
+        save_original_input: bool = False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_expert_kernel_init,
+        router_init=default_router_init,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(sharding, WeightSharding):
+            raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {recipe!r}")
+        check_activation(activation)
+        for name, value in (
+            ("in_features", in_features),
+            ("ffn_features", ffn_features),
+            ("num_experts", num_experts),
+            ("top_k", top_k),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) must be at most num_experts ({num_experts})")
+        split_name, split_size = {
+            "experts": ("num_experts", num_experts),
+            0: ("in_features and ffn_features", math.gcd(in_features, ffn_features)),
+            1: ("ffn_features and in_features", math.gcd(ffn_features, in_features)),
+        }[sharding.kernel_dim]
+        if split_size % sharding.axis_size:
+            raise ValueError(
+                f"{split_name} must be multiples of {sharding.axis_size}, the size of mesh axis "
+                f"{sharding.axis!r} the experts are split over"
+            )
+        mesh = sharding.mesh
+        self.router = nnx.Linear(
+            in_features,
+            num_experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            kernel_init=router_init,
+            kernel_metadata={"out_sharding": (None, None), "mesh": mesh},
+            rngs=rngs,
+        )
+        fc1_out = 2 * ffn_features if is_gated(activation) else ffn_features
+        expert_split = {"out_sharding": tuple(sharding.kernel_spec(3)), "mesh": mesh}
+        self.fc1_kernel = nnx.Param(
+            kernel_init(rngs.params(), (num_experts, in_features, fc1_out), param_dtype),
+            **expert_split,
+        )
+        self.fc2_kernel = nnx.Param(
+            kernel_init(rngs.params(), (num_experts, ffn_features, in_features), param_dtype),
+            **expert_split,
+        )
+        self.sharding = sharding
+        self.in_features, self.ffn_features, self.num_experts = (
+            in_features,
+            ffn_features,
+            num_experts,
+        )
+        self.top_k, self.activation = top_k, activation
+        self.normalize_top_k, self.aux_loss_coef = normalize_top_k, aux_loss_coef
+        self.recipe, self.save_original_input = recipe, save_original_input
+        self.dtype = dtype
+        self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+        self.tokens_per_expert = nnx.Intermediate(jnp.zeros((num_experts,), jnp.int32))
+
+    def _per_device(self, tokens, router_kernel, fc1_shard, fc2_shard):
+        """One device's tokens through router, experts and un-permutation (`nn.MoE.__call__`)."""
+        sharding, top_k, num_experts = self.sharding, self.top_k, self.num_experts
+        logits = lax.dot_general(
+            tokens.astype(jnp.float32), router_kernel.astype(jnp.float32), _NN
+        )  # nnx.Linear(dtype=float32), as nn.MoE's router
+        probs, top_probs, top_experts = route_top_k(
+            logits, top_k, normalize_top_k=self.normalize_top_k
+        )
+        order, inverse, group_sizes = permute_by_expert(top_experts, num_experts)
+        x, fc1, fc2 = dtypes.promote_dtype(
+            (jnp.take(tokens, order // top_k, axis=0), fc1_shard, fc2_shard), dtype=self.dtype
+        )
+        expert_out = fsdp_grouped_mlp(
+            x,
+            fc1,
+            fc2,
+            group_sizes,
+            jnp.take(top_probs.reshape(-1), order, axis=0),
+            self.activation,
+            axis_name=sharding.axis,
+            kernel_dim=sharding.kernel_dim,
+            batch_axis_names=sharding.batch_axes,
+            strategy=sharding.strategy,
+            recipe=self.recipe,
+            save_original_input=self.save_original_input,
+        )
+        per_slot = jnp.take(expert_out, inverse, axis=0)
+        per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
+        y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
+
+        # The whole batch's load-balancing loss (nn.moe.load_balancing_loss on all tokens).
+        axes = sharding.batch_axes
+        counts = lax.psum(jnp.bincount(top_experts.reshape(-1), length=num_experts), axes)
+        fraction = lax.stop_gradient(counts / jnp.sum(counts))
+        mean_probs = lax.psum(jnp.sum(probs, axis=0), axes) / lax.psum(probs.shape[0], axes)
+        aux_loss = self.aux_loss_coef * num_experts * jnp.sum(fraction * mean_probs)
+        return y, aux_loss, counts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dim must be {self.in_features}, got {x.shape[-1]}")
+        tokens = x.reshape(-1, self.in_features)
+        sharding = self.sharding
+        if tokens.shape[0] % sharding.batch_size_divisor:
+            raise ValueError(
+                f"x's {tokens.shape[0]} tokens must be a multiple of "
+                f"{sharding.batch_size_divisor}, the number of shards of batch_axes "
+                f"{sharding.batch_axes}"
+            )
+        replicated, experts = PartitionSpec(), sharding.kernel_spec(3)
+        specs = (sharding.batch_spec(), replicated, experts, experts)
+        operands = (tokens, self.router.kernel[...], self.fc1_kernel[...], self.fc2_kernel[...])
+        y, aux_loss, tokens_per_expert = jax.shard_map(
+            self._per_device,
+            mesh=sharding.mesh,
+            in_specs=specs,
+            out_specs=(sharding.batch_spec(), replicated, replicated),
+        )(*(laid_out(a, spec, sharding.mesh) for a, spec in zip(operands, specs, strict=True)))
+        for name, value in (("aux_loss", aux_loss), ("tokens_per_expert", tokens_per_expert)):
+            self.sow(nnx.Intermediate, name, value, reduce_fn=_latest, init_fn=_nothing)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return (y, aux_loss) if return_aux_loss else y

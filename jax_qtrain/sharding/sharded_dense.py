@@ -52,7 +52,7 @@ from .config import (
     check_strategy,
     normalize_axes,
 )
-from .gather import gather_quantized, gather_raw, quantize_shard
+from .gather import Split
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
@@ -84,16 +84,31 @@ class _FsdpDenseConfig:
     def quantize_then_gather(self) -> bool:
         return self.strategy != GATHER_THEN_QUANTIZE
 
+    @property
+    def split(self) -> Split:
+        return Split(self.axis_name, self.kernel_dim)
+
     def whole_kernel(self, kernel_shard: jax.Array) -> jax.Array:
-        return gather_raw(kernel_shard, axis_name=self.axis_name, kernel_dim=self.kernel_dim)
+        return self.split.gather_raw(kernel_shard)
 
     def gather(self, q_shard: QuantizedTensor) -> QuantizedTensor:
-        return gather_quantized(q_shard, axis_name=self.axis_name, kernel_dim=self.kernel_dim)
+        return self.split.gather_quantized(q_shard)
 
     def row_offset(self, rows: int) -> jax.Array:
         """Index of this device's first row in the whole batch (the batch axes split rows in
         order, the first axis outermost, as PartitionSpec((a, b)) does)."""
         return lax.axis_index(self.batch_axis_names) * rows
+
+
+def saved_input_operand(x, qx, mode: str | None, save_original_input: bool):
+    """The input operand a layer's backward reads (te_semantics §1): x's quantized columnwise
+    copy (mode None), the raw x (mode None with save_original_input, and "high_precision"), or
+    the rowwise copy the forward GEMM read ("dequantized")."""
+    if mode is None:
+        return x if save_original_input else qx.restrict_to("columnwise")
+    if mode == "high_precision":
+        return x
+    return qx.restrict_to("rowwise")
 
 
 def _stochastic_rounding_key(key: jax.Array | None, dy: jax.Array, config) -> jax.Array:
@@ -142,13 +157,8 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
             amax_axis_name=config.batch_axis_names,
         )
         if config.quantize_then_gather:
-            q_shard = quantize_shard(
-                kernel_shard,
-                recipe,
-                axis_name=config.axis_name,
-                kernel_dim=config.kernel_dim,
-                rowwise=mode is None,
-                columnwise=True,
+            q_shard = config.split.quantize_shard(
+                kernel_shard, recipe, rowwise=mode is None, columnwise=True
             )
             qw = config.gather(q_shard.restrict_to("columnwise"))
             saved_kernel = {
@@ -165,12 +175,7 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
             bias,
             config.out_dtype,
         )
-        if mode is None:
-            saved_input = x2d if config.save_original_input else qx.restrict_to("columnwise")
-        elif mode == "high_precision":
-            saved_input = x2d
-        else:  # "dequantized": the rowwise copy the forward GEMM read
-            saved_input = qx.restrict_to("rowwise")
+        saved_input = saved_input_operand(x2d, qx, mode, config.save_original_input)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),
         checkpoint_name(saved_kernel, names.KERNEL),
@@ -393,6 +398,7 @@ def dense(
     """
     if not isinstance(sharding, WeightSharding):
         raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+    check_kernel_dim(sharding.kernel_dim)  # "experts" splits grouped layers only
     for name, value in (("x", x), ("kernel", kernel)):
         _check_array(name, value)
     if x.ndim < 2:
@@ -442,10 +448,10 @@ def dense(
         mesh=sharding.mesh,
         in_specs=tuple(specs[name] for name in given),
         out_specs=sharding.batch_spec(),
-    )(*(_laid_out(operands[name], specs[name], sharding.mesh) for name in given))
+    )(*(laid_out(operands[name], specs[name], sharding.mesh) for name in given))
 
 
-def _laid_out(array: jax.Array, spec, mesh) -> jax.Array:
+def laid_out(array: jax.Array, spec, mesh) -> jax.Array:
     """`array` resharded to `spec` on an Explicit mesh (where shard_map requires its inputs to be
     laid out already); on an Auto mesh shard_map reshards by itself."""
     explicit = jax.sharding.AxisType.Explicit
