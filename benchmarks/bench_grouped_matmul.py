@@ -52,53 +52,60 @@ SHAPES = {
 }
 
 
-def fwd_config(tm, tn, tk, steps, epi, minor=0, width=8):
+def fwd_config(tm, tn, tk, steps, epi, minor=0, width=8, in_flight=1, buffers=1):
     return GroupedMatmulConfig(
         tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, epi_tile_n=epi,
-        grid_minor_dim=minor, grid_tile_width=width,
+        grid_minor_dim=minor, grid_tile_width=width, wgmma_in_flight=in_flight,
+        epilogue_buffers=buffers,
     )
 
 
-def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4):
+def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4, buffers=2):
     return GroupedWgradConfig(
         tile_m=tm, tile_n=tn, tile_t=tt, max_concurrent_steps=steps, epi_tile_n=epi,
-        grid_minor_dim=minor, grid_tile_width=width,
+        grid_minor_dim=minor, grid_tile_width=width, epilogue_buffers=buffers,
     )
 
 
 # CPU smoke test of this script (--small): tiny shapes through the Pallas interpreter.
 INTERPRET = False
 
-# Sweeps, most promising first (the budget may cut the tail).
+# Sweeps, most promising first (the budget may cut the tail). The epilogue rows must
+# span 128 bytes (epi_tile_n 64 for bf16 outputs, 32 for f32).
 BF16_FWD_CONFIGS = [
-    fwd_config(128, 128, 64, 4, 32),
-    fwd_config(128, 128, 64, 3, 64),
-    fwd_config(128, 128, 64, 4, 32, minor=1),
-    fwd_config(128, 128, 64, 4, 32, width=16),
-    fwd_config(192, 128, 64, 3, 32),
-    fwd_config(128, 64, 64, 5, 64),
+    fwd_config(128, 128, 64, 4, 64),
+    fwd_config(128, 128, 64, 3, 64, in_flight=0, buffers=2),
+    fwd_config(128, 128, 64, 4, 64, in_flight=0),
+    fwd_config(128, 128, 64, 3, 64, buffers=2),
+    fwd_config(128, 128, 64, 4, 64, minor=1),
+    fwd_config(128, 128, 64, 4, 64, width=16),
+    fwd_config(192, 128, 64, 3, 64),
 ]
 FP8_FWD_CONFIGS = [
-    fwd_config(128, 128, 128, 4, 32),
-    fwd_config(128, 128, 128, 3, 64),
-    fwd_config(128, 128, 128, 4, 32, minor=1),
-    fwd_config(192, 128, 128, 3, 32),
-    fwd_config(128, 128, 64, 6, 32),
+    fwd_config(128, 128, 128, 4, 64),
+    fwd_config(128, 128, 128, 3, 64, in_flight=0, buffers=2),
+    fwd_config(128, 128, 128, 4, 64, in_flight=0),
+    fwd_config(128, 128, 128, 4, 64, minor=1),
+    fwd_config(192, 128, 128, 3, 64),
 ]
 BLOCK_CONFIGS = [
-    fwd_config(64, 128, 128, 4, 64),
-    fwd_config(64, 128, 128, 4, 64, minor=1),
-    fwd_config(64, 128, 128, 3, 64, width=16),
+    fwd_config(64, 128, 128, 4, 64, buffers=2),
+    fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2),
+    fwd_config(64, 128, 128, 4, 64, minor=1, buffers=2),
+    fwd_config(64, 128, 128, 4, 64, width=16, buffers=2),
 ]
 BF16_WGRAD_CONFIGS = [
     wgrad_config(128, 128, 64, 3, 32),
-    wgrad_config(128, 128, 64, 3, 32, minor=0),
-    wgrad_config(128, 64, 64, 4, 64),
+    wgrad_config(128, 128, 64, 4, 32, buffers=1),
+    wgrad_config(128, 128, 64, 4, 32, minor=0, buffers=1),
 ]
 FP8_WGRAD_CONFIGS = [
     wgrad_config(128, 128, 128, 3, 32),
-    wgrad_config(128, 128, 64, 5, 32),
+    wgrad_config(128, 128, 128, 4, 32, buffers=1),
 ]
+# N = 1408 = 11 x 128: CTA tiles 128 wide fit exactly; 256 wide leave half a tile idle.
+NARROW_BF16_CONFIGS = [fwd_config(128, 64, 64, 5, 64, buffers=2), fwd_config(128, 128, 64, 4, 64)]
+NARROW_FP8_CONFIGS = [fwd_config(128, 64, 128, 5, 64, buffers=2), fwd_config(128, 128, 128, 4, 64)]
 
 
 class Bench:
@@ -487,8 +494,7 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
     bf16_fwd, fp8_fwd, block, bf16_wgrad, fp8_wgrad = (
         BF16_FWD_CONFIGS, FP8_FWD_CONFIGS, BLOCK_CONFIGS, BF16_WGRAD_CONFIGS, FP8_WGRAD_CONFIGS
     )
-    narrow = [fwd_config(128, 88, 64, 3, 88), fwd_config(128, 128, 64, 4, 32)]
-    narrow8 = [fwd_config(128, 88, 128, 3, 88), fwd_config(128, 128, 128, 4, 32)]
+    narrow, narrow8 = NARROW_BF16_CONFIGS, NARROW_FP8_CONFIGS
     dense_size = 8192
     if small:
         INTERPRET = True
@@ -498,9 +504,10 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
             "G64 small experts": (3, 256, 256, 128, [64, 0, 150]),
         }
         tiny = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2,
-                                   epi_tile_n=32, num_sms=2, grid_tile_width=1)
+                                   epi_tile_n=64, num_sms=2, grid_tile_width=1)
         tiny_block = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128,
-                                         max_concurrent_steps=2, epi_tile_n=64, num_sms=2)
+                                         max_concurrent_steps=2, epi_tile_n=64, num_sms=2,
+                                         wgmma_in_flight=1)
         tiny_wgrad = GroupedWgradConfig(tile_m=128, tile_n=64, tile_t=128,
                                         max_concurrent_steps=2, epi_tile_n=32, num_sms=2)
         bf16_fwd = fp8_fwd = narrow = narrow8 = [tiny]
@@ -508,38 +515,29 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
         bf16_wgrad = fp8_wgrad = [tiny_wgrad]
         dense_size = 256
 
-    # Pass 1, coverage: every shape and op with the first config, peers alongside.
+    # The targets' shape first: every config of the sweeps, with the peers.
     g, m, k, n, sizes = shapes["G8 balanced"]
-    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1],
-                  fp8_fwd[:1], block[:1])
+    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, True, bf16_fwd, fp8_fwd, block)
     if not bench.over_budget():
         sets = random_operands(jax.random.key(1), g, m, k, n, sizes)
         torch_peers(bench, "G8 balanced", sets, g, m, k, n, 2 * m * k * n)
         del sets
         xla_dense_peers(bench, "G8 balanced", m, k, n)
-    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
-    g, m, k, n, sizes = shapes["G8 skewed"]
-    forward_suite(bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1],
-                  block[:1])
-    wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
+    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad, fp8_wgrad)
+
     g, m, k, n, sizes = shapes["G64 small experts"]
-    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow[:1],
-                  narrow8[:1], [])
+    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow, narrow8, [])
     forward_suite(bench, "G64 small experts", "dgrad", g, m, n, k, sizes, True, bf16_fwd[:1],
                   fp8_fwd[:1], [])
     wgrad_suite(bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1],
                 fp8_wgrad[:1])
-    dense_block_suite(bench, dense_size, block[:1], True)
 
-    # Pass 2, tuning: the remaining configs while the budget lasts.
-    g, m, k, n, sizes = shapes["G8 balanced"]
-    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, False, bf16_fwd[1:],
-                  fp8_fwd[1:], block[1:])
-    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, False, bf16_wgrad[1:], fp8_wgrad[1:])
-    g, m, k, n, sizes = shapes["G64 small experts"]
-    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, False, narrow[1:],
-                  narrow8[1:], [])
-    dense_block_suite(bench, dense_size, block[1:], False)
+    dense_block_suite(bench, dense_size, block[:2], True)
+
+    g, m, k, n, sizes = shapes["G8 skewed"]
+    forward_suite(bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1],
+                  block[:1])
+    wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
 
     text = markdown(bench.rows)
     (out / "bench_grouped_matmul.md").write_text(text)

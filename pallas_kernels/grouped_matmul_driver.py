@@ -39,6 +39,7 @@ class TileSchedule:
     tile_n: int  # columns per consumer warpgroup
     max_concurrent_steps: int
     epi_tile_n: int
+    epilogue_buffers: int  # 1 or 2 SMEM staging buffers per consumer
     grid_minor_dim: int  # 0: walk row tiles fastest, 1: column tiles fastest
     grid_tile_width: int
     num_sms: int
@@ -118,9 +119,11 @@ def ragged_rows_call(
     tile_m, tile_n = schedule.tile_m, schedule.tile_n
     epi_tile_n = schedule.epi_tile_n
     num_epi_chunks = tile_n // epi_tile_n
-    # Two epilogue slots alternate; with an odd chunk count the parity breaks across
-    # tiles, so then each chunk waits for the previous store to have read its slot.
-    stores_in_flight = 1 if num_epi_chunks % 2 == 0 else 0
+    num_buffers = schedule.epilogue_buffers
+    # With two buffers that alternate, a chunk only waits for the store before last;
+    # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
+    # each chunk waits until the previous store has read its buffer.
+    stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
     num_row_visits = pl.cdiv(num_rows, tile_m) + num_groups
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
     num_prefetches = len(parts.prefetches)
@@ -156,7 +159,7 @@ def ragged_rows_call(
             pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(
                 *parts.allocation_refs(operand_refs)
             ),
-            out_smem=plgpu.SMEM((_NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype),
+            out_smem=plgpu.SMEM((_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n), out_dtype),
             prefetch_smem=[
                 plgpu.SMEM((_NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
             ],
@@ -184,7 +187,7 @@ def ragged_rows_call(
                 col0 = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n
                 rows = out_gmem.at[pl.ds(ctx.row_tile.block_start, tile_m)]
                 for chunk in range(num_epi_chunks):
-                    slot = chunk % 2
+                    slot = chunk % num_buffers
                     plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
                     common.store_row_range(
                         values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n],

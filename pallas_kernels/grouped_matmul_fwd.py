@@ -56,6 +56,13 @@ class GroupedMatmulConfig:
     grid_minor_dim: 0 walks row tiles fastest, 1 walks column tiles fastest.
     grid_tile_width: width of the planar-snake bands.
     num_sms: persistent CTAs; None = the device's SM count.
+    wgmma_in_flight: 0 waits for each K step's wgmma before the next; 1 keeps one step in
+      flight (its SMEM stage is released a step later). For block FP8, 1 promotes the
+      previous step's partial product while the current step's wgmma runs.
+    epilogue_buffers: SMEM staging buffers per consumer for the output stores (1 or 2).
+    The epilogue buffers' rows (epi_tile_n x output itemsize) must span a multiple of
+    128 bytes: partial row tiles are stored from arbitrary rows of the buffer, and TMA
+    needs 128-byte aligned shared-memory addresses.
     """
 
     tile_m: int = 128
@@ -66,6 +73,8 @@ class GroupedMatmulConfig:
     grid_minor_dim: int = 0
     grid_tile_width: int = 8
     num_sms: int | None = None
+    wgmma_in_flight: int = 0
+    epilogue_buffers: int = 2
 
     def __post_init__(self):
         if self.tile_m not in (64, 128, 192, 256):
@@ -93,6 +102,20 @@ class GroupedMatmulConfig:
                 f"tile_m * tile_n = {self.tile_m * self.tile_n} exceeds the register budget of "
                 f"one consumer warpgroup ({_MAX_ACC_ELEMS_PER_WG} f32 accumulators)"
             )
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"wgmma_in_flight must be 0 or 1, got {self.wgmma_in_flight}")
+        if self.wgmma_in_flight >= self.max_concurrent_steps:
+            raise ValueError("wgmma_in_flight=1 needs max_concurrent_steps >= 2")
+        if self.epilogue_buffers not in (1, 2):
+            raise ValueError(f"epilogue_buffers must be 1 or 2, got {self.epilogue_buffers}")
+
+    def check_out_dtype(self, out_dtype: jnp.dtype) -> None:
+        row_bytes = self.epi_tile_n * jnp.dtype(out_dtype).itemsize
+        if row_bytes % 128:
+            raise ValueError(
+                f"config: epi_tile_n={self.epi_tile_n} {jnp.dtype(out_dtype).name} outputs give "
+                f"{row_bytes}-byte epilogue rows; they must span a multiple of 128 bytes"
+            )
 
     def schedule(self) -> driver.TileSchedule:
         return driver.TileSchedule(
@@ -100,6 +123,7 @@ class GroupedMatmulConfig:
             tile_n=self.tile_n,
             max_concurrent_steps=self.max_concurrent_steps,
             epi_tile_n=self.epi_tile_n,
+            epilogue_buffers=self.epilogue_buffers,
             grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width,
             num_sms=self.num_sms or common.num_sms_default(),
@@ -114,17 +138,27 @@ DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128
 def _smem_bytes(
     config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> int:
-    epilogue = 2 * 2 * config.tile_m * config.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    epilogue = (
+        2 * config.epilogue_buffers * config.tile_m * config.epi_tile_n
+        * jnp.dtype(out_dtype).itemsize
+    )
     return config.max_concurrent_steps * stage_bytes + epilogue + prefetch_bytes
 
 
 def fit_default_config(
     config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> GroupedMatmulConfig:
-    """Shrinks a *default* config (epilogue width, then depth) until it fits in SMEM."""
+    """Shrinks a *default* config until it fits in SMEM.
+
+    The epilogue width goes down to 128-byte rows first, then to one staging buffer,
+    then the pipeline gets shallower.
+    """
+    min_epi = 128 // jnp.dtype(out_dtype).itemsize
     while _smem_bytes(config, stage_bytes, out_dtype, prefetch_bytes) > SMEM_BYTES:
-        if config.epi_tile_n > 32:
+        if config.epi_tile_n > min_epi:
             config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
+        elif config.epilogue_buffers > 1:
+            config = dataclasses.replace(config, epilogue_buffers=1)
         elif config.max_concurrent_steps > 2:
             config = dataclasses.replace(
                 config, max_concurrent_steps=config.max_concurrent_steps - 1
@@ -241,6 +275,7 @@ def grouped_matmul(
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
 
+    config.check_out_dtype(out_dtype)
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     _check_smem(config, _stage_bytes(config, lhs, rhs), out_dtype, _vector_bytes(config))
 
@@ -267,20 +302,26 @@ def grouped_matmul(
             operands.append(_pad_axis(rhs_scale, 1, common.round_up(cols_p, 2 * tile_n)))
 
     lhs_transforms = common.smem_transforms(tile_k, lhs.dtype)
+    in_flight = config.wgmma_in_flight
     if rhs_layout == "nk":
         rhs_spec = plgpu.BlockSpec(
             (2 * tile_n, tile_k),
             lambda kk: (0, kk),
             transforms=common.smem_transforms(tile_k, rhs.dtype),
+            delay_release=in_flight,
         )
     else:
         rhs_spec = plgpu.BlockSpec(
             (tile_k, 2 * tile_n),
             lambda kk: (kk, 0),
             transforms=common.smem_transforms(2 * tile_n, rhs.dtype),
+            delay_release=in_flight,
         )
     in_specs = (
-        plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=lhs_transforms),
+        plgpu.BlockSpec(
+            (tile_m, tile_k), lambda kk: (0, kk), transforms=lhs_transforms,
+            delay_release=in_flight,
+        ),
         rhs_spec,
     )
 
@@ -303,7 +344,8 @@ def grouped_matmul(
         else:
             rhs_operand = rhs_smem.at[:, cols]
         plgpu.wgmma(acc_ref, lhs_smem, rhs_operand)
-        plgpu.wgmma_wait(0)
+        # The stage read by the wgmma still in flight is released one step later.
+        plgpu.wgmma_wait(in_flight)
         return acc_ref
 
     prefetches = []
@@ -442,11 +484,13 @@ def grouped_matmul_fp8_block(
             f"config: block FP8 needs tile_k=128 and tile_n=128, got tile_k={config.tile_k}, "
             f"tile_n={config.tile_n}"
         )
-    if 2 * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
+    live_tiles = 2 + config.wgmma_in_flight  # main, current (and previous) partial products
+    if live_tiles * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
         raise ValueError(
-            f"config: tile_m={config.tile_m} is too large for block FP8 (main and per-step "
-            "accumulators must both stay in registers); use tile_m=64"
+            f"config: tile_m={config.tile_m} is too large for block FP8 ({live_tiles} f32 "
+            "tiles must stay in registers); use tile_m=64"
         )
+    config.check_out_dtype(out_dtype)
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     _check_smem(config, _block_stage_bytes(config), out_dtype, _block_scale_bytes(config, k))
 
@@ -481,14 +525,26 @@ def grouped_matmul_fp8_block(
     def allocation_refs(refs):
         return (refs[0], refs[1].at[0])
 
-    def step(refs, ctx, smem_refs, carry):
-        lhs_smem, rhs_smem = smem_refs
-        rhs_scale_ref = refs[3]
-        k_step, main = carry
-        rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
+    overlap = config.wgmma_in_flight == 1
+
+    def block_scale(refs, ctx, k_block):
+        """lhs_scale[rows, k_block] * rhs_scale[g, this consumer's 128 columns, k_block]."""
         col_block = jnp.minimum(ctx.col_tile * 2 + ctx.consumer, num_col_blocks - 1)
+        rhs_block_scale = refs[3][ctx.row_tile.group, col_block, k_block]
         # The tile's (K/128, tile_m) lhs block scales were prefetched at tile start.
         lhs_scales_smem = ctx.prefetched[0][0]
+        return driver.row_vector(lhs_scales_smem.at[k_block]) * rhs_block_scale
+
+    def promote(main, chunk, scale):
+        return main + chunk * lax.broadcast_in_dim(scale, chunk.shape, [0])
+
+    def step(refs, ctx, smem_refs, carry):
+        lhs_smem, rhs_smem = smem_refs
+        rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
+        if overlap:
+            k_step, main, previous = carry
+        else:
+            k_step, main = carry
 
         def chunk_product(chunk_ref):
             # A freshly scoped accumulator starts at zero: this K block's products
@@ -499,17 +555,27 @@ def grouped_matmul_fp8_block(
             def _wait_scales():
                 ctx.wait_prefetched(0)
 
-            rhs_block_scale = rhs_scale_ref[ctx.row_tile.group, col_block, k_step]
-            row_scale = driver.row_vector(lhs_scales_smem.at[k_step]) * rhs_block_scale
-            chunk = chunk_ref[...]  # waits for the wgmma
-            return chunk * lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+            if overlap:
+                # Promote the previous K block while this block's wgmma runs (at
+                # k_step 0 the previous partial product is zero).
+                prev_block = jnp.maximum(k_step - 1, 0)
+                promoted = promote(main, previous, block_scale(refs, ctx, prev_block))
+                return promoted, chunk_ref[...]
+            return promote(main, chunk_ref[...], block_scale(refs, ctx, k_step))
 
-        scaled = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
-        return k_step + 1, main + scaled
+        result = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        if overlap:
+            main, chunk = result
+            return k_step + 1, main, chunk
+        return k_step + 1, result
 
     def run_tile(refs, ctx, run_pipeline):
-        _, main = run_pipeline((jnp.int32(0), driver.wgmma_zeros((tile_m, tile_n))))
-        return main
+        zeros = driver.wgmma_zeros((tile_m, tile_n))
+        if not overlap:
+            _, main = run_pipeline((jnp.int32(0), zeros))
+            return main
+        _, main, last = run_pipeline((jnp.int32(0), zeros, zeros))
+        return promote(main, last, block_scale(refs, ctx, num_k_blocks - 1))
 
     parts = driver.RowKernelParts(
         in_specs=in_specs,

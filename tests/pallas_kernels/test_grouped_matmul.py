@@ -11,6 +11,8 @@ bf16 outputs to bf16 rounding (2^-8 relative).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,15 +31,14 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 BF16 = jnp.bfloat16
 
-# Small tiles and two "SMs" keep interpreted grids to a handful of tiles.
+# Small tiles and two "SMs" keep interpreted grids to a handful of tiles. Epilogue
+# rows span 128 bytes (32 f32 or 64 bf16 outputs).
 TINY_FWD = GroupedMatmulConfig(
-    tile_m=64, tile_n=32, tile_k=64, max_concurrent_steps=2, epi_tile_n=16, num_sms=2,
+    tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, num_sms=2,
     grid_tile_width=1,
 )
-TINY_FWD_FP8 = GroupedMatmulConfig(
-    tile_m=64, tile_n=32, tile_k=128, max_concurrent_steps=2, epi_tile_n=16, num_sms=2,
-    grid_tile_width=1,
-)
+TINY_FWD_BF16_OUT = dataclasses.replace(TINY_FWD, epi_tile_n=64)
+TINY_FWD_FP8 = dataclasses.replace(TINY_FWD, tile_k=128)
 TINY_BLOCK = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, num_sms=2,
     grid_tile_width=1,
@@ -143,7 +144,8 @@ def test_bf16_forward_kn_layout_bf16_out_partial_tiles():
     lhs = jax.random.normal(k_lhs, (130, 96), jnp.float32).astype(BF16)
     rhs_kn = jax.random.normal(k_rhs, (2, 96, 48), jnp.float32).astype(BF16)
     out = grouped_matmul(
-        lhs, rhs_kn, sizes, rhs_layout="kn", out_dtype=BF16, config=TINY_FWD, interpret=True
+        lhs, rhs_kn, sizes, rhs_layout="kn", out_dtype=BF16, config=TINY_FWD_BF16_OUT,
+        interpret=True,
     )
     assert out.dtype == BF16 and out.shape == (130, 48)
     ref = ref_ragged_rows(f64(lhs), np.swapaxes(f64(rhs_kn), 1, 2), sizes)
@@ -178,13 +180,16 @@ def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
     rhs_scale = jnp.asarray([1.5, 0.125], jnp.float32)
     out = grouped_matmul(
         lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=BF16,
-        config=TINY_FWD_FP8, interpret=True,
+        config=dataclasses.replace(TINY_FWD_FP8, epi_tile_n=64), interpret=True,
     )
     ref = ref_ragged_rows(f64(lhs) * 0.75, f64(rhs) * f64(rhs_scale)[:, None, None], sizes)
     assert_close(out, ref, rel=2**-7)
 
 
-def test_fp8_block_forward_matches_dequantized_reference():
+@pytest.mark.parametrize("wgmma_in_flight", [0, 1])
+def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
+    # wgmma_in_flight=1 promotes each K block's partial product during the next wgmma.
+    config = dataclasses.replace(TINY_BLOCK, wgmma_in_flight=wgmma_in_flight)
     sizes = jnp.asarray([37, 0, 100], jnp.int32)
     k = keys(4, seed=4)
     lhs = random_fp8(k[0], (160, 256), E4M3)
@@ -192,7 +197,7 @@ def test_fp8_block_forward_matches_dequantized_reference():
     lhs_scale = jax.random.uniform(k[2], (160, 2), jnp.float32, 2.0**-4, 2.0**4)
     rhs_scale = jax.random.uniform(k[3], (3, 2, 2), jnp.float32, 2.0**-4, 2.0**4)
     out = grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=TINY_BLOCK,
+        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config,
         interpret=True,
     )
     ref = ref_ragged_rows(
@@ -201,6 +206,20 @@ def test_fp8_block_forward_matches_dequantized_reference():
         sizes,
     )
     assert_close(out, ref, rel=1e-5)
+
+
+@pytest.mark.parametrize(("wgmma_in_flight", "epilogue_buffers"), [(1, 1), (1, 2), (0, 1)])
+def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers):
+    config = dataclasses.replace(
+        TINY_FWD, max_concurrent_steps=3, wgmma_in_flight=wgmma_in_flight,
+        epilogue_buffers=epilogue_buffers,
+    )
+    sizes = jnp.asarray([37, 0, 90], jnp.int32)
+    k_lhs, k_rhs = keys(2, seed=9)
+    lhs = jax.random.normal(k_lhs, (160, 256), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (3, 64, 256), jnp.float32).astype(BF16)
+    out = grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=config, interpret=True)
+    assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
 
 
 def test_dense_entry_points():
@@ -348,11 +367,23 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         (lambda: GroupedMatmulConfig(tile_m=256, tile_n=128), "register"),
         (lambda: GroupedWgradConfig(tile_m=64), "tile_m"),
         (lambda: GroupedWgradConfig(tile_t=48), "tile_t"),
+        (lambda: GroupedMatmulConfig(wgmma_in_flight=2), "wgmma_in_flight"),
+        (lambda: GroupedMatmulConfig(max_concurrent_steps=1, wgmma_in_flight=1),
+         "max_concurrent_steps"),
+        (lambda: GroupedMatmulConfig(epilogue_buffers=3), "epilogue_buffers"),
     ],
 )
 def test_bad_configs_raise(factory, needle):
     with pytest.raises(ValueError, match=needle):
         factory()
+
+
+def test_epilogue_rows_must_span_128_bytes():
+    config = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2,
+                                 epi_tile_n=32)
+    with pytest.raises(ValueError, match="128 bytes"):
+        grouped_matmul(_bf16((256, 256)), _bf16((2, 256, 256)), jnp.zeros((2,), jnp.int32),
+                       out_dtype=BF16, config=config)
 
 
 def test_config_that_overflows_shared_memory_is_rejected():
@@ -382,7 +413,8 @@ F32 = jnp.float32
 CROSS_LOWERING_CASES = {
     "bf16_fwd_nk": (
         lambda a, b, g: grouped_matmul(a, b, g, config=GroupedMatmulConfig(
-            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32)),
+            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
+            wgmma_in_flight=1, epilogue_buffers=1)),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
     "bf16_fwd_kn_f32_out": (
@@ -398,7 +430,10 @@ CROSS_LOWERING_CASES = {
         (S((M, N), E5M2), S((G, K, N), E4M3), SIZES, S((), F32), S((G,), F32)),
     ),
     "fp8_block_fwd": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(a, sa, b, sb, g),
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a, sa, b, sb, g, config=GroupedMatmulConfig(
+                tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64,
+                wgmma_in_flight=1)),
         (S((M, K), E4M3), S((M, K // 128), F32), S((G, N, K), E4M3),
          S((G, N // 128, K // 128), F32), SIZES),
     ),
@@ -420,7 +455,9 @@ CROSS_LOWERING_CASES = {
         (S((K, M), E4M3), S((N, M), E5M2), SIZES, S((K,), F32), S((), F32)),
     ),
     "small_experts_fwd": (
-        lambda a, b, g: grouped_matmul(a, b, g),
+        lambda a, b, g: grouped_matmul(a, b, g, config=GroupedMatmulConfig(
+            tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5, epi_tile_n=64,
+            wgmma_in_flight=1)),
         (S((32768, 2048), BF16), S((64, 1408, 2048), BF16), S((64,), jnp.int32)),
     ),
 }

@@ -22,7 +22,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
-from pallas_kernels.grouped_matmul_fwd import grouped_matmul, grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_fp8_block,
+)
 from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
 from tests.pallas_kernels.test_grouped_matmul import (
     BF16,
@@ -91,9 +95,34 @@ def test_gpu_fp8_block_forward():
         lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32
     )
     ref = ref_ragged_rows(
-        dequant_fp8_block(lhs, lhs_scale, 1, 128), dequant_fp8_block(rhs, rhs_scale, 128, 128), SIZES
+        dequant_fp8_block(lhs, lhs_scale, 1, 128),
+        dequant_fp8_block(rhs, rhs_scale, 128, 128),
+        SIZES,
     )
     assert_close(out, ref, rel=1e-3)
+    overlapped = GroupedMatmulConfig(
+        tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64,
+        wgmma_in_flight=1,
+    )
+    out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=overlapped
+    )
+    assert_close(out, ref, rel=1e-3)
+
+
+@pytest.mark.parametrize("epilogue_buffers", [1, 2])
+def test_gpu_one_wgmma_in_flight(epilogue_buffers):
+    config = GroupedMatmulConfig(
+        tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3, epi_tile_n=64,
+        wgmma_in_flight=1, epilogue_buffers=epilogue_buffers,
+    )
+    k_lhs, k_rhs = keys(2, seed=16)
+    lhs = jax.random.normal(k_lhs, (ROWS, K_DIM), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
+    out = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config"))(
+        lhs, rhs, SIZES, out_dtype=BF16, config=config
+    )
+    assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), SIZES), rel=2**-8)
 
 
 @pytest.mark.parametrize("operands", ["bf16", "fp8"])
