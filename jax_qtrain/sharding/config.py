@@ -69,6 +69,10 @@ class WeightSharding:
         `(axis,)`. Must include `axis`: the kernel gradient is reduce-scattered over `axis` and
         summed over the other batch axes.
       strategy: "quantize_then_gather" (default) or "gather_then_quantize" (module docstring).
+      deterministic: add the devices' float32 gradient partial sums (and, in ShardedMoE, the
+        router gradient and load-balancing statistics) in mesh order on every device
+        (reductions.py), so results do not depend on the collective implementation or the
+        process layout. The same bytes move (an all-to-all instead of a reduce-scatter).
 
     Hashable and compared by value, so it can be a static attribute of a Flax module.
     """
@@ -78,6 +82,7 @@ class WeightSharding:
     kernel_dim: int = 0
     batch_axes: tuple[str, ...] | None = None
     strategy: Strategy = DEFAULT_STRATEGY
+    deterministic: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -103,6 +108,8 @@ class WeightSharding:
             )
         object.__setattr__(self, "batch_axes", batch_axes)
         check_strategy(self.strategy)
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {self.deterministic!r}")
 
     @property
     def axis_size(self) -> int:

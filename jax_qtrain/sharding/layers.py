@@ -19,6 +19,7 @@ from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.recipes import Recipe
 
 from .config import WeightSharding, check_kernel_dim
+from .reductions import psum, replicated_input
 from .sharded_dense import dense as sharded_dense
 from .sharded_dense import laid_out
 from .sharded_grouped import fsdp_grouped_mlp
@@ -231,6 +232,9 @@ class ShardedMoE(nnx.Module):
     def _per_device(self, tokens, router_kernel, fc1_shard, fc2_shard):
         """One device's tokens through router, experts and un-permutation (`nn.MoE.__call__`)."""
         sharding, top_k, num_experts = self.sharding, self.top_k, self.num_experts
+        axes, deterministic = sharding.batch_axes, sharding.deterministic
+        if deterministic:  # its gradient summed over the devices in mesh order
+            router_kernel = replicated_input(router_kernel, axes)
         logits = lax.dot_general(
             tokens.astype(jnp.float32), router_kernel.astype(jnp.float32), _NN
         )  # nnx.Linear(dtype=float32), as nn.MoE's router
@@ -254,16 +258,17 @@ class ShardedMoE(nnx.Module):
             strategy=sharding.strategy,
             recipe=self.recipe,
             save_original_input=self.save_original_input,
+            deterministic=deterministic,
         )
         per_slot = jnp.take(expert_out, inverse, axis=0)
         per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
         y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
 
         # The whole batch's load-balancing loss (nn.moe.load_balancing_loss on all tokens).
-        axes = sharding.batch_axes
         counts = lax.psum(jnp.bincount(top_experts.reshape(-1), length=num_experts), axes)
         fraction = lax.stop_gradient(counts / jnp.sum(counts))
-        mean_probs = lax.psum(jnp.sum(probs, axis=0), axes) / lax.psum(probs.shape[0], axes)
+        probs_sum = psum(jnp.sum(probs, axis=0), axes, deterministic=deterministic)
+        mean_probs = probs_sum / lax.psum(probs.shape[0], axes)
         aux_loss = self.aux_loss_coef * num_experts * jnp.sum(fraction * mean_probs)
         return y, aux_loss, counts.astype(jnp.int32)
 

@@ -43,6 +43,7 @@ from jax_qtrain.ops.gemm import matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.recipes import Recipe
 
+from . import reductions
 from .config import (
     DEFAULT_STRATEGY,
     GATHER_THEN_QUANTIZE,
@@ -71,6 +72,7 @@ class _FsdpDenseConfig:
     kernel_dim: int
     batch_axis_names: tuple[str, ...]
     in_features: int  # of the whole kernel
+    deterministic: bool  # sum cross-device float partials in mesh order (reductions.py)
     x_dtype: np.dtype
     kernel_dtype: np.dtype
     bias_dtype: np.dtype | None
@@ -243,15 +245,22 @@ def _fsdp_dense_bwd(config: _FsdpDenseConfig, residuals, dy):
         dw_partial = _high_precision_dot(x_values, dy_c, _TN)
 
     # float32 partial sums over this device's rows → the shard of the sum over all rows.
-    dw = lax.psum_scatter(
-        dw_partial, config.axis_name, scatter_dimension=config.kernel_dim, tiled=True
+    deterministic = config.deterministic
+    dw = reductions.psum_scatter(
+        dw_partial,
+        config.axis_name,
+        scatter_dimension=config.kernel_dim,
+        deterministic=deterministic,
     )
     other_batch_axes = tuple(a for a in config.batch_axis_names if a != config.axis_name)
-    if other_batch_axes:
-        dw = lax.psum(dw, other_batch_axes)
+    dw = reductions.psum(dw, other_batch_axes, deterministic=deterministic)
     dbias = None
     if config.bias_dtype is not None:
-        dbias = lax.psum(jnp.sum(dy.astype(jnp.float32), axis=0), config.batch_axis_names)
+        dbias = reductions.psum(
+            jnp.sum(dy.astype(jnp.float32), axis=0),
+            config.batch_axis_names,
+            deterministic=deterministic,
+        )
         dbias = dbias.astype(config.bias_dtype)
     return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None
 
@@ -320,6 +329,7 @@ def fsdp_dense(
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """`jax_qtrain.dense` on one device, inside `jax.shard_map`, with a split kernel.
 
@@ -334,6 +344,7 @@ def fsdp_dense(
         include `axis_name`.
       strategy: "quantize_then_gather" (default) or "gather_then_quantize" (config.py).
       recipe, save_original_input, key: as `jax_qtrain.dense` (the same key on every device).
+      deterministic: see `WeightSharding`.
 
     Returns: this device's rows of y, (..., out_features).
     """
@@ -366,6 +377,7 @@ def fsdp_dense(
         kernel_dim=kernel_dim,
         batch_axis_names=batch_axis_names,
         in_features=in_features,
+        deterministic=bool(deterministic),
         x_dtype=jnp.dtype(x.dtype),
         kernel_dtype=jnp.dtype(kernel_shard.dtype),
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
@@ -429,6 +441,7 @@ def dense(
         strategy=sharding.strategy,
         recipe=recipe,
         save_original_input=save_original_input,
+        deterministic=sharding.deterministic,
     )
     replicated = jax.sharding.PartitionSpec()
     operands = {"x": x, "kernel_shard": kernel, "bias": bias, "key": key}

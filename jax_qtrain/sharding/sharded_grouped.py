@@ -60,6 +60,7 @@ from jax_qtrain.ops.grouped_quantize import (
 from jax_qtrain.quantize import QuantizedTensor
 from jax_qtrain.recipes import Recipe
 
+from . import reductions
 from .config import (
     DEFAULT_STRATEGY,
     GATHER_THEN_QUANTIZE,
@@ -82,6 +83,7 @@ class _ExpertsConfig:
     axis_name: str
     kernel_dim: int | str
     batch_axis_names: tuple[str, ...]
+    deterministic: bool  # sum cross-device float partials in mesh order (reductions.py)
     x_dtype: np.dtype
     kernel_dtype: np.dtype  # of every expert kernel (fc1 and fc2 in the MLP)
     bias_dtype: np.dtype | None = None
@@ -136,13 +138,16 @@ class _ExpertsConfig:
 
     def reduce_kernel_grad(self, partial: jax.Array) -> jax.Array:
         """float32 (G, K, N) gradient of the local rows → this device's shard of the sum."""
-        grad = lax.psum_scatter(
-            partial, self.axis_name, scatter_dimension=self.split.array_dim, tiled=True
+        grad = reductions.psum_scatter(
+            partial,
+            self.axis_name,
+            scatter_dimension=self.split.array_dim,
+            deterministic=self.deterministic,
         )
         others = tuple(a for a in self.batch_axis_names if a != self.axis_name)
-        if others:
-            grad = lax.psum(grad, others)
-        return grad.astype(self.kernel_dtype)
+        return reductions.psum(grad, others, deterministic=self.deterministic).astype(
+            self.kernel_dtype
+        )
 
 
 # Backward of the unquantized ops: `backward_gemms` in "high_precision" mode runs the compute-dtype
@@ -221,7 +226,9 @@ def _fsdp_grouped_dense_bwd(config: _ExpertsConfig, residuals, dy):
     if config.bias_dtype is not None:
         num_groups = group_sizes.shape[0]
         dbias = group_bias_grad(dy, row_group, num_groups, jnp.float32)
-        dbias = lax.psum(dbias, config.batch_axis_names).astype(config.bias_dtype)
+        dbias = reductions.psum(
+            dbias, config.batch_axis_names, deterministic=config.deterministic
+        ).astype(config.bias_dtype)
     return dx.astype(config.x_dtype), config.reduce_kernel_grad(dw), dbias, None, None
 
 
@@ -371,7 +378,16 @@ def _whole_shape(shard_shape, kernel_dim, axis_size, argument: str) -> tuple[int
     return tuple(whole)
 
 
-def _config(recipe, save_original_input, strategy, axis_name, kernel_dim, batch_axes, **dtypes):
+def _config(
+    recipe,
+    save_original_input,
+    strategy,
+    axis_name,
+    kernel_dim,
+    batch_axes,
+    deterministic,
+    **dtypes,
+):
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     return _ExpertsConfig(
@@ -383,6 +399,7 @@ def _config(recipe, save_original_input, strategy, axis_name, kernel_dim, batch_
         axis_name=axis_name,
         kernel_dim=kernel_dim,
         batch_axis_names=batch_axes,
+        deterministic=bool(deterministic),
         **dtypes,
     )
 
@@ -400,6 +417,7 @@ def fsdp_grouped_dense(
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """`jax_qtrain.grouped_dense` on one device, inside `jax.shard_map`, with the expert kernels
     split over `axis_name` (module docstring).
@@ -409,7 +427,7 @@ def fsdp_grouped_dense(
       kernel_shard: this device's shard of the (G, in_features, out_features) kernels.
       group_sizes: (G,) int32, this device's rows per expert.
       bias: the whole (G, out_features) bias, replicated.
-      axis_name, batch_axis_names, strategy: as `fsdp_dense`.
+      axis_name, batch_axis_names, strategy, deterministic: as `fsdp_dense`.
       kernel_dim: "experts" (default: G/P whole experts per device), 0 or 1 (each expert's
         in_features or out_features split).
       recipe, save_original_input, key: as `jax_qtrain.grouped_dense`.
@@ -442,6 +460,7 @@ def fsdp_grouped_dense(
         axis_name,
         kernel_dim,
         batch_axes,
+        deterministic,
         x_dtype=jnp.dtype(x.dtype),
         kernel_dtype=jnp.dtype(kernel_shard.dtype),
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
@@ -464,6 +483,7 @@ def fsdp_grouped_mlp(
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """`jax_qtrain.grouped_mlp` on one device, inside `jax.shard_map`, with fc1 (G, K, 2F or F)
     and fc2 (G, F, N) split over `axis_name` along the same `kernel_dim` (module docstring).
@@ -498,6 +518,7 @@ def fsdp_grouped_mlp(
         axis_name,
         kernel_dim,
         batch_axes,
+        deterministic,
         x_dtype=jnp.dtype(x.dtype),
         kernel_dtype=jnp.dtype(fc1_shard.dtype),
         activation=activation,

@@ -1,4 +1,5 @@
-"""A few training steps of a model with split weights, for test_multiprocess.py.
+"""A few training steps of a model with split weights (a dense layer and an MoE block), for
+test_multiprocess.py.
 
 Run as a script, it is one process of a `jax.distributed` job on localhost (CPU devices, gloo
 collectives) and process 0 writes the losses and final parameters to an .npz file:
@@ -14,38 +15,51 @@ import os
 import sys
 
 STEPS = 3
-TOKENS, FEATURES = 128, 128  # 4 devices: 32 tokens and 32 kernel rows each
+TOKENS, FEATURES, EXPERTS = 128, 128, 4  # 4 devices: 32 tokens, 32 kernel rows, 1 expert
 
 
 def _model_and_batches(mesh):
-    """A two-layer model, one NVFP4 layer and one MXFP8 layer (per-module recipes), kernels
-    split over the mesh's one axis; and an integer batch, the same in every process."""
+    """A dense layer and an MoE block with per-module recipes — the dense layer NVFP4, the
+    experts MXFP8 — their kernels split over the mesh's one axis (the experts one per device);
+    and an integer batch, the same in every process."""
     import numpy as np
     from flax import nnx
 
     import jax_qtrain as jq
     from jax_qtrain import sharding as jqs
 
-    sharding = jqs.WeightSharding(mesh, "fsdp")
+    # deterministic: gradients summed in mesh order, the same bits on any process layout.
+    linear_sharding = jqs.WeightSharding(mesh, "fsdp", deterministic=True)
+    expert_sharding = jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts", deterministic=True)
 
     class Model(nnx.Module):
         def __init__(self):
             rngs = nnx.Rngs(0)
-            self.first = jqs.ShardedLinear(
-                FEATURES, FEATURES, sharding=sharding, recipe=jq.NVFP4BlockScaling(), rngs=rngs
+            self.dense = jqs.ShardedLinear(
+                FEATURES,
+                FEATURES,
+                sharding=linear_sharding,
+                recipe=jq.NVFP4BlockScaling(),
+                rngs=rngs,
             )
-            self.second = jqs.ShardedLinear(
-                FEATURES, FEATURES, sharding=sharding, recipe=jq.MXFP8BlockScaling(), rngs=rngs
+            self.moe = jqs.ShardedMoE(
+                FEATURES,
+                FEATURES // 2,
+                EXPERTS,
+                top_k=2,
+                sharding=expert_sharding,
+                recipe=jq.MXFP8BlockScaling(),
+                rngs=rngs,
             )
 
         def __call__(self, x):
-            return self.second(self.first(x))
+            return self.moe(self.dense(x), return_aux_loss=True)
 
     rng = np.random.default_rng(0)
     x = rng.integers(-8, 9, (TOKENS, FEATURES)).astype(np.float32)
     target = rng.integers(-8, 9, (TOKENS, FEATURES)).astype(np.float32)
     batches = [(x, target)] * STEPS  # one batch, fitted a little more in every step
-    return Model(), batches, sharding
+    return Model(), batches, linear_sharding
 
 
 def train(mesh) -> dict[str, object]:
@@ -58,13 +72,14 @@ def train(mesh) -> dict[str, object]:
     from jax.experimental import multihost_utils
 
     model, batches, sharding = _model_and_batches(mesh)
-    optimizer = nnx.Optimizer(model, optax.sgd(2.0**-6), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.sgd(2.0**-10), wrt=nnx.Param)
     batch_sharding = jax.sharding.NamedSharding(mesh, sharding.batch_spec())
 
     @nnx.jit
     def step(model, optimizer, x, target):
         def loss_fn(model):
-            return jnp.mean((model(x) - target) ** 2)
+            y, aux_loss = model(x)
+            return jnp.mean((y - target) ** 2) + aux_loss
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)

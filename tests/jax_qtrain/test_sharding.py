@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_qtrain as jq
 from jax_qtrain import sharding as jqs
@@ -45,7 +46,8 @@ def _recipe(name, mode):
 def _configurations(mode):
     """(label, sharding, x's rank) per mode: together they cover both strategies, both kernel
     dims, a 1-D mesh and a 2-D one (batch over data × fsdp, kernel over fsdp), 2-D and 3-D
-    inputs; the default mode, whose backward reads another copy than its forward, gets two."""
+    inputs, ordered (deterministic) reductions; the default mode, whose backward reads another
+    copy than its forward, gets two."""
     two_d, one_d = mesh_2d(), mesh_1d()
     over_both = ("data", "fsdp")
     return {
@@ -56,8 +58,14 @@ def _configurations(mode):
                 3,
             ),
             (
-                "gather_then_quantize, 1-D mesh, kernel_dim 1",
-                jqs.WeightSharding(one_d, "fsdp", kernel_dim=1, strategy="gather_then_quantize"),
+                "gather_then_quantize, 1-D mesh, kernel_dim 1, deterministic",
+                jqs.WeightSharding(
+                    one_d,
+                    "fsdp",
+                    kernel_dim=1,
+                    strategy="gather_then_quantize",
+                    deterministic=True,
+                ),
                 2,
             ),
         ],
@@ -138,6 +146,39 @@ def test_random_data_forward_and_dgrad_exact_wgrad_within_summation_order():
         np.testing.assert_allclose(
             np.asarray(actual, np.float32), np.asarray(reference, np.float32), rtol=2e-2, atol=1e-2
         )
+
+
+# --- deterministic reductions ---------------------------------------------------------------------
+def test_ordered_reductions_add_in_mesh_order():
+    """ordered_psum / ordered_psum_scatter give, bit for bit, the left-to-right float32 sum of
+    the devices' values in mesh order (on values where the order matters)."""
+    from jax_qtrain.sharding.reductions import ordered_psum, ordered_psum_scatter
+
+    mesh = mesh_1d(4)
+    rng = np.random.default_rng(0)
+    values = (rng.normal(size=(4, 8, 6)) * 10.0 ** rng.integers(-6, 6, (4, 8, 6))).astype(
+        np.float32
+    )
+    expected = values[0]
+    for device in range(1, 4):
+        expected = expected + values[device]  # numpy float32, left to right
+
+    def body(v):
+        v = v[0]
+        return ordered_psum(v, "fsdp")[None], ordered_psum_scatter(v, "fsdp", scatter_dimension=0)
+
+    total, scattered = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=P("fsdp"),
+            out_specs=(P("fsdp"), P("fsdp")),
+        )
+    )(jnp.asarray(values))
+    for device in range(4):
+        np.testing.assert_array_equal(bits(total[device]), bits(expected))
+    np.testing.assert_array_equal(bits(scattered), bits(expected))
+    assert not np.array_equal(expected, values[::-1].sum(0, dtype=np.float32))  # order matters
 
 
 # --- the gathered quantized weight is the whole weight's quantization ----------------------------
