@@ -62,6 +62,17 @@ def interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
+def swizzle_elems(minor_dim_elems: int, dtype: jnp.dtype) -> int:
+    """Elements per swizzle atom row of a tile whose minor dimension is ``minor_dim_elems``.
+
+    Mosaic GPU builds the TMA descriptor on the tiled view (8, swizzle_elems) of the
+    whole GMEM operand, so an operand's minor extent must be a multiple of this (and
+    its major extent a multiple of 8); the wrappers zero-pad operands that are not.
+    """
+    bits = jnp.dtype(dtype).itemsize * 8
+    return plgpu.find_swizzle(minor_dim_elems * bits) * 8 // bits
+
+
 def smem_transforms(minor_dim_elems: int, dtype: jnp.dtype) -> tuple:
     """Tiling + swizzle transforms that wgmma and TMA want for a 2-D SMEM tile."""
     bits = jnp.dtype(dtype).itemsize * 8
@@ -211,15 +222,6 @@ def check_group_sizes(group_sizes: jax.Array, num_groups: int | None) -> int:
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have at least one group")
     return int(group_sizes.shape[0])
-
-
-def check_row_stride(name: str, minor_dim: int, dtype: jnp.dtype) -> None:
-    """TMA needs every row of a GMEM operand to start on a 16-byte boundary."""
-    if (minor_dim * jnp.dtype(dtype).itemsize) % 16:
-        raise ValueError(
-            f"{name}: the last dimension ({minor_dim} x {jnp.dtype(dtype).name}) must span "
-            "a multiple of 16 bytes (a TMA requirement)"
-        )
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -105,8 +105,14 @@ class GroupedWgradConfig:
         return self.max_concurrent_steps * stage + epilogue
 
 
-DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(tile_m=128, tile_n=128, tile_t=64)
-DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(tile_m=128, tile_n=128, tile_t=128)
+# Defaults: the fastest configs of the H200 sweep (2026-11-29, G=8, M=16384, K=N=4096):
+# bf16 601 TFLOP/s, FP8 (e4m3 x e5m2) 1112 TFLOP/s, f32 outputs.
+DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
+    tile_m=128, tile_n=128, tile_t=64, max_concurrent_steps=3, epi_tile_n=32
+)
+DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
+    tile_m=128, tile_n=128, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
+)
 
 
 def _pad_axis(array: jax.Array, axis: int, size: int) -> jax.Array:
@@ -180,9 +186,6 @@ def grouped_matmul_wgrad(
             f"rhs token count {num_tokens_rhs} does not match lhs token count {num_tokens}"
         )
     num_groups = common.check_group_sizes(group_sizes, None)
-    common.check_row_stride("lhs", num_tokens, lhs.dtype)
-    common.check_row_stride("rhs", num_tokens, rhs.dtype)
-    common.check_row_stride("out", num_out_cols, out_dtype)
     if lhs_scale is not None:
         common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
         if lhs_scale.shape not in ((), (num_out_rows,)):
@@ -209,10 +212,12 @@ def grouped_matmul_wgrad(
         )
 
     tile_m, tile_n, tile_t = config.tile_m, config.tile_n, config.tile_t
-    # Static windows must fit one tile: tiny problems are padded (and sliced after).
-    rows_p = max(num_out_rows, tile_m)
-    cols_p = max(num_out_cols, 2 * tile_n)
-    tokens_p = max(num_tokens, tile_t)
+    # Zero padding (a copy, only for shapes that need it) to whole TMA tiles: rows of
+    # both operands to multiples of 8 and at least one tile, tokens to whole swizzle
+    # atoms. Padded tokens belong to no group; padded rows and columns are sliced off.
+    rows_p = common.round_up(max(num_out_rows, tile_m), 8)
+    cols_p = common.round_up(max(num_out_cols, 2 * tile_n), 8)
+    tokens_p = common.round_up(max(num_tokens, tile_t), common.swizzle_elems(tile_t, lhs.dtype))
     lhs_p = _pad_axis(_pad_axis(lhs, 0, rows_p), 1, tokens_p)
     rhs_p = _pad_axis(_pad_axis(rhs, 0, cols_p), 1, tokens_p)
     operands = [lhs_p, rhs_p]
