@@ -5,6 +5,15 @@ from pallas_kernels.dequantize import DequantizeConfig as DequantizeConfig
 from pallas_kernels.dequantize import dequantize_fp8_block as dequantize_fp8_block
 from pallas_kernels.dequantize import dequantize_mxfp8 as dequantize_mxfp8
 from pallas_kernels.dequantize import dequantize_nvfp4 as dequantize_nvfp4
+
+# Grouped (MoE) matmul kernels (issue 5).
+from pallas_kernels.grouped_matmul_dense import dense_matmul as dense_matmul
+from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block as dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig as GroupedMatmulConfig
+from pallas_kernels.grouped_matmul_fwd import grouped_matmul as grouped_matmul
+from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block as grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig as GroupedWgradConfig
+from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad as grouped_matmul_wgrad
 from pallas_kernels.quantize_fp8_block import FP8BlockQuantizeConfig as FP8BlockQuantizeConfig
 from pallas_kernels.quantize_fp8_block import FP8BlockQuantized as FP8BlockQuantized
 from pallas_kernels.quantize_fp8_block import quantize_fp8_block as quantize_fp8_block

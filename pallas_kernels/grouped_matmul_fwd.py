@@ -49,7 +49,8 @@ class GroupedMatmulConfig:
     """Tiling of the ragged-row kernels (forward / dgrad).
 
     tile_m: rows of the CTA tile (64, 128, 192 or 256; a multiple of 64).
-    tile_n: output columns per consumer warpgroup; the CTA tile is tile_m x 2*tile_n.
+    tile_n: output columns per consumer warpgroup (64, 128, 192 or 256); the CTA tile is
+      tile_m x 2*tile_n.
     tile_k: K per pipeline step (block FP8 requires 128).
     max_concurrent_steps: SMEM pipeline depth.
     epi_tile_n: columns per epilogue store (divides tile_n).
@@ -79,8 +80,11 @@ class GroupedMatmulConfig:
     def __post_init__(self):
         if self.tile_m not in (64, 128, 192, 256):
             raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
-        if self.tile_n < 8 or self.tile_n % 8 or self.tile_n > 256:
-            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
+        if self.tile_n not in (64, 128, 192, 256):
+            # Narrower or odd widths (tile_n=88) faulted with a misaligned address on the
+            # H200 (2026-11-29, cause not isolated); a 16-bit (G, K, N) rhs also needs
+            # whole 64-column swizzle atoms per consumer.
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
         if self.tile_k not in (32, 64, 128, 256):
             raise ValueError(f"tile_k must be 32, 64, 128 or 256, got {self.tile_k}")
         if not 1 <= self.max_concurrent_steps <= 8:

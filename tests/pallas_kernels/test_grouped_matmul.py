@@ -358,7 +358,7 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
     ("factory", "needle"),
     [
         (lambda: GroupedMatmulConfig(tile_m=96), "tile_m"),
-        (lambda: GroupedMatmulConfig(tile_n=12), "tile_n"),
+        (lambda: GroupedMatmulConfig(tile_n=88), "tile_n"),
         (lambda: GroupedMatmulConfig(tile_k=48), "tile_k"),
         (lambda: GroupedMatmulConfig(max_concurrent_steps=0), "max_concurrent_steps"),
         (lambda: GroupedMatmulConfig(tile_n=128, epi_tile_n=48), "epi_tile_n"),
