@@ -202,7 +202,10 @@ def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 # --- the public op ----------------------------------------------------------------------------
 def _grouped_kernel(lhs, rhs, transpose_rhs: bool):
-    """The Pallas kernel for these operands on this platform, or None (none is wired yet)."""
+    """The Pallas kernel for these operands on this platform, or None (none is wired yet).
+
+    A kernel is called as `kernel(lhs, rhs, group_sizes, out_dtype=...)` with grouped_matmul's
+    (validated) arguments and returns (M, N) rows in lhs's order."""
     del lhs, rhs, transpose_rhs
     return None
 
@@ -236,13 +239,13 @@ def grouped_matmul(
     """
     if backend not in GROUPED_BACKENDS:
         raise ValueError(f"backend must be one of {list(GROUPED_BACKENDS)}, got {backend!r}")
-    quantized = isinstance(lhs, GroupedQuantizedTensor), isinstance(rhs, QuantizedTensor)
-    if quantized[0] != quantized[1]:
+    quantized = isinstance(lhs, GroupedQuantizedTensor)
+    if quantized != isinstance(rhs, QuantizedTensor):
         raise TypeError(
             "lhs and rhs must both be quantized (GroupedQuantizedTensor and QuantizedTensor) or "
             f"both float arrays, got {type(lhs).__name__} and {type(rhs).__name__}"
         )
-    if quantized[0]:
+    if quantized:
         rows, depth = lhs.shape
         num_groups = jax.tree_util.tree_leaves(rhs)[0].shape[0]  # leaves are (G, ...)
         expert_rows, expert_cols = rhs.shape  # one expert's weight
@@ -275,10 +278,9 @@ def grouped_matmul(
     if kernel is not None:
         return kernel(lhs, rhs, group_sizes, out_dtype=out_dtype)
 
-    if not quantized[0]:
-        layout_free = ragged_nt if transpose_rhs else ragged_nn
-        sizes = clamp_group_sizes(group_sizes, rows)
-        return layout_free(lhs, rhs, sizes).astype(out_dtype)
+    if not quantized:
+        plain_gemm = ragged_nt if transpose_rhs else ragged_nn
+        return plain_gemm(lhs, rhs, clamp_group_sizes(group_sizes, rows)).astype(out_dtype)
     layout = group_layout(group_sizes, rows, lhs.align)
     out = grouped_matmul_nt(
         lhs,

@@ -24,14 +24,12 @@ def test_grouped_linear_calls_grouped_dense_with_its_parameters():
     x = jax.random.normal(jax.random.key(1), (100, 64), jnp.float32)
     group_sizes = jnp.array([30, 0, 50, 10], jnp.int32)
     layer.bias[...] = jax.random.normal(jax.random.key(2), (4, 32))
-    want = jq.grouped_dense(
+    want = jax.jit(lambda x, w, b: jq.grouped_dense(x, w, group_sizes, b, recipe=RECIPES["mxfp8"]))(
         x.astype(jnp.bfloat16),
         layer.kernel[...].astype(jnp.bfloat16),
-        group_sizes,
         layer.bias[...].astype(jnp.bfloat16),
-        recipe=RECIPES["mxfp8"],
     )
-    got = layer(x, group_sizes)
+    got = nnx.jit(lambda layer, x: layer(x, group_sizes))(layer, x)
     assert got.dtype == jnp.bfloat16
     assert_bits_equal(got, want)
     no_bias = jq.nn.GroupedLinear(2, 8, 8, use_bias=False, rngs=nnx.Rngs(0))
@@ -45,10 +43,10 @@ def test_grouped_mlp_layer_calls_grouped_mlp():
     x = jax.random.normal(jax.random.key(3), (64, 32), jnp.float32)
     probs = jax.random.uniform(jax.random.key(4), (64,))
     group_sizes = jnp.array([16, 16, 0, 32], jnp.int32)
-    want = jq.grouped_mlp(
-        x, mlp.fc1_kernel[...], mlp.fc2_kernel[...], group_sizes, probs, recipe=RECIPES["fp8"]
-    )
-    assert_bits_equal(mlp(x, group_sizes, probs), want)
+    want = jax.jit(
+        lambda x, w1, w2, p: jq.grouped_mlp(x, w1, w2, group_sizes, p, recipe=RECIPES["fp8"])
+    )(x, mlp.fc1_kernel[...], mlp.fc2_kernel[...], probs)
+    assert_bits_equal(nnx.jit(lambda m, x, p: m(x, group_sizes, p))(mlp, x, probs), want)
     plain = jq.nn.GroupedMLP(2, 8, 16, activation="srelu", out_features=4, rngs=nnx.Rngs(0))
     assert plain.fc1_kernel[...].shape == (2, 8, 16) and plain.fc2_kernel[...].shape == (2, 16, 4)
 
