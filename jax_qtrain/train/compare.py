@@ -93,13 +93,13 @@ def smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
 
 
 def plot_losses(run_dirs: dict[str, Path], path: Path, title: str) -> None:
-    """Training loss (EMA, raw faint) and validation loss per recipe, side by side."""
-    import matplotlib
+    """Training loss (EMA, raw faint) and validation loss per recipe, side by side.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Draws on a bare `Figure` (no pyplot): leaves the caller's matplotlib backend alone."""
+    from matplotlib.figure import Figure
 
-    figure, (train_axis, val_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure = Figure(figsize=(11, 4.2))
+    train_axis, val_axis = figure.subplots(1, 2)
     for recipe, run_dir in run_dirs.items():
         records = read_metrics(run_dir)
         train_records = [r for r in records if r["kind"] == "train"]
@@ -123,7 +123,6 @@ def plot_losses(run_dirs: dict[str, Path], path: Path, title: str) -> None:
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def prepare_comparison(out_dir: Path, recipes: Sequence[str]) -> None:
