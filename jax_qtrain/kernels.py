@@ -1,15 +1,26 @@
 """Dispatch from jax_qtrain to the Pallas kernels in `pallas_kernels` (which never imports us).
 
-`quantize` asks `quantize_kernel_applies` whether a kernel covers a spec and shape on the current
-platform ("auto" backend) and calls `quantize` here to run it. A format with no kernel registered
-in `_QUANTIZE_KERNELS` falls back to the jnp reference under "auto" and raises under "pallas".
+Quantize: `quantize` asks `quantize_kernel_applies` whether a kernel covers a spec and shape on
+the current platform ("auto" backend) and calls `quantize` here to run it. A format with no
+kernel registered in `_QUANTIZE_KERNELS` falls back to the jnp reference under "auto" and raises
+under "pallas".
+
+GEMMs: the ops (ops/gemm.py, ops/grouped_gemm.py) call the `*_gemm` adapters below when
+`gemm_kernels_enabled()`; each returns None where no kernel covers the operands, and the op then
+runs its reference. `gemm_backend("reference" | "pallas" | "auto")` sets that for a block of
+code (a JAX config state, so jitted functions retrace when it changes); "auto" means the kernels
+on GPU. The kernels accumulate in float32 like the references but in another order, so their
+results equal the references' up to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # pinned jax==0.11.2: config states keyed into jit
 
 from jax_qtrain.formats import common
 from jax_qtrain.formats.spec import QuantizerSpec
@@ -151,3 +162,93 @@ _QUANTIZE_KERNELS.update(
         "fp8_block": (_fp8_block_applies, _fp8_block_run),
     }
 )
+
+
+# --- Pallas GEMM kernels (issue 5) --------------------------------------------------------------
+GEMM_BACKENDS = ("auto", "reference", "pallas")
+
+
+def _validate_gemm_backend(value) -> None:
+    if value not in GEMM_BACKENDS:
+        raise ValueError(f"gemm backend must be one of {list(GEMM_BACKENDS)}, got {value!r}")
+
+
+_gemm_backend = jax_config.string_or_object_state(
+    name="jax_qtrain_gemm_backend",
+    default="auto",
+    help="Which GEMMs jax_qtrain's ops run: auto (Pallas kernels on GPU), reference, pallas.",
+    validator=_validate_gemm_backend,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+@contextlib.contextmanager
+def gemm_backend(backend: str) -> Iterator[None]:
+    """Run the ops' GEMMs on the Pallas kernels ("pallas", also in the interpreter), on the jnp
+    references ("reference"), or on the kernels when on a GPU ("auto", the default)."""
+    _validate_gemm_backend(backend)
+    with _gemm_backend(backend):
+        yield
+
+
+def gemm_kernels_enabled() -> bool:
+    backend = _gemm_backend.value
+    return backend == "pallas" or (backend == "auto" and on_gpu())
+
+
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _is_fp8(*arrays) -> bool:
+    return all(jnp.dtype(a.dtype) in _FP8 for a in arrays)
+
+
+def grouped_fp8_gemm(lhs, lhs_row_scale, rhs, rhs_group_scale, group_sizes):
+    """float32 out[rows of g] = (lhs · rhs[g]ᵀ) · lhs_row_scale · rhs_group_scale[g]:
+    lhs (M, K) FP8 with (M,) scales, rhs (G, N, K) FP8 with (G,) scales."""
+    if not _is_fp8(lhs, rhs):
+        return None
+    return _pallas().grouped_matmul(
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_scale=lhs_row_scale,
+        rhs_scale=rhs_group_scale,
+        out_dtype=jnp.float32,
+    )
+
+
+def grouped_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
+    """float32 DeepSeek-style block-FP8 grouped GEMM: lhs (M, K) in 1×128 blocks with scales
+    (M, K/128), rhs (G, N, K) in 128×128 blocks with scales (G, N/128, K/128)."""
+    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[1] % 128:
+        return None
+    return _pallas().grouped_matmul_fp8_block(
+        lhs, lhs_scale, rhs, rhs_scale, group_sizes, out_dtype=jnp.float32
+    )
+
+
+def grouped_wgrad_gemm(lhs, rhs, group_sizes):
+    """float32 (G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ, lhs (K, M) and rhs (N, M)
+    token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers apply them)."""
+    if not (_is_fp8(lhs, rhs) or (jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype)):
+        return None
+    return _pallas().grouped_matmul_wgrad(lhs, rhs, group_sizes, out_dtype=jnp.float32)
+
+
+def grouped_half_gemm(lhs, rhs, group_sizes, *, rhs_layout: str):
+    """float32 grouped GEMM of 16-bit operands: rhs (G, N, K) ("nk") or (G, K, N) ("kn")."""
+    if jnp.dtype(lhs.dtype) not in _HALF or lhs.dtype != rhs.dtype:
+        return None
+    return _pallas().grouped_matmul(
+        lhs, rhs, group_sizes, out_dtype=jnp.float32, rhs_layout=rhs_layout
+    )
+
+
+def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale):
+    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks."""
+    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[0] % 128:
+        return None
+    return _pallas().dense_matmul_fp8_block(lhs, lhs_scale, rhs, rhs_scale, out_dtype=jnp.float32)

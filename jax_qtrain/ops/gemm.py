@@ -13,6 +13,9 @@ operands with float32 accumulation: MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and po
 values are exact in bfloat16, so products are exact and only the accumulation order differs from
 a native block-scaled GEMM; NVFP4's two global scales multiply the result. FP8-block with float32
 scales dequantizes to float32 and uses a float32 (HIGHEST) dot.
+
+Where a Pallas kernel covers the operands and `kernels.gemm_kernels_enabled()` (on the GPU by
+default), block FP8's fprop and dgrad run on it instead (equal up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_qtrain import kernels
 from jax_qtrain.formats import nvfp4
 from jax_qtrain.quantize import QuantizedTensor, Usage
 
@@ -51,6 +55,18 @@ def _block_operand(q: QuantizedTensor, usage: Usage) -> tuple[jax.Array, jax.Arr
     return values.astype(jnp.bfloat16), None
 
 
+def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Array | None:
+    """The Pallas block-FP8 GEMM (DeepSeek-V3 style: FP8 wgmma, float32 promotion every 128 of
+    K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad); None for wgrad's two
+    1×128 operands, which no kernel covers yet."""
+    if a.spec.block_shape != (1, 128) or b.spec.block_shape != (128, 128):
+        return None
+    a_data, a_scale_inv, _ = _copy(a, a_usage)
+    b_data, b_scale_inv, _ = _copy(b, b_usage)
+    out = kernels.dense_fp8_block_gemm(a_data[:rows], a_scale_inv[:rows], b_data, b_scale_inv)
+    return None if out is None else out[:, :cols]
+
+
 def matmul_nt(
     a: QuantizedTensor, a_usage: Usage, b: QuantizedTensor, b_usage: Usage, *, rows: int, cols: int
 ) -> jax.Array:
@@ -66,6 +82,11 @@ def matmul_nt(
         b_data, b_scale_inv, _ = _copy(b, b_usage)
         out = lax.dot_general(a_data, b_data, _NT, preferred_element_type=jnp.float32)
         return out[:rows, :cols] * (a_scale_inv * b_scale_inv)
+
+    if a.spec.format == "fp8_block" and kernels.gemm_kernels_enabled():
+        out = _fp8_block_kernel(a, a_usage, b, b_usage, rows=rows, cols=cols)
+        if out is not None:
+            return out
 
     a_values, a_factor = _block_operand(a, a_usage)
     b_values, b_factor = _block_operand(b, b_usage)
