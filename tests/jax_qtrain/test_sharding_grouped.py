@@ -123,7 +123,6 @@ GROUPED_MLP_CASES = [
     ("nvfp4", None, "experts", "quantize_then_gather"),
     ("mxfp8", None, 1, "gather_then_quantize"),
     ("fp8", "dequantized", 0, "quantize_then_gather"),
-    ("mxfp8", "high_precision", 0, "quantize_then_gather"),
     (None, None, "experts", "quantize_then_gather"),
 ]
 
