@@ -17,7 +17,9 @@ computes on the whole batch: per-tensor amaxes of x and dy are max-reduced over 
 NVFP4's stochastic rounding of dy draws the bits of each row's global position from a key that
 is the same on every device, and the bias gradient is summed over the batch axes. What can
 differ is float32 summation order: the weight and bias gradients are sums over the batch, formed
-per device and then reduced (tests use data on which every such sum is exact).
+per device and then reduced (tests use data on which every such sum is exact). With
+`deterministic` the cross-device additions run in mesh order (reductions.py), so they no longer
+depend on the collective implementation or the process layout.
 
 Equality with the unsharded layer also needs each device's rows to be whole blocks of the
 activation copies that are blocked along the tokens (x's and dy's columnwise copies: 128 rows
