@@ -16,20 +16,25 @@ HIGHEST precision), so only the accumulation order differs from a native GEMM; t
 factors (FP8 scale_inv, NVFP4's S_dec), one per group, multiply the output rows of their group
 (fprop, dgrad) or the group's output (wgrad), in gemm.py's order.
 
-The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the same operands (lhs
-(M, K) rows sorted by group, rhs (G, N, K), group_sizes (G,) int32 on the device; wgrad lhs
-(K, M), rhs (N, M)): `_grouped_kernel` is where they plug in. Until then "auto" always runs the
-reference, and `backend="pallas"` raises.
+The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the same operands
+(lhs (M, K) rows sorted by group, rhs (G, N, K), group_sizes (G,) int32 on the device; wgrad lhs
+(K, M), rhs (N, M)). Where `kernels.gemm_kernels_enabled()` (on the GPU by default; see
+`jax_qtrain.kernels.gemm_backend`) they replace the reference for per-tensor FP8 (fprop, dgrad,
+wgrad), block FP8 with 1×128 activations and 128×128 weights (fprop, dgrad) and 16-bit
+high-precision GEMMs; the other formats (MXFP8, NVFP4: emulated kernels not built yet) and block
+FP8's wgrad run the reference. Kernel results equal the reference's up to float32 rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_qtrain import kernels as pallas_dispatch
 from jax_qtrain.formats import fp8_block, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.ops.grouped_quantize import (
@@ -118,6 +123,40 @@ def _check_same_format(a_spec: QuantizerSpec, b_spec: QuantizerSpec) -> None:
         raise ValueError(f"formats differ ({a_spec.format} vs {b_spec.format})")
 
 
+def _kernel_nt(
+    lhs: GroupedQuantizedTensor,
+    lhs_usage: Usage,
+    rhs: QuantizedTensor,
+    rhs_usage: Usage,
+    layout: GroupLayout,
+    *,
+    cols: int,
+) -> jax.Array | None:
+    """grouped_matmul_nt on a Pallas kernel, or None where none covers the operands."""
+    if not rhs.has_usage(rhs_usage):
+        return None
+    a_data, a_scale_inv, _ = lhs.copy(lhs_usage)
+    b_data = getattr(rhs, f"{rhs_usage}_data")
+    b_scale_inv = getattr(rhs, f"{rhs_usage}_scale_inv")
+    if a_data.shape[1] != b_data.shape[2]:
+        return None
+    fmt = lhs.spec.format
+    if fmt == "fp8":  # per-group scales: one per row slot of lhs, one per expert of rhs
+        out = pallas_dispatch.grouped_fp8_gemm(
+            a_data, layout.per_slot(a_scale_inv), b_data, b_scale_inv, layout.aligned_sizes
+        )
+    elif fmt == "fp8_block" and (lhs.spec.block_shape, rhs.spec.block_shape) == (
+        (1, 128),
+        (128, 128),
+    ):
+        out = pallas_dispatch.grouped_fp8_block_gemm(
+            a_data, a_scale_inv, b_data, b_scale_inv, layout.aligned_sizes
+        )
+    else:
+        return None
+    return None if out is None else out[:, :cols]
+
+
 def grouped_matmul_nt(
     lhs: GroupedQuantizedTensor,
     lhs_usage: Usage,
@@ -133,6 +172,10 @@ def grouped_matmul_nt(
     the contraction runs over the shorter padded length (padding is zeros).
     """
     _check_same_format(lhs.spec, rhs.spec)
+    if pallas_dispatch.gemm_kernels_enabled():
+        out = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols=cols)
+        if out is not None:
+            return out
     a_values, a_factor = _activation_operand(lhs, lhs_usage)
     b_values, b_factor = _expert_operand(rhs, rhs_usage)
     depth = min(a_values.shape[1], b_values.shape[2])
@@ -160,6 +203,12 @@ def grouped_matmul_wgrad(
     """float32 wgrad GEMM (G, rows, cols): the columnwise copies (K', P) and (N', P) contracted
     over each group's slots. Hadamard-rotated copies are rotated alike, so the rotation cancels."""
     _check_same_format(lhs.spec, rhs.spec)
+    if lhs.spec.format == "fp8" and pallas_dispatch.gemm_kernels_enabled():
+        a_data, a_scale_inv, _ = lhs.copy("columnwise")
+        b_data, b_scale_inv, _ = rhs.copy("columnwise")
+        out = pallas_dispatch.grouped_wgrad_gemm(a_data[:rows], b_data[:cols], layout.aligned_sizes)
+        if out is not None:  # the per-group scales, in the reference's order
+            return out * (a_scale_inv * b_scale_inv)[:, None, None]
     a_values, a_factor = _activation_operand(lhs, "columnwise")
     b_values, b_factor = _activation_operand(rhs, "columnwise")
     out = lax.ragged_dot_general(
@@ -179,35 +228,80 @@ def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return a.astype(dtype), b.astype(dtype)
 
 
+# 16-bit operands run on the Pallas kernels where enabled (ragged_dot is ~7x slower on Hopper).
 def ragged_nn(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """float32 (M, N): rows of group g times kernels[g] (G, K, N); rows past the groups are 0."""
+    """float32 (M, N): rows of group g times kernels[g] (G, K, N); rows past the groups are 0.
+
+    Differentiable (the Pallas kernels have no autodiff rule): dx and dkernels come from
+    ragged_nt and ragged_tn, with the cotangent cast to the operands' promoted dtype first."""
+    return _ragged_nn(*_promote(x, kernels), group_sizes)
+
+
+def _ragged_nn_forward(lhs, rhs, group_sizes):
+    if pallas_dispatch.gemm_kernels_enabled():
+        out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="kn")
+        if out is not None:
+            return out
     return lax.ragged_dot_general(
-        *_promote(x, kernels), group_sizes, _NN_RAGGED_ROWS, preferred_element_type=jnp.float32
+        lhs, rhs, group_sizes, _NN_RAGGED_ROWS, preferred_element_type=jnp.float32
     )
+
+
+@jax.custom_vjp
+def _ragged_nn(lhs, rhs, group_sizes):
+    return _ragged_nn_forward(lhs, rhs, group_sizes)
+
+
+def _ragged_nn_fwd(lhs, rhs, group_sizes):
+    """Residuals: (lhs, rhs, group_sizes), the operands the two backward GEMMs read."""
+    return _ragged_nn_forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _ragged_nn_bwd(residuals, cotangent):
+    lhs, rhs, group_sizes = residuals
+    cotangent = cotangent.astype(lhs.dtype)
+    dlhs = ragged_nt(cotangent, rhs, group_sizes).astype(lhs.dtype)
+    drhs = ragged_tn(lhs, cotangent, group_sizes).astype(rhs.dtype)
+    return dlhs, drhs, None
+
+
+_ragged_nn.defvjp(_ragged_nn_fwd, _ragged_nn_bwd)
 
 
 def ragged_nt(dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """float32 (M, K): rows of group g times kernels[g]ᵀ, kernels (G, K, N)."""
+    lhs, rhs = _promote(dy, kernels)
+    if pallas_dispatch.gemm_kernels_enabled():
+        out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="nk")
+        if out is not None:
+            return out
     return lax.ragged_dot_general(
-        *_promote(dy, kernels), group_sizes, _NT_RAGGED_ROWS, preferred_element_type=jnp.float32
+        lhs, rhs, group_sizes, _NT_RAGGED_ROWS, preferred_element_type=jnp.float32
     )
 
 
 def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """float32 (G, K, N): x[rows of g]ᵀ · dy[rows of g]."""
+    lhs, rhs = _promote(x, dy)
+    if pallas_dispatch.gemm_kernels_enabled():
+        out = pallas_dispatch.grouped_wgrad_gemm(lhs.T, rhs.T, group_sizes)
+        if out is not None:
+            return out
     return lax.ragged_dot_general(
-        *_promote(x, dy), group_sizes, _TN_RAGGED_CONTRACTION, preferred_element_type=jnp.float32
+        lhs, rhs, group_sizes, _TN_RAGGED_CONTRACTION, preferred_element_type=jnp.float32
     )
 
 
 # --- the public op ----------------------------------------------------------------------------
-def _grouped_kernel(lhs, rhs, transpose_rhs: bool):
-    """The Pallas kernel for these operands on this platform, or None (none is wired yet).
-
-    A kernel is called as `kernel(lhs, rhs, group_sizes, out_dtype=...)` with grouped_matmul's
-    (validated) arguments and returns (M, N) rows in lhs's order."""
-    del lhs, rhs, transpose_rhs
-    return None
+def _kernel_covers(lhs, rhs, transpose_rhs: bool) -> bool:
+    """Whether a Pallas kernel runs grouped_matmul for these operands (see the module doc)."""
+    if isinstance(lhs, GroupedQuantizedTensor):
+        shapes = (lhs.spec.block_shape, rhs.spec.block_shape)
+        return lhs.spec.format == "fp8" or (
+            lhs.spec.format == "fp8_block" and shapes == ((1, 128), (128, 128))
+        )
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    return dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def grouped_matmul(
@@ -269,25 +363,23 @@ def grouped_matmul(
     check_group_sizes(group_sizes, num_groups)
     out_dtype = default_dtype if out_dtype is None else jnp.dtype(out_dtype)
 
-    kernel = None if backend == "reference" else _grouped_kernel(lhs, rhs, transpose_rhs)
-    if kernel is None and backend == "pallas":
+    if backend == "pallas" and not _kernel_covers(lhs, rhs, transpose_rhs):
         raise NotImplementedError(
-            "backend='pallas': no Pallas grouped-matmul kernel is wired for these operands on "
-            f"{jax.default_backend()}; use backend='reference' or 'auto'"
+            "backend='pallas': no Pallas grouped-matmul kernel covers these operands (per-tensor "
+            "FP8, block FP8 with 128x128 weights, bf16/f16); use backend='reference' or 'auto'"
         )
-    if kernel is not None:
-        return kernel(lhs, rhs, group_sizes, out_dtype=out_dtype)
-
-    if not quantized:
-        plain_gemm = ragged_nt if transpose_rhs else ragged_nn
-        return plain_gemm(lhs, rhs, clamp_group_sizes(group_sizes, rows)).astype(out_dtype)
-    layout = group_layout(group_sizes, rows, lhs.align)
-    out = grouped_matmul_nt(
-        lhs,
-        "rowwise",
-        rhs,
-        "rowwise" if transpose_rhs else "columnwise",
-        layout,
-        cols=cols,
-    )
+    gemms = contextlib.nullcontext() if backend == "auto" else pallas_dispatch.gemm_backend(backend)
+    with gemms:
+        if not quantized:
+            plain_gemm = ragged_nt if transpose_rhs else ragged_nn
+            return plain_gemm(lhs, rhs, clamp_group_sizes(group_sizes, rows)).astype(out_dtype)
+        layout = group_layout(group_sizes, rows, lhs.align)
+        out = grouped_matmul_nt(
+            lhs,
+            "rowwise",
+            rhs,
+            "rowwise" if transpose_rhs else "columnwise",
+            layout,
+            cols=cols,
+        )
     return layout.from_aligned(out).astype(out_dtype)

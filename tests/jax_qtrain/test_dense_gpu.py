@@ -9,4 +9,4 @@ import pytest
 
 from .test_dense import *  # noqa: F403  (re-collect every test under the gpu marker)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.reference_gemms]  # see tests/conftest.py

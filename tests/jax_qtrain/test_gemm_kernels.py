@@ -93,3 +93,64 @@ def test_dense_fp8_block_on_the_kernel(monkeypatch):
 @pytest.mark.gpu
 def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch):
     _dense_case(monkeypatch, (1000, 1024, 768))
+
+
+def grouped_fwd_bwd(x, w, group_sizes, dy, recipe):
+    y, vjp = jax.vjp(lambda x, w: jq.grouped_dense(x, w, group_sizes, recipe=recipe), x, w)
+    return (y, *vjp(dy))
+
+
+GROUPED_KERNELS = {
+    # recipe name -> (recipe, adapters expected to run: fprop, dgrad, wgrad)
+    "bf16": (None, ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"]),
+    "fp8": (jq.Float8CurrentScaling(), ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"]),
+    "fp8_block": (jq.Float8BlockScaling(), ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm"]),
+}
+
+
+def _grouped_case(monkeypatch, name, rows, features, group_sizes):
+    recipe, expected = GROUPED_KERNELS[name]
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    groups = len(group_sizes)
+    x = jax.random.normal(kx, (rows, features), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, features, features), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (rows, features), jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    run = jax.jit(grouped_fwd_bwd, static_argnums=4)
+    with kernels.gemm_backend("reference"):
+        want = run(x, w, sizes, dy, recipe)
+    calls = {adapter: count_calls(monkeypatch, adapter) for adapter in set(expected)}
+    with kernel_gemms():
+        got = run(x, w, sizes, dy, recipe)
+    for adapter in set(expected):
+        assert calls[adapter] == [True] * expected.count(adapter), adapter
+    assert_close(got, want, rtol=1e-2 if recipe is None else 2e-5)  # bf16 outputs: bf16 rounding
+    assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_KERNELS))
+def test_grouped_dense_on_the_kernels(monkeypatch, name):
+    _grouped_case(monkeypatch, name, 256, 128, [100, 0, 128])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GROUPED_KERNELS))
+def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
+    _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
+
+
+def test_public_grouped_matmul_pallas_option():
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (192, 128), jnp.bfloat16)
+    w = jax.random.normal(kw, (2, 128, 128), jnp.bfloat16)
+    sizes = jnp.array([70, 100], jnp.int32)
+    want = jq.grouped_matmul(x, w, sizes, out_dtype=jnp.float32, backend="reference")
+    interpret = (
+        contextlib.nullcontext()
+        if ON_GPU
+        else plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    )
+    with interpret:
+        got = jq.grouped_matmul(x, w, sizes, out_dtype=jnp.float32, backend="pallas")
+    assert_close((got,), (want,))
+    assert not np.asarray(got)[170:].any()

@@ -21,4 +21,4 @@ for _module in (test_grouped_quantize, test_grouped_dense, test_grouped_mlp, tes
         if _name.startswith("test_") and callable(_test):
             globals()[f"test_{_short}__{_name[len('test_') :]}"] = _test
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.reference_gemms]  # see tests/conftest.py
