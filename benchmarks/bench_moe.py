@@ -7,8 +7,8 @@ weights. Group sizes are balanced (tokens / E each) or skewed (expert e gets a s
 TFLOP/s counts the GEMMs only: 6·T·H·F forward, 18·T·H·F forward+backward, including the
 quantization work inside the op (the layer's effective rate). "saved MiB" is what one call keeps
 for its backward (`jq.saved_residuals`). The grouped GEMMs run on whatever
-`jax_qtrain.ops.grouped_gemm` dispatches to (the lax.ragged_dot reference until the Pallas
-grouped-matmul kernels are wired in).
+`jax_qtrain.ops.grouped_gemm` dispatches to: on the GPU the Pallas grouped kernels for bf16,
+per-tensor FP8 and block FP8 (fprop/dgrad), the lax.ragged_dot reference for MXFP8 and NVFP4.
 
     python -m benchmarks.bench_moe [--small] [--out DIR]
 writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -100,14 +101,23 @@ def measure(block, argument_sets, iters: int) -> tuple[float, float, int]:
     )
 
 
-def run(configs: dict, iters: int) -> list[dict]:
+def run(configs: dict, iters: int, budget_s: float | None = None) -> list[dict]:
+    """One row per (config, routing, block); stops starting new configs after `budget_s`."""
+    start = time.perf_counter()
     rows = []
     for config, (tokens, hidden, experts, ffn) in configs.items():
         for routing in ("balanced", "skewed"):
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                print(f"time budget spent: skipping {config} {routing}", flush=True)
+                continue
             argument_sets = make_arguments(tokens, hidden, experts, ffn, routing)
             flops = 6 * tokens * hidden * ffn
             baseline = None
-            blocks = {"bf16 (lax.ragged_dot)": plain_jax_block}
+            blocks = {
+                "bf16 (lax.ragged_dot)": plain_jax_block,
+                # jax_qtrain without a recipe: bf16 GEMMs on the Pallas grouped kernels (GPU)
+                "bf16 (jax_qtrain)": quantized_block(None),
+            }
             blocks |= {name: quantized_block(recipe) for name, recipe in RECIPES.items()}
             for name, block in blocks.items():
                 fwd_s, train_s, saved = measure(block, argument_sets, iters)
@@ -147,9 +157,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, small: bool = False) -> str:
+def main(out_dir: str | None = None, small: bool = False, budget_s: float | None = None) -> str:
     configs, iters = (SMALL_CONFIGS, 2) if small else (CONFIGS, 10)
-    rows = run(configs, iters)
+    rows = run(configs, iters, budget_s)
     text = markdown(rows)
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
