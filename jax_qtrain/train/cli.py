@@ -39,7 +39,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="starting configuration: 'cpu' (default; about a minute per recipe on 2 cores) "
+        help="starting configuration: 'cpu' (default; under a minute per recipe on 2 cores) "
         "or 'h200' (a larger model for one GPU); the options below override it",
     )
     group = parser.add_argument_group("configuration overrides")

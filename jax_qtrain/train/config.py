@@ -78,7 +78,7 @@ class TrainConfig:
 
 
 PRESETS: dict[str, TrainConfig] = {
-    # Well under a minute per recipe on a 2-core CPU (docs/training.md has measured times).
+    # 15-30 s per recipe on a 2-core CPU (docs/training.md has measured times).
     "cpu": TrainConfig(),
     # One H200: a 4-layer, d_model 512 MoE model on 512-byte windows.
     "h200": TrainConfig(
