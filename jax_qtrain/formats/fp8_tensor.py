@@ -32,7 +32,7 @@ def compute_scale(
     amax = amax.astype(jnp.float32)
     if amax_epsilon > 0:
         amax = jnp.maximum(amax, jnp.float32(amax_epsilon))
-    scale = jnp.float32(fp8_max) / amax
+    scale = common.divide(jnp.float32(fp8_max), amax)
     scale = jnp.where(jnp.isinf(scale), jnp.float32(overflow_scale), scale)
     degenerate = common.is_zero(amax) | jnp.isinf(amax) | jnp.isnan(amax)
     scale = jnp.where(degenerate, jnp.float32(1.0), scale)
@@ -45,7 +45,7 @@ def reciprocal_scale(scale: jax.Array, *, power_2_scale: bool) -> jax.Array:
     """scale_inv = fp32(1/scale); exact from bits when the scale is a power of two."""
     if power_2_scale:
         return common.pow2_reciprocal(scale)
-    return jnp.float32(1.0) / scale
+    return common.divide(jnp.float32(1.0), scale)
 
 
 def quantize(

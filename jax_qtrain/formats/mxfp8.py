@@ -60,7 +60,7 @@ def e8m0_from_amax(block_amax: jax.Array, fp8_max: float) -> jax.Array:
     """TransformerEngine's E8M0 scale byte (uint8) for each block amax (float32, >= 0 or NaN)."""
     amax_bits = common.f32_bits(block_amax)
     normal_from, byte_one_from = _subnormal_v_thresholds(fp8_max)
-    v_bits = common.f32_bits(block_amax / jnp.float32(fp8_max))
+    v_bits = common.f32_bits(common.divide(block_amax, jnp.float32(fp8_max)))
     exponent = (v_bits >> 23) & 0xFF
     mantissa = v_bits & 0x7FFFFF
     round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))

@@ -81,13 +81,15 @@ def global_encode_scale(global_amax: jax.Array) -> jax.Array:
     """S_enc = min(fp32(2688 / gamax), FLT_MAX), 1 when gamax is 0 or S_enc is 0 (gamax Inf).
     A NaN gamax gives FLT_MAX, like the CUDA kernel's fminf (the PyTorch reference gives NaN)."""
     global_amax = global_amax.astype(jnp.float32)
-    s_enc = jnp.fmin(jnp.float32(common.E2M1_MAX * common.E4M3_MAX) / global_amax, common.FLT_MAX)
+    s_enc = jnp.fmin(
+        common.divide(jnp.float32(common.E2M1_MAX * common.E4M3_MAX), global_amax), common.FLT_MAX
+    )
     return jnp.where(common.is_zero(global_amax) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 
 def global_decode_scale(global_amax: jax.Array) -> jax.Array:
     """S_dec = fp32(1 / S_enc), the per-tensor factor of every dequantized value."""
-    return jnp.float32(1.0) / global_encode_scale(global_amax)
+    return common.divide(jnp.float32(1.0), global_encode_scale(global_amax))
 
 
 def e2m1_round_nearest_even(v: jax.Array, negative: jax.Array | None = None) -> jax.Array:
@@ -163,7 +165,7 @@ def e2m1_round_stochastic(
     ).astype(jnp.uint8)
     lower_value = jnp.asarray(E2M1_VALUES)[lower]
     # a - lower_value is exact and the step is a power of two, so frac is exact.
-    frac = (a - lower_value) / jnp.asarray(_E2M1_STEPS)[lower]
+    frac = (a - lower_value) * (1.0 / jnp.asarray(_E2M1_STEPS))[lower]
     magnitude = lower + (uniforms < frac).astype(jnp.uint8)
     return magnitude | _sign_bit(v, negative)
 
@@ -204,14 +206,16 @@ def quantize(
     block_rows, block_cols = spec.block_shape
     padded = common.pad_to_blocks(x2d.astype(jnp.float32), block_rows, block_cols)
     s_enc = global_encode_scale(global_amax)
-    s_dec = jnp.float32(1.0) / s_enc
+    s_dec = common.divide(jnp.float32(1.0), s_enc)
     t = s_enc * _ONE_SIXTH
     block_amax = common.block_amax(padded, block_rows, block_cols)
     block_scale = jnp.minimum(block_amax * t, jnp.float32(common.E4M3_MAX)).astype(
         jnp.float8_e4m3fn
     )
     block_scale_f32 = common.materialize(block_scale).astype(jnp.float32)
-    encode = jnp.minimum(jnp.float32(1.0) / (block_scale_f32 * s_dec), jnp.float32(common.FLT_MAX))
+    encode = jnp.minimum(
+        common.divide(jnp.float32(1.0), block_scale_f32 * s_dec), jnp.float32(common.FLT_MAX)
+    )
     blocks = common.split_blocks(padded, block_rows, block_cols)
     block_encode = jnp.broadcast_to(encode[:, None, :, None], blocks.shape)
     scaled = (blocks * block_encode).reshape(padded.shape)
