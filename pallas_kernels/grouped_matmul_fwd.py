@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = common.SMEM_BYTES
 # Per-thread f32 accumulator registers a consumer warpgroup may hold (of ~232).
 _MAX_ACC_ELEMS_PER_WG = 128 * 192
 

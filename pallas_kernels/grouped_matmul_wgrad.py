@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
 
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = common.SMEM_BYTES
 _PRODUCER_REGISTERS = 40
 _NUM_CONSUMERS = 2
 _MAX_ACC_ELEMS_PER_WG = 128 * 192

@@ -240,7 +240,9 @@ def test_jit_grad_vmap(name, mode):
     for i in range(3):
         single = grad(x[i], w, b)
         for got, want in zip(batched, single, strict=True):
-            np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-6, atol=1e-6)
+            # Batched and single GEMMs sum in different orders (on the H200, XLA's FP8 GEMMs
+            # differed by up to 5e-6 relative between the two).
+            np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_checkpoint_policies_select_named_residuals():

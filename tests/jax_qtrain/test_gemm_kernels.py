@@ -48,10 +48,13 @@ def count_calls(monkeypatch, name):
 
 
 def assert_close(got, want, rtol=2e-5):
+    """Equal up to float32 summation order; bfloat16 outputs also up to their own rounding (a
+    float32 difference can flip the last bf16 bit: ≈1.5e-3 of the norm measured on the H200)."""
     for g, w in zip(got, want, strict=True):
         g32, w32 = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        bound = max(rtol, 5e-3) if g.dtype == jnp.bfloat16 else rtol
         assert np.isfinite(g32).all()
-        assert np.linalg.norm(g32 - w32) <= rtol * np.linalg.norm(w32) + 1e-30
+        assert np.linalg.norm(g32 - w32) <= bound * np.linalg.norm(w32) + 1e-30
 
 
 def dense_fwd_bwd(x, w, dy, recipe):
@@ -103,7 +106,10 @@ def grouped_fwd_bwd(x, w, group_sizes, dy, recipe):
 GROUPED_KERNELS = {
     # recipe name -> (recipe, adapters expected to run: fprop, dgrad, wgrad)
     "bf16": (None, ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"]),
-    "fp8": (jq.Float8CurrentScaling(), ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"]),
+    "fp8": (
+        jq.Float8CurrentScaling(),
+        ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"],
+    ),
     "fp8_block": (jq.Float8BlockScaling(), ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm"]),
 }
 
@@ -113,7 +119,9 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     groups = len(group_sizes)
     x = jax.random.normal(kx, (rows, features), jnp.bfloat16)
-    w = (jax.random.normal(kw, (groups, features, features), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, features, features), jnp.float32) * 0.05).astype(
+        jnp.bfloat16
+    )
     dy = jax.random.normal(kg, (rows, features), jnp.bfloat16)
     sizes = jnp.asarray(group_sizes, jnp.int32)
     run = jax.jit(grouped_fwd_bwd, static_argnums=4)
@@ -124,7 +132,7 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
         got = run(x, w, sizes, dy, recipe)
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
-    assert_close(got, want, rtol=1e-2 if recipe is None else 2e-5)  # bf16 outputs: bf16 rounding
+    assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 
 

@@ -86,8 +86,8 @@ def element_error_bound(q, usage, x_copy):
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
 def test_dequantize_error_is_bounded(name, role, x, magnitude, dtype):
-    # Values below 2^-90 (times 2^-20) would make float32 scale reciprocals subnormal, which XLA:CPU flushes
-    # to zero (docs/formats.md, platform note); the GPU tests cover that range.
+    # Below 2^-90 (times 2^-20) scale_inv is subnormal, and XLA:CPU flushes subnormal operands
+    # when dequantizing (docs/formats.md, platform note); the GPU tests cover that range.
     x = np.where(np.abs(x) < 2.0**-90, 0, x).astype(np.float32)
     x = jnp.asarray(x * np.float32(2.0**magnitude)).astype(dtype)
     q = quantize_both(x, RECIPES[name], role)

@@ -43,7 +43,7 @@ def test_fake_quant_error_survives_jit_on_gpu(recipe):
 
 
 def _leaves_as_bits(q):
-    return [np.asarray(leaf).view(np.uint8) for leaf in jax.tree_util.tree_leaves(q)]
+    return [np.atleast_1d(np.asarray(leaf)).view(np.uint8) for leaf in jax.tree_util.tree_leaves(q)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
