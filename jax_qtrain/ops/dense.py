@@ -225,6 +225,34 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _plain_dense(x2d, kernel, bias, out_dtype, bias_dtype):
+    """Unquantized dense: GEMMs in the compute dtype with float32 accumulation. A custom_vjp so
+    that the backward GEMMs also run in the compute dtype (JAX's own transpose of a float32-output
+    dot would run them in float32), exactly as "high_precision" does."""
+    return _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, out_dtype)
+
+
+def _plain_dense_fwd(x2d, kernel, bias, out_dtype, bias_dtype):
+    """Residuals: (x2d, kernel), what the two backward GEMMs read."""
+    return _plain_dense(x2d, kernel, bias, out_dtype, bias_dtype), (x2d, kernel)
+
+
+def _plain_dense_bwd(out_dtype, bias_dtype, residuals, dy):
+    del out_dtype
+    x2d, kernel = residuals
+    dy_c = dy.astype(jnp.promote_types(x2d.dtype, kernel.dtype))
+    dx = _high_precision_dot(dy_c, kernel, _NT).astype(x2d.dtype)
+    dw = _high_precision_dot(x2d, dy_c, _TN).astype(kernel.dtype)
+    dbias = None
+    if bias_dtype is not None:
+        dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(bias_dtype)
+    return dx, dw, dbias
+
+
+_plain_dense.defvjp(_plain_dense_fwd, _plain_dense_bwd)
+
+
 def _validate(x, kernel, bias, kernel_shape: tuple[int, ...]) -> None:
     """`kernel_shape`: the kernel's, or the quantized kernel's when no kernel is given."""
     arrays = (("x", x),) if kernel is None else (("x", x), ("kernel", kernel))
@@ -354,7 +382,8 @@ def dense(
     out_dtype = jnp.promote_types(x.dtype, kernel_dtype)
     x2d = x.reshape(-1, x.shape[-1])
     if recipe is None:
-        y2d = _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, out_dtype)
+        bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
+        y2d = _plain_dense(x2d, kernel, bias, out_dtype, bias_dtype)
     else:
         config = _DenseConfig(
             recipe=recipe,
