@@ -33,14 +33,13 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.gemm import matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
-
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +258,7 @@ def _validate(x, kernel, bias, kernel_shape: tuple[int, ...]) -> None:
     for name, value in arrays:
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-        if jnp.dtype(value.dtype) not in _FLOAT_DTYPES:
+        if jnp.dtype(value.dtype) not in common.SUPPORTED_INPUT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (..., in_features)")
@@ -276,7 +275,7 @@ def _validate(x, kernel, bias, kernel_shape: tuple[int, ...]) -> None:
         if not hasattr(bias, "shape") or tuple(bias.shape) != (kernel_shape[1],):
             got = tuple(bias.shape) if hasattr(bias, "shape") else type(bias).__name__
             raise ValueError(f"bias must have shape ({kernel_shape[1]},), got {got}")
-        if jnp.dtype(bias.dtype) not in _FLOAT_DTYPES:
+        if jnp.dtype(bias.dtype) not in common.SUPPORTED_INPUT_DTYPES:
             raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.dense import effective_save_original_input, stochastic_rounding_key
@@ -58,8 +59,6 @@ from jax_qtrain.ops.grouped_quantize import (
 from jax_qtrain.quantize import QuantizedTensor
 from jax_qtrain.quantized_weight import QuantizedWeight, check_kept_weight
 from jax_qtrain.recipes import Recipe
-
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +259,7 @@ _grouped_dense.defvjp(_grouped_dense_fwd, _grouped_dense_bwd)
 def check_float(name: str, value) -> None:
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-    if jnp.dtype(value.dtype) not in _FLOAT_DTYPES:
+    if jnp.dtype(value.dtype) not in common.SUPPORTED_INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.dense import _add_bias, _high_precision_dot, effective_save_original_input
@@ -57,7 +58,6 @@ from .config import (
 )
 from .gather import Split
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
 _TN = (((0,), (0,)), ((), ()))  # a (c, m), b (c, n) -> (m, n)
@@ -274,7 +274,7 @@ _fsdp_dense.defvjp(_fsdp_dense_fwd, _fsdp_dense_bwd)
 def _check_array(name: str, value) -> None:
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-    if jnp.dtype(value.dtype) not in _FLOAT_DTYPES:
+    if jnp.dtype(value.dtype) not in common.SUPPORTED_INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
 
 
