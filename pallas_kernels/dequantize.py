@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
+from pallas_kernels.float32_division import divide
 from pallas_kernels.quantize_nvfp4 import global_encode_scale
 
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -246,7 +247,7 @@ def dequantize_nvfp4(
         raise TypeError(f"global_amax must be a float scalar, got {global_amax.dtype}")
     out_dtype = _check_out_dtype(out_dtype)
     config = _check_config(config)
-    s_dec = (jnp.float32(1.0) / global_encode_scale(global_amax)).reshape(1)
+    s_dec = divide(jnp.float32(1.0), global_encode_scale(global_amax)).reshape(1)
     pr, pc = config.padded_shape(rows, cols)
     scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)
     out = _run(

@@ -140,8 +140,13 @@ DEFAULT_BF16_CONFIG = GroupedMatmulConfig(
     tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3, epi_tile_n=64
 )
 DEFAULT_FP8_CONFIG = GroupedMatmulConfig(
-    tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64,
-    wgmma_in_flight=1, epilogue_buffers=1,
+    tile_m=128,
+    tile_n=128,
+    tile_k=128,
+    max_concurrent_steps=4,
+    epi_tile_n=64,
+    wgmma_in_flight=1,
+    epilogue_buffers=1,
 )
 DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64
@@ -152,7 +157,10 @@ def _smem_bytes(
     config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> int:
     epilogue = (
-        2 * config.epilogue_buffers * config.tile_m * config.epi_tile_n
+        2
+        * config.epilogue_buffers
+        * config.tile_m
+        * config.epi_tile_n
         * jnp.dtype(out_dtype).itemsize
     )
     return config.max_concurrent_steps * stage_bytes + epilogue + prefetch_bytes
@@ -333,7 +341,9 @@ def grouped_matmul(
         )
     in_specs = (
         plgpu.BlockSpec(
-            (tile_m, tile_k), lambda kk: (0, kk), transforms=lhs_transforms,
+            (tile_m, tile_k),
+            lambda kk: (0, kk),
+            transforms=lhs_transforms,
             delay_release=in_flight,
         ),
         rhs_spec,

@@ -328,7 +328,8 @@ def _wgrad_call(
                 ignore, ignore, config.max_concurrent_steps
             ).get_allocations(lhs_gmem, rhs_gmem),
             out_smem=plgpu.SMEM(
-                (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n), out_dtype,
+                (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n),
+                out_dtype,
                 transforms=out_transforms,
             ),
             row_vec_smem=plgpu.SMEM((_NUM_CONSUMERS, tile_m), jnp.float32),
@@ -489,9 +490,7 @@ def _wgrad_call(
         grid_names=("sm",),
         num_threads=_NUM_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=common.interpret_params(interpret),
         kernel_name="grouped_matmul_wgrad",
     )

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
+from pallas_kernels.float32_division import divide
 
 BLOCK = 128
 CHUNK = 32  # columns (rows, for the columnwise copy) per shared-memory read
@@ -66,12 +67,12 @@ def scale_from_amax_bits(amax_bits, *, fp8_max, power_2_scale, amax_epsilon, ove
     if amax_epsilon > 0:
         amax = jnp.maximum(amax, jnp.float32(amax_epsilon))
     bits = qc.abs_bits(amax)
-    scale = jnp.float32(fp8_max) / amax
+    scale = divide(jnp.float32(fp8_max), amax)
     scale = jnp.where(qc.is_inf_bits(qc.abs_bits(scale)), jnp.float32(overflow_scale), scale)
     degenerate = (bits == 0) | (bits >= jnp.uint32(qc.F32_INF_BITS))  # 0, Inf or NaN
     scale = jnp.where(degenerate, jnp.float32(1.0), scale)
     if not power_2_scale:
-        return scale, jnp.float32(1.0) / scale
+        return scale, divide(jnp.float32(1.0), scale)
     scale_bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
     scale = qc.f32_from_bits(scale_bits)
     reciprocal_exponent = jnp.int32(254) - (scale_bits >> 23).astype(jnp.int32)

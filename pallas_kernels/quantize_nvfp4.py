@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
+from pallas_kernels.float32_division import divide
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -83,7 +84,7 @@ class NVFP4Quantized(NamedTuple):
 def global_encode_scale(global_amax: jax.Array) -> jax.Array:
     """S_enc = min(fp32(2688 / gamax), FLT_MAX); 1 when gamax is 0 or S_enc is 0."""
     global_amax = jnp.asarray(global_amax, jnp.float32)
-    s_enc = jnp.fmin(jnp.float32(E2M1_MAX * E4M3_MAX) / global_amax, jnp.float32(qc.FLT_MAX))
+    s_enc = jnp.fmin(divide(jnp.float32(E2M1_MAX * E4M3_MAX), global_amax), jnp.float32(qc.FLT_MAX))
     is_zero = (lax.bitcast_convert_type(global_amax, jnp.uint32) & jnp.uint32(qc.ABS_MASK)) == 0
     return jnp.where(is_zero | (s_enc == 0), jnp.float32(1.0), s_enc)
 
@@ -91,7 +92,7 @@ def global_encode_scale(global_amax: jax.Array) -> jax.Array:
 def copy_scalars(global_amax: jax.Array) -> jax.Array:
     """[t, S_dec] of one copy as a float32 vector."""
     s_enc = global_encode_scale(global_amax)
-    return jnp.stack([s_enc * ONE_SIXTH, jnp.float32(1.0) / s_enc])
+    return jnp.stack([s_enc * ONE_SIXTH, divide(jnp.float32(1.0), s_enc)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def quantize_block_lines(v, layout, t, s_dec, uniforms=None) -> tuple[jax.Array,
     block_amax = qc.f32_from_bits(qc.row_amax_bits(v))
     block_scale = jnp.minimum(block_amax * t, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
     encode = jnp.minimum(
-        jnp.float32(1.0) / (block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
+        divide(jnp.float32(1.0), block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
     )
     encode_b = qc.broadcast_rows(encode, v.shape, layout)
     p = v * encode_b

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import float32_division
+
 FLT_MAX = float(np.finfo(np.float32).max)
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # 3.3895314e38
 FP16_MAX = 65504.0
@@ -90,78 +92,9 @@ def pow2_reciprocal(v: jax.Array) -> jax.Array:
 CANONICAL_FP8_NAN = 0x7F  # what CUDA's __nv_cvt_float_to_fp8 (and Hopper's cvt.satfinite) give NaN
 
 
-def _unpack_finite(x_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(significand in [2^23, 2^24), exponent e) with |x| = significand · 2^(e - 150), for a
-    finite nonzero float32 given as bits; subnormals are normalized with a leading-zero count."""
-    field = ((x_bits >> 23) & 0xFF).astype(jnp.int32)
-    fraction = x_bits & jnp.uint32(0x7FFFFF)
-    shift = jnp.where(field == 0, lax.clz(fraction).astype(jnp.int32) - 8, 0)
-    significand = jnp.where(
-        field == 0, fraction << shift.astype(jnp.uint32), fraction | jnp.uint32(0x800000)
-    )
-    return significand, jnp.where(field == 0, 1 - shift, field)
-
-
-def _round_right_shift(value: jax.Array, sticky: jax.Array, shift: jax.Array) -> jax.Array:
-    """Round-to-nearest-even of value / 2^shift (uint32), `sticky` marking nonzero bits already
-    below value's last bit; shift in [1, 31]."""
-    shift_u = shift.astype(jnp.uint32)
-    kept = value >> shift_u
-    dropped = value & ((jnp.uint32(1) << shift_u) - 1)
-    half = jnp.uint32(1) << (shift_u - 1)
-    round_up = (dropped > half) | ((dropped == half) & (sticky | ((kept & 1) == 1)))
-    return kept + round_up.astype(jnp.uint32)
-
-
-def divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """IEEE float32 division (round to nearest even, subnormals kept) from integer operations.
-
-    XLA:GPU compiles float32 `/` to an approximate division (up to 3 ulp off, measured on the
-    H200 with jax 0.11.2) and XLA:CPU flushes subnormal results, while TransformerEngine's
-    scale rules are IEEE divisions. The quotient of the significands is found by 27 steps of
-    restoring long division on uint32, then rounded once, so every platform gives the same bits.
-    Used for per-block and per-tensor scales (never per element).
-    """
-    a, b = jnp.broadcast_arrays(
-        jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
-    )
-    a_bits, b_bits = f32_bits(a), f32_bits(b)
-    sign = (a_bits ^ b_bits) & jnp.uint32(0x80000000)
-    a_abs, b_abs = a_bits & jnp.uint32(0x7FFFFFFF), b_bits & jnp.uint32(0x7FFFFFFF)
-    safe = lambda bits: jnp.where((bits == 0) | (bits >= 0x7F800000), jnp.uint32(0x3F800000), bits)
-    a_sig, a_exp = _unpack_finite(safe(a_abs))
-    b_sig, b_exp = _unpack_finite(safe(b_abs))
-
-    def long_division_step(_, state):
-        quotient, remainder = state
-        bit = remainder >= b_sig
-        remainder = jnp.where(bit, remainder - b_sig, remainder) << 1
-        return (quotient << 1) | bit.astype(jnp.uint32), remainder
-
-    # quotient = floor(a_sig / b_sig · 2^26): 26 or 27 bits. A loop, not 27 unrolled steps, to
-    # keep the compiled program small.
-    quotient, remainder = lax.fori_loop(0, 27, long_division_step, (jnp.zeros_like(a_sig), a_sig))
-    sticky = remainder != 0
-    wide = quotient >= (jnp.uint32(1) << 26)  # a_sig >= b_sig: the ratio is in [1, 2)
-    shift = jnp.where(wide, 3, 2)
-    biased_exponent = a_exp - b_exp + 127 - jnp.where(wide, 0, 1)
-    # Subnormal results shift further right before the single rounding.
-    total_shift = jnp.clip(shift + jnp.maximum(0, 1 - biased_exponent), 1, 31)
-    rounded = _round_right_shift(quotient, sticky, total_shift)
-    normal_bits = ((jnp.maximum(biased_exponent, 1) - 1).astype(jnp.uint32) << 23) + rounded
-    magnitude = jnp.where(biased_exponent >= 1, normal_bits, rounded)
-    magnitude = jnp.where(
-        (biased_exponent >= 255) | (magnitude >= 0x7F800000), jnp.uint32(0x7F800000), magnitude
-    )
-
-    a_nan, b_nan = a_abs > 0x7F800000, b_abs > 0x7F800000
-    a_inf, b_inf = a_abs == 0x7F800000, b_abs == 0x7F800000
-    a_zero, b_zero = a_abs == 0, b_abs == 0
-    magnitude = jnp.where(a_zero | b_inf, jnp.uint32(0), magnitude)
-    magnitude = jnp.where(a_inf | b_zero, jnp.uint32(0x7F800000), magnitude)
-    nan = a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf)
-    out = jnp.where(nan, jnp.uint32(0x7FC00000), sign | magnitude)
-    return f32_from_bits(out)
+# IEEE float32 division (XLA:GPU's `/` is approximate, XLA:CPU's flushes subnormal quotients):
+# one implementation, shared with the kernels, which must give the same bits.
+divide = float32_division.divide
 
 
 def saturating_cast(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
