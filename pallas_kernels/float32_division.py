@@ -7,8 +7,8 @@ also runs the Pallas interpreter, flushes subnormal results to zero. So the quot
 significands is found by 27 steps of restoring long division on uint32 and rounded once; every
 platform then gives the same bits.
 
-The code uses only elementwise jnp/lax operations that both XLA and Mosaic GPU lower (shifts,
-unsigned compares, selects, clz), so the jnp references (jax_qtrain.formats) and the kernels in
+The code uses only elementwise jnp/lax operations and one fori_loop, which both XLA and Mosaic
+GPU lower (shifts, unsigned compares, selects, clz; the loop carries two uint32 arrays), so the jnp references (jax_qtrain.formats) and the kernels in
 this package call this one function. It costs about 150 integer operations per quotient: use it
 for per-block and per-tensor scales, never per element.
 """
@@ -71,13 +71,18 @@ def divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     a_sig, a_exp = _unpack_finite(finite_nonzero(a_abs))
     b_sig, b_exp = _unpack_finite(finite_nonzero(b_abs))
 
-    # quotient = floor(a_sig / b_sig · 2^26): 26 or 27 bits. Unrolled rather than a fori_loop:
-    # Mosaic GPU keeps it in registers, and shard_map needs no carry typing.
-    quotient, remainder = jnp.zeros_like(a_sig), a_sig
-    for _ in range(27):
+    def long_division_step(_, state):
+        quotient, remainder = state
         bit = remainder >= b_sig
         remainder = jnp.where(bit, remainder - b_sig, remainder) << 1
-        quotient = (quotient << 1) | bit.astype(jnp.uint32)
+        return (quotient << 1) | bit.astype(jnp.uint32), remainder
+
+    # quotient = floor(a_sig / b_sig · 2^26): 26 or 27 bits. A loop, not 27 unrolled steps:
+    # XLA's fusion duplicates each step's three uses of the remainder, and the unrolled chain
+    # took minutes to compile. Inside shard_map the carry must be varying over the same mesh
+    # axes as the body's result: a zero built from both operands is varying wherever either is.
+    zero = (a_sig & jnp.uint32(0)) | (b_sig & jnp.uint32(0))
+    quotient, remainder = lax.fori_loop(0, 27, long_division_step, (zero, a_sig | zero))
     sticky = remainder != 0
     wide = quotient >= jnp.uint32(1 << 26)  # a_sig >= b_sig: the ratio is in [1, 2)
     shift = jnp.where(wide, 3, 2)
