@@ -8,9 +8,10 @@ significands is found by 27 steps of restoring long division on uint32 and round
 platform then gives the same bits.
 
 The code uses only elementwise jnp/lax operations and one fori_loop, which both XLA and Mosaic
-GPU lower (shifts, unsigned compares, selects, clz; the loop carries two uint32 arrays), so the jnp references (jax_qtrain.formats) and the kernels in
-this package call this one function. It costs about 150 integer operations per quotient: use it
-for per-block and per-tensor scales, never per element.
+GPU lower (shifts, unsigned compares, selects, clz; the loop carries two uint32 arrays), so the
+jnp references (jax_qtrain.formats) and the kernels in this package call this one function. It
+costs about 150 integer operations per quotient: use it for per-block and per-tensor scales,
+never per element. (Mosaic GPU lowering of it is not yet checked on the H200.)
 """
 
 from __future__ import annotations

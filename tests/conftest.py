@@ -47,6 +47,9 @@ def _reference_gemms_when_marked(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The few minute-long tests (training runs, notebooks, subprocesses) start first, so that
+    # with `-n 2` they overlap the many short ones instead of running alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python3 -m pytest -m gpu` on the H200)")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.train.conftest import TINY_OPTIONS
 
-STEPS = 60
+STEPS = 32
 OPTIONS = [
     *TINY_OPTIONS,
     "--recipe=nvfp4",
@@ -27,6 +27,14 @@ OPTIONS = [
 
 def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "jax_qtrain", "train", *args]
+
+
+@pytest.fixture
+def compile_cache_env(tmp_path, monkeypatch):
+    """The three runs compile the same programs: the later two load them from JAX's persistent
+    cache (the same executables, so it cannot change a loss) instead of recompiling (~15 s each)."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "compile-cache"))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _records(out: Path) -> list[dict]:
@@ -51,7 +59,7 @@ def _losses(out: Path) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, compile_cache_env):
     reference = tmp_path / "reference"
     subprocess.run(_command(*OPTIONS, f"--out={reference}"), check=True, timeout=300)
 
