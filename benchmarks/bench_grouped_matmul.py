@@ -54,16 +54,28 @@ SHAPES = {
 
 def fwd_config(tm, tn, tk, steps, epi, minor=0, width=8, in_flight=1, buffers=1):
     return GroupedMatmulConfig(
-        tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, epi_tile_n=epi,
-        grid_minor_dim=minor, grid_tile_width=width, wgmma_in_flight=in_flight,
+        tile_m=tm,
+        tile_n=tn,
+        tile_k=tk,
+        max_concurrent_steps=steps,
+        epi_tile_n=epi,
+        grid_minor_dim=minor,
+        grid_tile_width=width,
+        wgmma_in_flight=in_flight,
         epilogue_buffers=buffers,
     )
 
 
 def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4, buffers=2):
     return GroupedWgradConfig(
-        tile_m=tm, tile_n=tn, tile_t=tt, max_concurrent_steps=steps, epi_tile_n=epi,
-        grid_minor_dim=minor, grid_tile_width=width, epilogue_buffers=buffers,
+        tile_m=tm,
+        tile_n=tn,
+        tile_t=tt,
+        max_concurrent_steps=steps,
+        epi_tile_n=epi,
+        grid_minor_dim=minor,
+        grid_tile_width=width,
+        epilogue_buffers=buffers,
     )
 
 
@@ -173,14 +185,25 @@ def measure(bench: Bench, *, shape, op, impl, flops, fn, arg_sets, ref=None, con
             err = rel_err(jitted(*arg_sets[0]), ref)
         seconds = time_call(jitted, arg_sets)
         return bench.record(
-            shape=shape, op=op, impl=impl, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-            rel_err=err, config=None if config is None else asdict(config), status="ok",
+            shape=shape,
+            op=op,
+            impl=impl,
+            ms=seconds * 1e3,
+            tflops=flops / seconds / 1e12,
+            rel_err=err,
+            config=None if config is None else asdict(config),
+            status="ok",
         )
     except Exception as e:  # record and keep going: one failure must not end the run
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         traceback.print_exc(limit=3)
-        return bench.record(shape=shape, op=op, impl=impl, status=f"error {msg}",
-                            config=None if config is None else asdict(config))
+        return bench.record(
+            shape=shape,
+            op=op,
+            impl=impl,
+            status=f"error {msg}",
+            config=None if config is None else asdict(config),
+        )
 
 
 def best(rows: list[dict], max_err: float) -> dict | None:
@@ -218,7 +241,10 @@ def random_operands(key, g, m, k, n, sizes):
 
 def ragged_ref(lhs_f32, rhs_nk_f32, sizes):
     return lax.ragged_dot(
-        lhs_f32, jnp.swapaxes(rhs_nk_f32, 1, 2), sizes, precision=lax.Precision.HIGHEST,
+        lhs_f32,
+        jnp.swapaxes(rhs_nk_f32, 1, 2),
+        sizes,
+        precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
 
@@ -230,7 +256,11 @@ def wgrad_ref(lhs_km_f32, rhs_nm_f32, sizes):
         rhs_group_dimensions=[],
     )
     return lax.ragged_dot_general(
-        lhs_km_f32.T, rhs_nm_f32.T, sizes, dims, precision=lax.Precision.HIGHEST,
+        lhs_km_f32.T,
+        rhs_nm_f32.T,
+        sizes,
+        dims,
+        precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
 
@@ -258,9 +288,7 @@ def torch_peers(bench: Bench, shape: str, sets, g, m, k, n, flops):
         torch.cuda.synchronize()
         times = []
         for _ in range(5):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True
-            )
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(10):
                 fn()
@@ -272,13 +300,20 @@ def torch_peers(bench: Bench, shape: str, sets, g, m, k, n, flops):
     def record_torch(impl: str, fn) -> None:
         try:
             seconds = torch_time(fn)
-            bench.record(shape=shape, op="fwd", impl=impl, ms=seconds * 1e3,
-                         tflops=flops / seconds / 1e12, status="ok")
+            bench.record(
+                shape=shape,
+                op="fwd",
+                impl=impl,
+                ms=seconds * 1e3,
+                tflops=flops / seconds / 1e12,
+                status="ok",
+            )
         except Exception as e:
             bench.record(shape=shape, op="fwd", impl=impl, status=f"error {type(e).__name__}: {e}")
 
-    record_torch("torch._grouped_mm bf16",
-                 lambda: torch._grouped_mm(a, w_nk.transpose(-2, -1), offs=offs))
+    record_torch(
+        "torch._grouped_mm bf16", lambda: torch._grouped_mm(a, w_nk.transpose(-2, -1), offs=offs)
+    )
     a8 = a.to(torch.float8_e4m3fn)
     w8 = w_nk.to(torch.float8_e4m3fn)
     sa = torch.rand(m, device=dev, dtype=torch.float32) + 0.5
@@ -295,50 +330,104 @@ def torch_peers(bench: Bench, shape: str, sets, g, m, k, n, flops):
 def xla_dense_peers(bench: Bench, shape: str, m, k, n):
     flops = 2 * m * k * n
     keys = jax.random.split(jax.random.key(7), 4)
-    bf = [(jax.random.normal(keys[i], (m, k), BF16), jax.random.normal(keys[i + 2], (k, n), BF16))
-          for i in range(2)]
-    measure(bench, shape=shape, op="dense", impl="XLA dense bf16 (M,K)@(K,N)", flops=flops,
-            fn=lambda a, b: a @ b, arg_sets=bf)
+    bf = [
+        (jax.random.normal(keys[i], (m, k), BF16), jax.random.normal(keys[i + 2], (k, n), BF16))
+        for i in range(2)
+    ]
+    measure(
+        bench,
+        shape=shape,
+        op="dense",
+        impl="XLA dense bf16 (M,K)@(K,N)",
+        flops=flops,
+        fn=lambda a, b: a @ b,
+        arg_sets=bf,
+    )
     f8 = [(a.astype(E4M3), b.T.astype(E4M3)) for a, b in bf]
 
     def fp8_nt(a, b_nk):
         return lax.dot_general(a, b_nk, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
-    measure(bench, shape=shape, op="dense", impl="XLA dense fp8 e4m3 NT", flops=flops,
-            fn=fp8_nt, arg_sets=f8)
+    measure(
+        bench,
+        shape=shape,
+        op="dense",
+        impl="XLA dense fp8 e4m3 NT",
+        flops=flops,
+        fn=fp8_nt,
+        arg_sets=f8,
+    )
 
 
 # ---------------------------------------------------------------------------- suites
 
 
-def forward_suite(bench: Bench, shape: str, op: str, g, m, k, n, sizes, peers: bool,
-                  bf16_cfgs, fp8_cfgs, block_cfgs):
+def forward_suite(
+    bench: Bench,
+    shape: str,
+    op: str,
+    g,
+    m,
+    k,
+    n,
+    sizes,
+    peers: bool,
+    bf16_cfgs,
+    fp8_cfgs,
+    block_cfgs,
+):
     """Forward (or dgrad: the caller swaps K and N) for bf16, fp8 rowwise and fp8 block."""
     if bench.over_budget():
         return
     flops = 2 * m * k * n
-    sets = random_operands(jax.random.key(zlib.crc32(f'{shape}/{op}'.encode())), g, m, k, n, sizes)
+    sets = random_operands(jax.random.key(zlib.crc32(f"{shape}/{op}".encode())), g, m, k, n, sizes)
     s0 = sets[0]
     ref = ragged_ref(s0["lhs"].astype(jnp.float32), s0["rhs"].astype(jnp.float32), s0["sizes"])
     bf16_rows = []
     for cfg in bf16_cfgs:
-        bf16_rows.append(measure(
-            bench, shape=shape, op=op, impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
-            flops=flops, config=cfg,
-            fn=lambda a, b, s, cfg=cfg: grouped_matmul(a, b, s, config=cfg, interpret=INTERPRET),
-            arg_sets=[(x["lhs"], x["rhs"], x["sizes"]) for x in sets], ref=ref,
-        ))
+        bf16_rows.append(
+            measure(
+                bench,
+                shape=shape,
+                op=op,
+                impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
+                flops=flops,
+                config=cfg,
+                fn=lambda a, b, s, cfg=cfg: grouped_matmul(
+                    a, b, s, config=cfg, interpret=INTERPRET
+                ),
+                arg_sets=[(x["lhs"], x["rhs"], x["sizes"]) for x in sets],
+                ref=ref,
+            )
+        )
     rows_kn = [(x["lhs"], jnp.swapaxes(x["rhs"], 1, 2), x["sizes"]) for x in sets]
     if peers:
-        measure(bench, shape=shape, op=op, impl="lax.ragged_dot bf16", flops=flops,
-                fn=lambda a, b, s: lax.ragged_dot(a, b, s), arg_sets=rows_kn, ref=ref)
+        measure(
+            bench,
+            shape=shape,
+            op=op,
+            impl="lax.ragged_dot bf16",
+            flops=flops,
+            fn=lambda a, b, s: lax.ragged_dot(a, b, s),
+            arg_sets=rows_kn,
+            ref=ref,
+        )
     best_bf16 = best(bf16_rows, 1e-2)
     if best_bf16 is not None and peers:
         cfg = config_of(best_bf16, GroupedMatmulConfig, None)
-        measure(bench, shape=shape, op=op, impl="pallas bf16 rhs (G,K,N)", flops=flops,
-                config=cfg, fn=lambda a, b, s: grouped_matmul(
-                    a, b, s, rhs_layout="kn", config=cfg, interpret=INTERPRET),
-                arg_sets=rows_kn, ref=ref)
+        measure(
+            bench,
+            shape=shape,
+            op=op,
+            impl="pallas bf16 rhs (G,K,N)",
+            flops=flops,
+            config=cfg,
+            fn=lambda a, b, s: grouped_matmul(
+                a, b, s, rhs_layout="kn", config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=rows_kn,
+            ref=ref,
+        )
     del ref, rows_kn
 
     ref8 = ragged_ref(
@@ -348,13 +437,19 @@ def forward_suite(bench: Bench, shape: str, op: str, g, m, k, n, sizes, peers: b
     )
     for cfg in fp8_cfgs:
         measure(
-            bench, shape=shape, op=op, impl=f"pallas fp8 rowwise {cfg.tile_m}x{2 * cfg.tile_n}",
-            flops=flops, config=cfg,
+            bench,
+            shape=shape,
+            op=op,
+            impl=f"pallas fp8 rowwise {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops,
+            config=cfg,
             fn=lambda a, b, s, sa, sb, cfg=cfg: grouped_matmul(
                 a, b, s, lhs_scale=sa, rhs_scale=sb, config=cfg, interpret=INTERPRET
             ),
-            arg_sets=[(x["lhs8"], x["rhs8"], x["sizes"], x["lhs_row_scale"], x["rhs_col_scale"])
-                      for x in sets],
+            arg_sets=[
+                (x["lhs8"], x["rhs8"], x["sizes"], x["lhs_row_scale"], x["rhs_col_scale"])
+                for x in sets
+            ],
             ref=ref8,
         )
     del ref8
@@ -363,27 +458,35 @@ def forward_suite(bench: Bench, shape: str, op: str, g, m, k, n, sizes, peers: b
         block_sets = []
         for i, x in enumerate(sets):
             kb1, kb2 = jax.random.split(jax.random.key(100 + i))
-            block_sets.append((
-                x["lhs8"], jax.random.uniform(kb1, (m, k // 128), jnp.float32, 0.5, 2.0),
-                x["rhs8"], jax.random.uniform(kb2, (g, -(-n // 128), k // 128), jnp.float32,
-                                              0.5, 2.0),
-                x["sizes"],
-            ))
+            block_sets.append(
+                (
+                    x["lhs8"],
+                    jax.random.uniform(kb1, (m, k // 128), jnp.float32, 0.5, 2.0),
+                    x["rhs8"],
+                    jax.random.uniform(kb2, (g, -(-n // 128), k // 128), jnp.float32, 0.5, 2.0),
+                    x["sizes"],
+                )
+            )
         lq, ls, rq, rs, sz = block_sets[0]
         lhs_dq = lq.astype(jnp.float32) * jnp.repeat(ls, 128, axis=1)
-        rhs_dq = rq.astype(jnp.float32) * jnp.repeat(jnp.repeat(rs, 128, axis=1), 128, axis=2)[
-            :, :n
-        ]
+        rhs_dq = (
+            rq.astype(jnp.float32) * jnp.repeat(jnp.repeat(rs, 128, axis=1), 128, axis=2)[:, :n]
+        )
         ref_block = ragged_ref(lhs_dq, rhs_dq, sz)
         del lhs_dq, rhs_dq
         for cfg in block_cfgs:
             measure(
-                bench, shape=shape, op=op, impl=f"pallas fp8 block {cfg.tile_m}x{2 * cfg.tile_n}",
-                flops=flops, config=cfg,
+                bench,
+                shape=shape,
+                op=op,
+                impl=f"pallas fp8 block {cfg.tile_m}x{2 * cfg.tile_n}",
+                flops=flops,
+                config=cfg,
                 fn=lambda a, sa, b, sb, s, cfg=cfg: grouped_matmul_fp8_block(
                     a, sa, b, sb, s, config=cfg, interpret=INTERPRET
                 ),
-                arg_sets=block_sets, ref=ref_block,
+                arg_sets=block_sets,
+                ref=ref_block,
             )
         del ref_block, block_sets
     return best_bf16
@@ -398,39 +501,68 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
         k1, k2, k3 = jax.random.split(jax.random.key(200 + i), 3)
         x_km = jax.random.normal(k1, (k, m), jnp.float32)
         dy_nm = jax.random.normal(k2, (n, m), jnp.float32)
-        sets.append(dict(x=x_km.astype(BF16), dy=dy_nm.astype(BF16), x8=x_km.astype(E4M3),
-                         dy8=dy_nm.astype(E5M2),
-                         xs=jax.random.uniform(k3, (k,), jnp.float32, 0.5, 2.0),
-                         sizes=jnp.asarray(sizes, jnp.int32)))
+        sets.append(
+            dict(
+                x=x_km.astype(BF16),
+                dy=dy_nm.astype(BF16),
+                x8=x_km.astype(E4M3),
+                dy8=dy_nm.astype(E5M2),
+                xs=jax.random.uniform(k3, (k,), jnp.float32, 0.5, 2.0),
+                sizes=jnp.asarray(sizes, jnp.int32),
+            )
+        )
     s0 = sets[0]
     ref = wgrad_ref(s0["x"].astype(jnp.float32), s0["dy"].astype(jnp.float32), s0["sizes"])
     for cfg in bf16_cfgs:
-        measure(bench, shape=shape, op="wgrad", impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
-                flops=flops, config=cfg,
-                fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
-                    a, b, s, config=cfg, interpret=INTERPRET),
-                arg_sets=[(x["x"], x["dy"], x["sizes"]) for x in sets], ref=ref)
+        measure(
+            bench,
+            shape=shape,
+            op="wgrad",
+            impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops,
+            config=cfg,
+            fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
+                a, b, s, config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=[(x["x"], x["dy"], x["sizes"]) for x in sets],
+            ref=ref,
+        )
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[0], rhs_group_dimensions=[],
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
     )
     if peers:
-        measure(bench, shape=shape, op="wgrad", impl="lax.ragged_dot_general bf16 (M,K),(M,N)",
-                flops=flops,
-                fn=lambda a, b, s: lax.ragged_dot_general(a, b, s, dims,
-                                                          preferred_element_type=jnp.float32),
-                arg_sets=[(x["x"].T, x["dy"].T, x["sizes"]) for x in sets], ref=ref)
+        measure(
+            bench,
+            shape=shape,
+            op="wgrad",
+            impl="lax.ragged_dot_general bf16 (M,K),(M,N)",
+            flops=flops,
+            fn=lambda a, b, s: lax.ragged_dot_general(
+                a, b, s, dims, preferred_element_type=jnp.float32
+            ),
+            arg_sets=[(x["x"].T, x["dy"].T, x["sizes"]) for x in sets],
+            ref=ref,
+        )
     del ref
-    ref8 = wgrad_ref(s0["x8"].astype(jnp.float32) * s0["xs"][:, None],
-                     s0["dy8"].astype(jnp.float32), s0["sizes"])
+    ref8 = wgrad_ref(
+        s0["x8"].astype(jnp.float32) * s0["xs"][:, None], s0["dy8"].astype(jnp.float32), s0["sizes"]
+    )
     for cfg in fp8_cfgs:
-        measure(bench, shape=shape, op="wgrad",
-                impl=f"pallas fp8 e4m3xe5m2 {cfg.tile_m}x{2 * cfg.tile_n}", flops=flops,
-                config=cfg,
-                fn=lambda a, b, s, sa, cfg=cfg: grouped_matmul_wgrad(
-                    a, b, s, lhs_scale=sa, rhs_scale=jnp.float32(1.0), config=cfg,
-                    interpret=INTERPRET),
-                arg_sets=[(x["x8"], x["dy8"], x["sizes"], x["xs"]) for x in sets], ref=ref8)
+        measure(
+            bench,
+            shape=shape,
+            op="wgrad",
+            impl=f"pallas fp8 e4m3xe5m2 {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops,
+            config=cfg,
+            fn=lambda a, b, s, sa, cfg=cfg: grouped_matmul_wgrad(
+                a, b, s, lhs_scale=sa, rhs_scale=jnp.float32(1.0), config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=[(x["x8"], x["dy8"], x["sizes"], x["xs"]) for x in sets],
+            ref=ref8,
+        )
 
 
 def dense_block_suite(bench: Bench, size: int, configs, peers: bool):
@@ -441,22 +573,32 @@ def dense_block_suite(bench: Bench, size: int, configs, peers: bool):
     sets = []
     for i in range(2):
         k1, k2, k3, k4 = jax.random.split(jax.random.key(300 + i), 4)
-        sets.append((
-            jax.random.normal(k1, (size, size), jnp.float32).astype(E4M3),
-            jax.random.uniform(k2, (size, size // 128), jnp.float32, 0.5, 2.0),
-            jax.random.normal(k3, (size, size), jnp.float32).astype(E4M3),
-            jax.random.uniform(k4, (size // 128, size // 128), jnp.float32, 0.5, 2.0),
-        ))
+        sets.append(
+            (
+                jax.random.normal(k1, (size, size), jnp.float32).astype(E4M3),
+                jax.random.uniform(k2, (size, size // 128), jnp.float32, 0.5, 2.0),
+                jax.random.normal(k3, (size, size), jnp.float32).astype(E4M3),
+                jax.random.uniform(k4, (size // 128, size // 128), jnp.float32, 0.5, 2.0),
+            )
+        )
     a, sa, b, sb = sets[0]
     ref = (a.astype(jnp.float32) * jnp.repeat(sa, 128, axis=1)) @ (
         b.astype(jnp.float32) * jnp.repeat(jnp.repeat(sb, 128, axis=0), 128, axis=1)
     ).T
     for cfg in configs:
-        measure(bench, shape=shape, op="dense", impl=f"pallas fp8 block {cfg.tile_m}x256",
-                flops=flops, config=cfg,
-                fn=lambda a, sa, b, sb, cfg=cfg: dense_matmul_fp8_block(
-                    a, sa, b, sb, config=cfg, interpret=INTERPRET),
-                arg_sets=sets, ref=ref)
+        measure(
+            bench,
+            shape=shape,
+            op="dense",
+            impl=f"pallas fp8 block {cfg.tile_m}x256",
+            flops=flops,
+            config=cfg,
+            fn=lambda a, sa, b, sb, cfg=cfg: dense_matmul_fp8_block(
+                a, sa, b, sb, config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=sets,
+            ref=ref,
+        )
     del ref
     if peers:
         xla_dense_peers(bench, shape, size, size, size)
@@ -475,8 +617,10 @@ def markdown(rows: list[dict]) -> str:
         tf = f"{r['tflops']:.0f}" if r.get("tflops") else ""
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
         note = "" if r.get("status") == "ok" else r.get("status", "")[:120]
-        lines.append(f"| {r.get('shape', '')} | {r.get('op', '')} | {r.get('impl', '')} | {ms} "
-                     f"| {tf} | {err} | {note} |")
+        lines.append(
+            f"| {r.get('shape', '')} | {r.get('op', '')} | {r.get('impl', '')} | {ms} "
+            f"| {tf} | {err} | {note} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -488,11 +632,16 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, budget_s)
     device = jax.devices()[0]
-    bench.record(shape="device", op="", impl=f"{device.device_kind} jax {jax.__version__}",
-                 status="ok")
+    bench.record(
+        shape="device", op="", impl=f"{device.device_kind} jax {jax.__version__}", status="ok"
+    )
     shapes = dict(SHAPES)
     bf16_fwd, fp8_fwd, block, bf16_wgrad, fp8_wgrad = (
-        BF16_FWD_CONFIGS, FP8_FWD_CONFIGS, BLOCK_CONFIGS, BF16_WGRAD_CONFIGS, FP8_WGRAD_CONFIGS
+        BF16_FWD_CONFIGS,
+        FP8_FWD_CONFIGS,
+        BLOCK_CONFIGS,
+        BF16_WGRAD_CONFIGS,
+        FP8_WGRAD_CONFIGS,
     )
     narrow, narrow8 = NARROW_BF16_CONFIGS, NARROW_FP8_CONFIGS
     dense_size = 8192
@@ -503,13 +652,27 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
             "G8 skewed": (2, 256, 256, 256, [200, 40]),
             "G64 small experts": (3, 256, 256, 128, [64, 0, 150]),
         }
-        tiny = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2,
-                                   epi_tile_n=64, num_sms=2, grid_tile_width=1)
-        tiny_block = GroupedMatmulConfig(tile_m=64, tile_n=128, tile_k=128,
-                                         max_concurrent_steps=2, epi_tile_n=64, num_sms=2,
-                                         wgmma_in_flight=1)
-        tiny_wgrad = GroupedWgradConfig(tile_m=128, tile_n=64, tile_t=128,
-                                        max_concurrent_steps=2, epi_tile_n=32, num_sms=2)
+        tiny = GroupedMatmulConfig(
+            tile_m=64,
+            tile_n=64,
+            tile_k=128,
+            max_concurrent_steps=2,
+            epi_tile_n=64,
+            num_sms=2,
+            grid_tile_width=1,
+        )
+        tiny_block = GroupedMatmulConfig(
+            tile_m=64,
+            tile_n=128,
+            tile_k=128,
+            max_concurrent_steps=2,
+            epi_tile_n=64,
+            num_sms=2,
+            wgmma_in_flight=1,
+        )
+        tiny_wgrad = GroupedWgradConfig(
+            tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
+        )
         bf16_fwd = fp8_fwd = narrow = narrow8 = [tiny]
         block = [tiny_block]
         bf16_wgrad = fp8_wgrad = [tiny_wgrad]
@@ -527,16 +690,17 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
 
     g, m, k, n, sizes = shapes["G64 small experts"]
     forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow, narrow8, [])
-    forward_suite(bench, "G64 small experts", "dgrad", g, m, n, k, sizes, True, bf16_fwd[:1],
-                  fp8_fwd[:1], [])
-    wgrad_suite(bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1],
-                fp8_wgrad[:1])
+    forward_suite(
+        bench, "G64 small experts", "dgrad", g, m, n, k, sizes, True, bf16_fwd[:1], fp8_fwd[:1], []
+    )
+    wgrad_suite(bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
 
     dense_block_suite(bench, dense_size, block[:2], True)
 
     g, m, k, n, sizes = shapes["G8 skewed"]
-    forward_suite(bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1],
-                  block[:1])
+    forward_suite(
+        bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1], block[:1]
+    )
     wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
 
     text = markdown(bench.rows)
@@ -547,5 +711,8 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--small"]
-    main(args[0] if args else None, float(args[1]) if len(args) > 1 else 200.0,
-         small="--small" in sys.argv)
+    main(
+        args[0] if args else None,
+        float(args[1]) if len(args) > 1 else 200.0,
+        small="--small" in sys.argv,
+    )

@@ -34,20 +34,35 @@ BF16 = jnp.bfloat16
 # Small tiles and two "SMs" keep interpreted grids to a handful of tiles. Epilogue
 # rows span 128 bytes (32 f32 or 64 bf16 outputs).
 TINY_FWD = GroupedMatmulConfig(
-    tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, num_sms=2,
+    tile_m=64,
+    tile_n=64,
+    tile_k=64,
+    max_concurrent_steps=2,
+    epi_tile_n=32,
+    num_sms=2,
     grid_tile_width=1,
 )
 TINY_FWD_BF16_OUT = dataclasses.replace(TINY_FWD, epi_tile_n=64)
 TINY_FWD_FP8 = dataclasses.replace(TINY_FWD, tile_k=128)
 TINY_BLOCK = GroupedMatmulConfig(
-    tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, num_sms=2,
+    tile_m=64,
+    tile_n=128,
+    tile_k=128,
+    max_concurrent_steps=2,
+    epi_tile_n=64,
+    num_sms=2,
     grid_tile_width=1,
 )
 
 
 def tiny_wgrad(tile_t: int) -> GroupedWgradConfig:
     return GroupedWgradConfig(
-        tile_m=128, tile_n=64, tile_t=tile_t, max_concurrent_steps=2, epi_tile_n=32, num_sms=2,
+        tile_m=128,
+        tile_n=64,
+        tile_t=tile_t,
+        max_concurrent_steps=2,
+        epi_tile_n=32,
+        num_sms=2,
         grid_tile_width=1,
     )
 
@@ -144,7 +159,12 @@ def test_bf16_forward_kn_layout_bf16_out_partial_tiles():
     lhs = jax.random.normal(k_lhs, (130, 96), jnp.float32).astype(BF16)
     rhs_kn = jax.random.normal(k_rhs, (2, 96, 48), jnp.float32).astype(BF16)
     out = grouped_matmul(
-        lhs, rhs_kn, sizes, rhs_layout="kn", out_dtype=BF16, config=TINY_FWD_BF16_OUT,
+        lhs,
+        rhs_kn,
+        sizes,
+        rhs_layout="kn",
+        out_dtype=BF16,
+        config=TINY_FWD_BF16_OUT,
         interpret=True,
     )
     assert out.dtype == BF16 and out.shape == (130, 48)
@@ -160,8 +180,14 @@ def test_fp8_mixed_forward_with_row_and_column_scales():
     lhs_scale = jax.random.uniform(k[2], (160,), jnp.float32, 0.25, 4.0)
     rhs_scale = jax.random.uniform(k[3], (3, 64), jnp.float32, 0.25, 4.0)
     out = grouped_matmul(
-        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=jnp.float32,
-        config=TINY_FWD_FP8, interpret=True,
+        lhs,
+        rhs,
+        sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=jnp.float32,
+        config=TINY_FWD_FP8,
+        interpret=True,
     )
     ref = ref_ragged_rows(
         f64(lhs) * f64(lhs_scale)[:, None],
@@ -179,8 +205,14 @@ def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
     lhs_scale = jnp.float32(0.75)
     rhs_scale = jnp.asarray([1.5, 0.125], jnp.float32)
     out = grouped_matmul(
-        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=BF16,
-        config=dataclasses.replace(TINY_FWD_FP8, epi_tile_n=64), interpret=True,
+        lhs,
+        rhs,
+        sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=BF16,
+        config=dataclasses.replace(TINY_FWD_FP8, epi_tile_n=64),
+        interpret=True,
     )
     ref = ref_ragged_rows(f64(lhs) * 0.75, f64(rhs) * f64(rhs_scale)[:, None, None], sizes)
     assert_close(out, ref, rel=2**-7)
@@ -197,7 +229,13 @@ def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
     lhs_scale = jax.random.uniform(k[2], (160, 2), jnp.float32, 2.0**-4, 2.0**4)
     rhs_scale = jax.random.uniform(k[3], (3, 2, 2), jnp.float32, 2.0**-4, 2.0**4)
     out = grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config,
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        sizes,
+        out_dtype=jnp.float32,
+        config=config,
         interpret=True,
     )
     ref = ref_ragged_rows(
@@ -211,7 +249,9 @@ def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
 @pytest.mark.parametrize(("wgmma_in_flight", "epilogue_buffers"), [(1, 1), (1, 2), (0, 1)])
 def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers):
     config = dataclasses.replace(
-        TINY_FWD, max_concurrent_steps=3, wgmma_in_flight=wgmma_in_flight,
+        TINY_FWD,
+        max_concurrent_steps=3,
+        wgmma_in_flight=wgmma_in_flight,
         epilogue_buffers=epilogue_buffers,
     )
     sizes = jnp.asarray([37, 0, 90], jnp.int32)
@@ -234,7 +274,12 @@ def test_dense_entry_points():
     lhs_scale = jax.random.uniform(k[4], (96, 2), jnp.float32, 0.5, 2.0)
     rhs_scale = jax.random.uniform(k[5], (2, 2), jnp.float32, 0.5, 2.0)
     out = dense_matmul_fp8_block(
-        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32, config=TINY_BLOCK,
+        lhs8,
+        lhs_scale,
+        rhs8,
+        rhs_scale,
+        out_dtype=jnp.float32,
+        config=TINY_BLOCK,
         interpret=True,
     )
     lhs_dq = dequant_fp8_block(lhs8, lhs_scale, 1, 128)
@@ -279,8 +324,14 @@ def test_fp8_mixed_wgrad_with_scales_bf16_out():
     rhs = random_fp8(k[1], (192, 208), E5M2)
     lhs_scale = jax.random.uniform(k[2], (128,), jnp.float32, 0.25, 4.0)
     out = grouped_matmul_wgrad(
-        lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=jnp.float32(0.5), out_dtype=BF16,
-        config=tiny_wgrad(128), interpret=True,
+        lhs,
+        rhs,
+        sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=jnp.float32(0.5),
+        out_dtype=BF16,
+        config=tiny_wgrad(128),
+        interpret=True,
     )
     assert out.shape == (4, 128, 192) and out.dtype == BF16
     ref = ref_ragged_contraction(f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * 0.5, sizes)
@@ -297,56 +348,151 @@ def _bf16(shape):
 @pytest.mark.parametrize(
     ("call", "error", "needle"),
     [
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((3,), jnp.int32)),
-         ValueError, "group_sizes"),
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int16)),
-         TypeError, "group_sizes"),
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2, 1), jnp.int32)),
-         ValueError, "group_sizes"),
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 24)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "contraction"),
-        (lambda: grouped_matmul(_bf16((8, 16, 1)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "lhs"),
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((16, 16)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "rhs"),
-        (lambda: grouped_matmul(jnp.zeros((8, 16), jnp.float32), _bf16((2, 16, 16)),
-                                jnp.zeros((2,), jnp.int32)),
-         TypeError, "lhs"),
-        (lambda: grouped_matmul(_bf16((8, 16)), jnp.zeros((2, 16, 16), E4M3),
-                                jnp.zeros((2,), jnp.int32)),
-         TypeError, "dtypes"),
-        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
-                                jnp.zeros((2,), jnp.int32), rhs_layout="kn"),
-         ValueError, "rhs_layout"),
-        (lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32),
-                                out_dtype=jnp.float16),
-         TypeError, "out_dtype"),
-        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
-                                jnp.zeros((2,), jnp.int32), lhs_scale=jnp.ones((7,))),
-         ValueError, "lhs_scale"),
-        (lambda: grouped_matmul(jnp.zeros((8, 16), E4M3), jnp.zeros((2, 16, 16), E4M3),
-                                jnp.zeros((2,), jnp.int32), rhs_scale=jnp.ones((2, 3))),
-         ValueError, "rhs_scale"),
-        (lambda: grouped_matmul_fp8_block(
-            jnp.zeros((8, 256), E4M3), jnp.ones((8, 3)), jnp.zeros((2, 128, 256), E4M3),
-            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "lhs_scale"),
-        (lambda: grouped_matmul_fp8_block(
-            jnp.zeros((8, 200), E4M3), jnp.ones((8, 2)), jnp.zeros((2, 128, 200), E4M3),
-            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "multiple of 128"),
-        (lambda: grouped_matmul_fp8_block(
-            _bf16((8, 256)), jnp.ones((8, 2)), jnp.zeros((2, 128, 256), E4M3),
-            jnp.ones((2, 1, 2)), jnp.zeros((2,), jnp.int32)),
-         TypeError, "lhs"),
-        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 72)), jnp.zeros((2,), jnp.int32)),
-         ValueError, "token"),
-        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 64)),
-                                      jnp.zeros((2,), jnp.float32)),
-         TypeError, "group_sizes"),
-        (lambda: grouped_matmul_wgrad(_bf16((16, 64)), _bf16((16, 64)), jnp.zeros((2,), jnp.int32),
-                                      lhs_scale=jnp.ones((15,))),
-         ValueError, "lhs_scale"),
+        (
+            lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((3,), jnp.int32)),
+            ValueError,
+            "group_sizes",
+        ),
+        (
+            lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int16)),
+            TypeError,
+            "group_sizes",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2, 1), jnp.int32)
+            ),
+            ValueError,
+            "group_sizes",
+        ),
+        (
+            lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 24)), jnp.zeros((2,), jnp.int32)),
+            ValueError,
+            "contraction",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16, 1)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32)
+            ),
+            ValueError,
+            "lhs",
+        ),
+        (
+            lambda: grouped_matmul(_bf16((8, 16)), _bf16((16, 16)), jnp.zeros((2,), jnp.int32)),
+            ValueError,
+            "rhs",
+        ),
+        (
+            lambda: grouped_matmul(
+                jnp.zeros((8, 16), jnp.float32), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int32)
+            ),
+            TypeError,
+            "lhs",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)), jnp.zeros((2, 16, 16), E4M3), jnp.zeros((2,), jnp.int32)
+            ),
+            TypeError,
+            "dtypes",
+        ),
+        (
+            lambda: grouped_matmul(
+                jnp.zeros((8, 16), E4M3),
+                jnp.zeros((2, 16, 16), E4M3),
+                jnp.zeros((2,), jnp.int32),
+                rhs_layout="kn",
+            ),
+            ValueError,
+            "rhs_layout",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)),
+                _bf16((2, 16, 16)),
+                jnp.zeros((2,), jnp.int32),
+                out_dtype=jnp.float16,
+            ),
+            TypeError,
+            "out_dtype",
+        ),
+        (
+            lambda: grouped_matmul(
+                jnp.zeros((8, 16), E4M3),
+                jnp.zeros((2, 16, 16), E4M3),
+                jnp.zeros((2,), jnp.int32),
+                lhs_scale=jnp.ones((7,)),
+            ),
+            ValueError,
+            "lhs_scale",
+        ),
+        (
+            lambda: grouped_matmul(
+                jnp.zeros((8, 16), E4M3),
+                jnp.zeros((2, 16, 16), E4M3),
+                jnp.zeros((2,), jnp.int32),
+                rhs_scale=jnp.ones((2, 3)),
+            ),
+            ValueError,
+            "rhs_scale",
+        ),
+        (
+            lambda: grouped_matmul_fp8_block(
+                jnp.zeros((8, 256), E4M3),
+                jnp.ones((8, 3)),
+                jnp.zeros((2, 128, 256), E4M3),
+                jnp.ones((2, 1, 2)),
+                jnp.zeros((2,), jnp.int32),
+            ),
+            ValueError,
+            "lhs_scale",
+        ),
+        (
+            lambda: grouped_matmul_fp8_block(
+                jnp.zeros((8, 200), E4M3),
+                jnp.ones((8, 2)),
+                jnp.zeros((2, 128, 200), E4M3),
+                jnp.ones((2, 1, 2)),
+                jnp.zeros((2,), jnp.int32),
+            ),
+            ValueError,
+            "multiple of 128",
+        ),
+        (
+            lambda: grouped_matmul_fp8_block(
+                _bf16((8, 256)),
+                jnp.ones((8, 2)),
+                jnp.zeros((2, 128, 256), E4M3),
+                jnp.ones((2, 1, 2)),
+                jnp.zeros((2,), jnp.int32),
+            ),
+            TypeError,
+            "lhs",
+        ),
+        (
+            lambda: grouped_matmul_wgrad(
+                _bf16((16, 64)), _bf16((16, 72)), jnp.zeros((2,), jnp.int32)
+            ),
+            ValueError,
+            "token",
+        ),
+        (
+            lambda: grouped_matmul_wgrad(
+                _bf16((16, 64)), _bf16((16, 64)), jnp.zeros((2,), jnp.float32)
+            ),
+            TypeError,
+            "group_sizes",
+        ),
+        (
+            lambda: grouped_matmul_wgrad(
+                _bf16((16, 64)),
+                _bf16((16, 64)),
+                jnp.zeros((2,), jnp.int32),
+                lhs_scale=jnp.ones((15,)),
+            ),
+            ValueError,
+            "lhs_scale",
+        ),
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(call, error, needle):
@@ -366,8 +512,10 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         (lambda: GroupedWgradConfig(tile_m=64), "tile_m"),
         (lambda: GroupedWgradConfig(tile_t=48), "tile_t"),
         (lambda: GroupedMatmulConfig(wgmma_in_flight=2), "wgmma_in_flight"),
-        (lambda: GroupedMatmulConfig(max_concurrent_steps=1, wgmma_in_flight=1),
-         "max_concurrent_steps"),
+        (
+            lambda: GroupedMatmulConfig(max_concurrent_steps=1, wgmma_in_flight=1),
+            "max_concurrent_steps",
+        ),
         (lambda: GroupedMatmulConfig(epilogue_buffers=3), "epilogue_buffers"),
     ],
 )
@@ -377,18 +525,25 @@ def test_bad_configs_raise(factory, needle):
 
 
 def test_epilogue_rows_must_span_128_bytes():
-    config = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2,
-                                 epi_tile_n=32)
+    config = GroupedMatmulConfig(
+        tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32
+    )
     with pytest.raises(ValueError, match="128 bytes"):
-        grouped_matmul(_bf16((256, 256)), _bf16((2, 256, 256)), jnp.zeros((2,), jnp.int32),
-                       out_dtype=BF16, config=config)
+        grouped_matmul(
+            _bf16((256, 256)),
+            _bf16((2, 256, 256)),
+            jnp.zeros((2,), jnp.int32),
+            out_dtype=BF16,
+            config=config,
+        )
 
 
 def test_config_that_overflows_shared_memory_is_rejected():
     config = GroupedMatmulConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=8)
     with pytest.raises(ValueError, match="shared memory"):
-        grouped_matmul(_bf16((256, 256)), _bf16((2, 256, 256)), jnp.zeros((2,), jnp.int32),
-                       config=config)
+        grouped_matmul(
+            _bf16((256, 256)), _bf16((2, 256, 256)), jnp.zeros((2,), jnp.int32), config=config
+        )
 
 
 # ---------------------------------------------------------------- cross-lowering for the H200
@@ -410,9 +565,20 @@ F32 = jnp.float32
 
 CROSS_LOWERING_CASES = {
     "bf16_fwd_nk": (
-        lambda a, b, g: grouped_matmul(a, b, g, config=GroupedMatmulConfig(
-            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
-            wgmma_in_flight=1, epilogue_buffers=1)),
+        lambda a, b, g: grouped_matmul(
+            a,
+            b,
+            g,
+            config=GroupedMatmulConfig(
+                tile_m=128,
+                tile_n=128,
+                tile_k=64,
+                max_concurrent_steps=4,
+                epi_tile_n=64,
+                wgmma_in_flight=1,
+                epilogue_buffers=1,
+            ),
+        ),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
     "bf16_fwd_kn_f32_out": (
@@ -429,11 +595,27 @@ CROSS_LOWERING_CASES = {
     ),
     "fp8_block_fwd": (
         lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a, sa, b, sb, g, config=GroupedMatmulConfig(
-                tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64,
-                wgmma_in_flight=1)),
-        (S((M, K), E4M3), S((M, K // 128), F32), S((G, N, K), E4M3),
-         S((G, N // 128, K // 128), F32), SIZES),
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            config=GroupedMatmulConfig(
+                tile_m=64,
+                tile_n=128,
+                tile_k=128,
+                max_concurrent_steps=4,
+                epi_tile_n=64,
+                wgmma_in_flight=1,
+            ),
+        ),
+        (
+            S((M, K), E4M3),
+            S((M, K // 128), F32),
+            S((G, N, K), E4M3),
+            S((G, N // 128, K // 128), F32),
+            SIZES,
+        ),
     ),
     "fp8_block_dense": (
         lambda a, sa, b, sb: dense_matmul_fp8_block(a, sa, b, sb),
@@ -448,8 +630,9 @@ CROSS_LOWERING_CASES = {
         (S((K, M), BF16), S((N, M), BF16), SIZES),
     ),
     "fp8_wgrad_e4m3_x_e5m2_scaled": (
-        lambda a, b, g, sa, sb: grouped_matmul_wgrad(a, b, g, lhs_scale=sa, rhs_scale=sb,
-                                                     out_dtype=BF16),
+        lambda a, b, g, sa, sb: grouped_matmul_wgrad(
+            a, b, g, lhs_scale=sa, rhs_scale=sb, out_dtype=BF16
+        ),
         (S((K, M), E4M3), S((N, M), E5M2), SIZES, S((K,), F32), S((), F32)),
     ),
     # Shapes that are not whole tiles (M, N not multiples of 8, K / tokens not whole
@@ -465,13 +648,23 @@ CROSS_LOWERING_CASES = {
     ),
     "odd_shapes_fp8_fwd": (
         lambda a, b, g, sa, sb: grouped_matmul(a, b, g, lhs_scale=sa, rhs_scale=sb),
-        (S((1001, 200), E4M3), S((5, 380, 200), E5M2), S((5,), jnp.int32), S((1001,), F32),
-         S((5, 380), F32)),
+        (
+            S((1001, 200), E4M3),
+            S((5, 380, 200), E5M2),
+            S((5,), jnp.int32),
+            S((1001,), F32),
+            S((5, 380), F32),
+        ),
     ),
     "odd_shapes_fp8_block": (
         lambda a, sa, b, sb, g: grouped_matmul_fp8_block(a, sa, b, sb, g),
-        (S((1001, 256), E4M3), S((1001, 2), F32), S((5, 380, 256), E4M3), S((5, 3, 2), F32),
-         S((5,), jnp.int32)),
+        (
+            S((1001, 256), E4M3),
+            S((1001, 2), F32),
+            S((5, 380, 256), E4M3),
+            S((5, 3, 2), F32),
+            S((5,), jnp.int32),
+        ),
     ),
     "odd_shapes_bf16_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),
@@ -482,9 +675,19 @@ CROSS_LOWERING_CASES = {
         (S((500, 1000), E4M3), S((380, 1000), E5M2), S((5,), jnp.int32)),
     ),
     "small_experts_fwd": (
-        lambda a, b, g: grouped_matmul(a, b, g, config=GroupedMatmulConfig(
-            tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5, epi_tile_n=64,
-            wgmma_in_flight=1)),
+        lambda a, b, g: grouped_matmul(
+            a,
+            b,
+            g,
+            config=GroupedMatmulConfig(
+                tile_m=128,
+                tile_n=64,
+                tile_k=64,
+                max_concurrent_steps=5,
+                epi_tile_n=64,
+                wgmma_in_flight=1,
+            ),
+        ),
         (S((32768, 2048), BF16), S((64, 1408, 2048), BF16), S((64,), jnp.int32)),
     ),
 }
@@ -500,5 +703,9 @@ def test_cross_lowers_for_h200(name):
 def test_fp8_operand_that_is_not_k_major_is_refused():
     # Hopper's fp8 wgmma reads K-major operands only; the wrapper refuses (G, K, N).
     with pytest.raises(ValueError, match="K-major"):
-        grouped_matmul(jnp.zeros((64, 128), E4M3), jnp.zeros((2, 128, 64), E4M3),
-                       jnp.zeros((2,), jnp.int32), rhs_layout="kn")
+        grouped_matmul(
+            jnp.zeros((64, 128), E4M3),
+            jnp.zeros((2, 128, 64), E4M3),
+            jnp.zeros((2,), jnp.int32),
+            rhs_layout="kn",
+        )

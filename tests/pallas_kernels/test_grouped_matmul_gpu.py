@@ -101,7 +101,11 @@ def test_gpu_fp8_block_forward():
     )
     assert_close(out, ref, rel=1e-3)
     overlapped = GroupedMatmulConfig(
-        tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64,
+        tile_m=64,
+        tile_n=128,
+        tile_k=128,
+        max_concurrent_steps=4,
+        epi_tile_n=64,
         wgmma_in_flight=1,
     )
     out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
@@ -113,8 +117,13 @@ def test_gpu_fp8_block_forward():
 @pytest.mark.parametrize("epilogue_buffers", [1, 2])
 def test_gpu_one_wgmma_in_flight(epilogue_buffers):
     config = GroupedMatmulConfig(
-        tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3, epi_tile_n=64,
-        wgmma_in_flight=1, epilogue_buffers=epilogue_buffers,
+        tile_m=128,
+        tile_n=128,
+        tile_k=64,
+        max_concurrent_steps=3,
+        epi_tile_n=64,
+        wgmma_in_flight=1,
+        epilogue_buffers=epilogue_buffers,
     )
     k_lhs, k_rhs = keys(2, seed=16)
     lhs = jax.random.normal(k_lhs, (ROWS, K_DIM), jnp.float32).astype(BF16)
@@ -159,9 +168,9 @@ def test_gpu_dense_entry_points():
     out = jax.jit(dense_matmul_fp8_block, static_argnames=("out_dtype",))(
         lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32
     )
-    ref = dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(
-        rhs8, rhs_scale, 128, 128
-    ).T
+    ref = (
+        dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
+    )
     assert_close(out, ref, rel=1e-3)
 
 
