@@ -7,9 +7,18 @@ not memory savings)."""
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jax_qtrain import sharding as jqs
-from jax_qtrain.ops import INPUT, KERNEL
+from jax_qtrain.ops import (
+    FC1_INPUT,
+    FC1_KERNEL,
+    FC2_INPUT,
+    FC2_KERNEL,
+    INPUT,
+    KERNEL,
+    PRE_ACTIVATION,
+)
 from tests.jax_qtrain.sharding_helpers import (
     RECIPES,
     assert_bits_equal,
@@ -112,3 +121,60 @@ def test_each_policy_saves_what_it_names_and_never_the_gathered_kernel(name, str
             assert sorted(device, key=str) == sorted(kernel_copy, key=str), listing
         whole = kernel_shapes((8 * rows, 64), recipe) - {s for s, _ in x_copy}
         assert not [r for r in saved if r.shape in whole], listing
+
+
+GROUPED_POLICIES = {
+    "no policy": None,
+    "save the inputs, recompute the kernel copies": (
+        jax.checkpoint_policies.save_only_these_names(FC1_INPUT, PRE_ACTIVATION, FC2_INPUT)
+    ),
+    "recompute everything": jax.checkpoint_policies.nothing_saveable,
+    "offload the inputs, save the kernels": (
+        jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[FC1_KERNEL, FC2_KERNEL],
+            names_which_can_be_offloaded=[FC1_INPUT, PRE_ACTIVATION, FC2_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("name, strategy", [("mxfp8", "quantize_then_gather")])
+def test_grouped_mlp_gradients_are_identical_under_every_policy(name, strategy):
+    """The fused expert MLP with its kernels split by expert over 4 devices: every policy gives
+    the bits of the run without one (dx, dprobs and both kernels' gradients)."""
+    recipe = RECIPES[name]
+    devices, experts, tokens, hidden, ffn = 4, 8, 64, 64, 64
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (devices * tokens, hidden), jnp.bfloat16)
+    probs = jax.random.uniform(keys[1], (devices * tokens,), jnp.float32)
+    fc1 = jax.random.normal(keys[2], (experts, hidden, 2 * ffn), jnp.float32) * 0.1
+    fc2 = jax.random.normal(keys[3], (experts, ffn, hidden), jnp.float32) * 0.1
+    dy = jax.random.normal(keys[4], (devices * tokens, hidden), jnp.float32)
+    sizes = jnp.tile(jnp.array([[10, 0, 20, 6, 8, 10, 5, 1]], jnp.int32), (devices, 1))
+
+    def layer(x, probs, fc1, fc2, sizes):
+        return jqs.fsdp_grouped_mlp(
+            x, fc1, fc2, sizes[0], probs, "swiglu",
+            axis_name="fsdp", kernel_dim="experts", strategy=strategy, recipe=recipe,
+        )  # fmt: skip
+
+    results = {}
+    for label, policy in GROUPED_POLICIES.items():
+        fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+        def body(x, probs, fc1, fc2, sizes, dy, fn=fn):
+            y, vjp = jax.vjp(lambda *a: fn(*a, sizes), x, probs, fc1, fc2)
+            return (y, *vjp(dy))
+
+        results[label] = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh_1d(devices),
+                in_specs=(P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp")),
+                out_specs=(P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp")),
+            )
+        )(x, probs, fc1, fc2, sizes, dy)
+    for label, result in results.items():
+        assert_bits_equal(result, results["no policy"], label)
