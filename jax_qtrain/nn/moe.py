@@ -85,6 +85,9 @@ class MoE(nnx.Module):
       aux_loss_coef: scale of the load-balancing loss (default 0.01).
       recipe: the experts' recipe (static; None follows autocast). The router is not quantized.
       save_original_input: see `jax_qtrain.grouped_mlp`.
+      quantized_weight: keep the experts' quantized copies (`experts.quantized_fc1_kernel`,
+        `experts.quantized_fc2_kernel`; needs `recipe`), refreshed by `jax_qtrain.nn.Optimizer`
+        (docs/quantized_weights.md).
       dtype: the experts' compute dtype; param_dtype: stored parameters' dtype.
       kernel_init: the experts' initializer; router_init: the router's.
       rngs: the parameter RNG stream.
@@ -102,6 +105,7 @@ class MoE(nnx.Module):
         aux_loss_coef: float = 1e-2,
         recipe: Recipe | None = None,
         save_original_input: bool = False,
+        quantized_weight: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=default_expert_kernel_init,
@@ -130,6 +134,7 @@ class MoE(nnx.Module):
             kernel_init=kernel_init,
             recipe=recipe,
             save_original_input=save_original_input,
+            quantized_weight=quantized_weight,
             rngs=rngs,
         )
         self.in_features, self.ffn_features, self.num_experts = (

@@ -912,3 +912,36 @@ def test_docs_bytes_table_is_current():
     docs = (Path(__file__).parents[2] / "docs" / "quantized_weights.md").read_text()
     assert table in docs, "rerun `python -m benchmarks.quantized_weight_bytes` into the docs"
     assert re.search(r"\| NVFP4 \|", table)
+
+
+@pytest.mark.parametrize("name", ["mxfp8"])
+def test_moe_block_keeps_its_experts_quantized_through_training(name):
+    """nn.MoE(quantized_weight=True) passes the option to its experts: three optimizer steps
+    and an inference call give the bits of the same block quantizing in every call, and the kept
+    copies always equal quantizing the updated masters."""
+    recipe = RECIPES[name]
+    blocks = [
+        jq.nn.MoE(64, 32, 4, top_k=2, recipe=recipe, quantized_weight=q, rngs=nnx.Rngs(0))
+        for q in (True, False)
+    ]
+    cached, plain = blocks
+    assert cached.experts.quantized_fc1_kernel is not None
+    assert plain.experts.quantized_fc1_kernel is None
+    optimizers = [jq.nn.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in blocks]
+
+    @nnx.jit
+    def train_step(block, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda b: jnp.mean(b(x) ** 2))(block)
+        optimizer.update(block, grads)
+        return loss
+
+    infer = nnx.jit(lambda block, x: block(x))
+    for step in range(3):
+        x = jax.random.normal(jax.random.key(step), (48, 64))
+        losses = [train_step(b, o, x) for b, o in zip(blocks, optimizers, strict=True)]
+        assert_bits_equal(losses[0], losses[1])
+        for kept, kernel in _kept_copies(cached.experts):
+            assert kept.usages == BOTH
+            assert_bits_equal(kept, jq.quantize_weight(kernel, recipe))
+    x = jax.random.normal(jax.random.key(9), (48, 64))
+    assert_bits_equal(infer(cached, x), infer(plain, x))
