@@ -10,6 +10,7 @@ from jax_qtrain.sharding.config import (
     Strategy,
     WeightSharding,
 )
+from jax_qtrain.sharding.expert_parallel import expert_parallel_mlp
 from jax_qtrain.sharding.gather import (
     GatherBytes,
     gather_and_quantize,
@@ -36,6 +37,7 @@ __all__ = [
     "Strategy",
     "WeightSharding",
     "dense",
+    "expert_parallel_mlp",
     "fsdp_dense",
     "fsdp_grouped_dense",
     "fsdp_grouped_mlp",
