@@ -19,6 +19,7 @@ from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.recipes import Recipe
 
 from .config import WeightSharding, check_kernel_dim
+from .expert_parallel import expert_parallel_mlp
 from .reductions import psum, replicated_input
 from .sharded_dense import dense as sharded_dense
 from .sharded_dense import laid_out
@@ -149,6 +150,11 @@ class ShardedMoE(nnx.Module):
         router_init, rngs: as `jax_qtrain.nn.MoE`.
       sharding: a `WeightSharding`; `kernel_dim="experts"` gives each device num_experts/P
         whole experts, 0 or 1 splits every expert's in- or out-features.
+      expert_parallel: send the routed rows to the devices that hold their experts
+        (`expert_parallel_mlp`, all-to-all) instead of gathering the experts on every device.
+        Needs `kernel_dim="experts"` and the expert axis among the batch axes. The experts then
+        see the whole batch's rows: with row-local recipes (none, MXFP8, FP8 block) y, the
+        input gradient and every parameter gradient equal `nn.MoE` on the whole batch.
     """
 
     def __init__(
@@ -168,10 +174,19 @@ class ShardedMoE(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=default_expert_kernel_init,
         router_init=default_router_init,
+        expert_parallel: bool = False,
         rngs: nnx.Rngs,
     ):
         if not isinstance(sharding, WeightSharding):
             raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+        if expert_parallel and (
+            sharding.kernel_dim != "experts" or sharding.axis not in sharding.batch_axes
+        ):
+            raise ValueError(
+                'expert_parallel=True needs a sharding with kernel_dim="experts" whose axis '
+                f"{sharding.axis!r} is also a batch axis (tokens split over it), got "
+                f"kernel_dim={sharding.kernel_dim!r}, batch_axes={sharding.batch_axes}"
+            )
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {recipe!r}")
         check_activation(activation)
@@ -216,7 +231,7 @@ class ShardedMoE(nnx.Module):
             kernel_init(rngs.params(), (num_experts, ffn_features, in_features), param_dtype),
             **expert_split,
         )
-        self.sharding = sharding
+        self.sharding, self.expert_parallel = sharding, expert_parallel
         self.in_features, self.ffn_features, self.num_experts = (
             in_features,
             ffn_features,
@@ -245,21 +260,35 @@ class ShardedMoE(nnx.Module):
         x, fc1, fc2 = dtypes.promote_dtype(
             (jnp.take(tokens, order // top_k, axis=0), fc1_shard, fc2_shard), dtype=self.dtype
         )
-        expert_out = fsdp_grouped_mlp(
-            x,
-            fc1,
-            fc2,
-            group_sizes,
-            jnp.take(top_probs.reshape(-1), order, axis=0),
-            self.activation,
-            axis_name=sharding.axis,
-            kernel_dim=sharding.kernel_dim,
-            batch_axis_names=sharding.batch_axes,
-            strategy=sharding.strategy,
-            recipe=self.recipe,
-            save_original_input=self.save_original_input,
-            deterministic=deterministic,
-        )
+        row_probs = jnp.take(top_probs.reshape(-1), order, axis=0)
+        if self.expert_parallel:
+            expert_out = expert_parallel_mlp(
+                x,
+                jnp.take(top_experts.reshape(-1), order, axis=0),
+                row_probs,
+                fc1,
+                fc2,
+                self.activation,
+                axis_name=sharding.axis,
+                recipe=self.recipe,
+                save_original_input=self.save_original_input,
+            )
+        else:
+            expert_out = fsdp_grouped_mlp(
+                x,
+                fc1,
+                fc2,
+                group_sizes,
+                row_probs,
+                self.activation,
+                axis_name=sharding.axis,
+                kernel_dim=sharding.kernel_dim,
+                batch_axis_names=sharding.batch_axes,
+                strategy=sharding.strategy,
+                recipe=self.recipe,
+                save_original_input=self.save_original_input,
+                deterministic=deterministic,
+            )
         per_slot = jnp.take(expert_out, inverse, axis=0)
         per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
         y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)

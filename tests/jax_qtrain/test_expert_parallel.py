@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jax_qtrain as jq
@@ -95,3 +96,57 @@ def test_bad_arguments_are_named():
         jqs.expert_parallel_mlp(x, ids[:-1], probs, fc1, fc2, axis_name="fsdp")
     with pytest.raises(ValueError, match="fc1_shard"):
         jqs.expert_parallel_mlp(x, ids, probs, fc1[:2], fc2, axis_name="fsdp")
+
+
+def test_expert_parallel_moe_layer_is_the_moe_on_the_whole_batch():
+    """ShardedMoE(expert_parallel=True), MXFP8 experts: y, dx and the expert gradients are
+    nn.MoE's on the whole batch, bit for bit (the router's gradient up to the float32 order of
+    the per-device sums)."""
+    mesh = mesh_1d(DEVICES)
+    sharding = jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts")
+    kwargs = dict(top_k=2, recipe=RECIPES["mxfp8"])
+    sharded = jqs.ShardedMoE(
+        HIDDEN, FFN, EXPERTS, sharding=sharding, expert_parallel=True, rngs=nnx.Rngs(3), **kwargs
+    )
+    plain = jq.nn.MoE(HIDDEN, FFN, EXPERTS, rngs=nnx.Rngs(3), **kwargs)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(DEVICES * 32, HIDDEN)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(DEVICES * 32, HIDDEN)), jnp.float32)
+
+    def value_and_grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        @jax.jit
+        def run(params, rest, x, dy):
+            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest, copy=True)(x), params, x)
+            return y, *vjp(dy)
+
+        return run(params, rest, x, dy)
+
+    y, dparams, dx = value_and_grads(sharded)
+    y_ref, dparams_ref, dx_ref = value_and_grads(plain)
+    assert_bits_equal(
+        (y, dx, dparams["fc1_kernel"].get_value(), dparams["fc2_kernel"].get_value()),
+        (
+            y_ref,
+            dx_ref,
+            dparams_ref["experts"]["fc1_kernel"].get_value(),
+            dparams_ref["experts"]["fc2_kernel"].get_value(),
+        ),
+        "y, dx, dfc1, dfc2",
+    )
+    np.testing.assert_allclose(
+        np.asarray(dparams["router"]["kernel"].get_value()),
+        np.asarray(dparams_ref["router"]["kernel"].get_value()),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="expert_parallel=True needs"):
+        jqs.ShardedMoE(
+            HIDDEN,
+            FFN,
+            EXPERTS,
+            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim=0),
+            expert_parallel=True,
+            rngs=nnx.Rngs(0),
+        )
