@@ -14,7 +14,7 @@ import pytest
 
 from tests.train.conftest import TINY_OPTIONS
 
-STEPS = 32
+STEPS = 30
 OPTIONS = [
     *TINY_OPTIONS,
     "--recipe=nvfp4",
