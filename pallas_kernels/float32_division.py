@@ -11,7 +11,8 @@ The code uses only elementwise jnp/lax operations and one fori_loop, which both 
 GPU lower (shifts, unsigned compares, selects, clz; the loop carries two uint32 arrays), so the
 jnp references (jax_qtrain.formats) and the kernels in this package call this one function. It
 costs about 150 integer operations per quotient: use it for per-block and per-tensor scales,
-never per element. (Mosaic GPU lowering of it is not yet checked on the H200.)
+never per element. (The kernels using it cross-lower for the H200 in the CPU tests; they have
+not yet run on one.)
 """
 
 from __future__ import annotations
