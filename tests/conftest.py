@@ -15,10 +15,20 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import tempfile
+
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", False)
+# Many tests compile the same programs (the same quantizers on the same shapes, built from
+# different lambdas): JAX's persistent cache, keyed by the compiled program, lets both xdist
+# workers reuse them. Executables with host callbacks (the Pallas interpreter) are not cached.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    jax.config.update(
+        "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "jax_qtrain_tests_cache")
+    )
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def _has_gpu() -> bool:
