@@ -36,15 +36,7 @@ from jax import lax
 from jax_qtrain.ops.grouped_mlp import grouped_mlp
 from jax_qtrain.recipes import Recipe
 
-
-def _axis_size(axis_name: str) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError:
-        raise ValueError(
-            f"axis_name: axis {axis_name!r} is not bound here; call expert_parallel_mlp inside "
-            "jax.shard_map over a mesh with that axis"
-        ) from None
+from .sharded_dense import bound_axis_size
 
 
 def _check(x, expert_ids, probs, fc1_shard, fc2_shard) -> None:
@@ -94,7 +86,7 @@ def expert_parallel_mlp(
       (R, N) in the order of x's rows.
     """
     _check(x, expert_ids, probs, fc1_shard, fc2_shard)
-    devices = _axis_size(axis_name)
+    devices = bound_axis_size(axis_name, "axis_name", caller="expert_parallel_mlp")
     local_experts = fc1_shard.shape[0]
     rows = x.shape[0]
     expert_ids = expert_ids.astype(jnp.int32)

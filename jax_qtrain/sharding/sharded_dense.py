@@ -278,14 +278,16 @@ def _check_array(name: str, value) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
 
 
-def _axis_size(axis_name: str, argument: str) -> int:
+def bound_axis_size(axis_name: str, argument: str, caller: str = "fsdp_dense") -> int:
+    """The size of a mesh axis bound by an enclosing shard_map, or a ValueError naming `argument`
+    and telling to call `caller` inside one."""
     try:
         return int(lax.axis_size(axis_name))
     except NameError:
         raise ValueError(
-            f"{argument}: axis {axis_name!r} is not bound here; call fsdp_dense inside "
-            "jax.shard_map over a mesh with that axis (or use jax_qtrain.sharding.dense on "
-            "global arrays)"
+            f"{argument}: axis {axis_name!r} is not bound here; call {caller} inside "
+            "jax.shard_map over a mesh with that axis (jax_qtrain.sharding.dense and the Sharded "
+            "layers take global arrays)"
         ) from None
 
 
@@ -362,9 +364,9 @@ def fsdp_dense(
             f"batch_axis_names {batch_axis_names} must include axis_name {axis_name!r}: the "
             "kernel gradient is reduce-scattered over the axis that splits the batch"
         )
-    axis_size = _axis_size(axis_name, "axis_name")
+    axis_size = bound_axis_size(axis_name, "axis_name")
     for name in batch_axis_names:
-        _axis_size(name, "batch_axis_names")
+        bound_axis_size(name, "batch_axis_names")
     in_features, out_features = _check_shapes(x, kernel_shard, bias, kernel_dim, axis_size)
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
