@@ -8,9 +8,16 @@ With the stored layouts (docs/design/layouts.md) every GEMM of a linear layer is
   wgrad  dW = x columnwise · (dy columnwise)ᵀ   (K, M) · (N, M)ᵀ
 
 Per-tensor FP8 runs as XLA's FP8 dot_general (cuBLASLt on the GPU) with the two scales applied
-to the float32 result. The block formats run as a high-precision dot on exactly-dequantized
-operands with float32 accumulation: MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and power-of-2 FP8-block
-values are exact in bfloat16, so products are exact and only the accumulation order differs from
+to the float32 result, at `Precision.HIGHEST`: XLA then turns off cuBLASLt's FP8 fast
+accumulation, which is TransformerEngine's `use_split_accumulator=True`. TE uses that for dgrad
+and wgrad and fast accumulation for fprop; here fprop uses it too, because on the H200 the fast
+mode's error (8.5e-4 of the norm at K=4096, against 1.3e-4) depended on which cuBLASLt algorithm a
+program got, so a vmapped, rematerialized or cached-weight step gave other results than the plain
+one (measured 2026-11-29, docs/design/gemm_accumulation.md).
+
+The block formats run as a high-precision dot on exactly-dequantized operands with float32
+accumulation: MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and power-of-2 FP8-block values are exact in
+bfloat16, so products are exact and only the accumulation order differs from
 a native block-scaled GEMM; NVFP4's two global scales multiply the result. FP8-block with float32
 scales dequantizes to float32 and uses a float32 (HIGHEST) dot.
 
@@ -80,7 +87,13 @@ def matmul_nt(
     if a.spec.format == "fp8":
         a_data, a_scale_inv, _ = _copy(a, a_usage)
         b_data, b_scale_inv, _ = _copy(b, b_usage)
-        out = lax.dot_general(a_data, b_data, _NT, preferred_element_type=jnp.float32)
+        out = lax.dot_general(
+            a_data,
+            b_data,
+            _NT,
+            precision=lax.Precision.HIGHEST,  # split accumulator (module docstring)
+            preferred_element_type=jnp.float32,
+        )
         return out[:rows, :cols] * (a_scale_inv * b_scale_inv)
 
     if a.spec.format == "fp8_block" and kernels.gemm_kernels_enabled():
