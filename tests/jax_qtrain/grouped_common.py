@@ -43,11 +43,14 @@ def assert_equal_up_to_summation_order(got, want, what: str = "") -> None:
     its last place (eps·|want|), plus a float32-sized absolute slack where the sum cancels.
     Quantized operands have few significant bits, so their sums are usually exact and the
     results identical; asserted: ≥ 99% of the elements bit-equal on the CPU (90% on the GPU).
+    On the GPU a per-tensor FP8 GEMM runs on cuBLASLt, whose FP8 tensor-core sums keep fewer
+    bits than float32 between promotions (1.3e-4 of the norm at K=4096 on the H200, even at
+    Precision.HIGHEST): the absolute slack there is 2^-10 of the largest element.
     """
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
     eps = float(jnp.finfo(got.dtype).eps)
-    slack = 2.0**-16 * float(np.max(np.abs(w), initial=0.0))
+    slack = 2.0 ** (-10 if ON_GPU else -16) * float(np.max(np.abs(w), initial=0.0))
     excess = np.abs(g - w) - (eps * np.abs(w) + slack)
     assert np.all(excess <= 0), (what, float(np.max(excess)))
     assert np.mean(bits(got) == bits(want)) >= (0.9 if ON_GPU else 0.99), what

@@ -19,6 +19,8 @@ from jax_qtrain.ops import INPUT, KERNEL
 from jax_qtrain.ops.dense import stochastic_rounding_key
 from jax_qtrain.ops.gemm import matmul_nt
 
+from .gpu_compare import assert_same_result
+
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
     "fp8_block": jq.Float8BlockScaling(),
@@ -141,7 +143,7 @@ def test_dequantized_matches_gemms_on_dequantized_saved_operands(name):
     dx_ref = lax.dot_general(dy2d, w_dq, (((1,), (1,)), ((), ())), preferred_element_type=f32)
     dw_ref = lax.dot_general(x_dq, dy2d, (((0,), (0,)), ((), ())), preferred_element_type=f32)
     db_ref = dy2d.astype(f32).sum(0)
-    assert_bits_equal(
+    assert_same_result(
         (dx, dw, db),
         (dx_ref.astype(x.dtype).reshape(x.shape), dw_ref.astype(w.dtype), db_ref.astype(b.dtype)),
     )
@@ -240,8 +242,9 @@ def test_jit_grad_vmap(name, mode):
     for i in range(3):
         single = grad(x[i], w, b)
         for got, want in zip(batched, single, strict=True):
-            # Batched and single GEMMs sum in different orders (on the H200, XLA's FP8 GEMMs
-            # differed by up to 5e-6 relative between the two).
+            # Batched and single GEMMs sum in different orders. On the H200 the FP8 GEMMs must
+            # not use cuBLASLt's fast accumulation for this to hold (ops/gemm.py): with it the
+            # two differed by 4e-4 of the norm (measured 2026-11-29).
             np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -256,7 +259,7 @@ def test_checkpoint_policies_select_named_residuals():
     remat = jax.checkpoint(f, policy=policy)
     names = {r.name for r in jq.saved_residuals(remat, x, w, b)}
     assert INPUT in names and KERNEL not in names
-    assert_bits_equal(run(x, w, b, dy, recipe)[1:], jax.vjp(remat, x, w, b)[1](dy))
+    assert_same_result(run(x, w, b, dy, recipe)[1:], jax.vjp(remat, x, w, b)[1](dy))
 
 
 # --- autocast -------------------------------------------------------------------------------------

@@ -86,7 +86,10 @@ def _dense_case(monkeypatch, shape):
     with kernel_gemms():
         got = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
     assert calls == [True, True]  # fprop and dgrad; wgrad (1×128 · 1×128) stays on the reference
-    assert_close(got, want)
+    # Hopper's FP8 wgmma accumulates with fewer bits than float32 between the kernel's
+    # promotions every 128 of K: 1.3e-4 of the norm on the H200 (2026-11-29), as
+    # tests/pallas_kernels/test_grouped_matmul_gpu.py bounds the kernel itself (1e-3).
+    assert_close(got, want, rtol=1e-3 if ON_GPU else 2e-5)
 
 
 def test_dense_fp8_block_on_the_kernel(monkeypatch):

@@ -51,7 +51,12 @@ def _leaves_as_bits(q):
 @pytest.mark.parametrize("seed", range(2))
 def test_gpu_and_cpu_give_identical_bits(recipe, role, seed):
     # Normal-range inputs (XLA:CPU flushes subnormals; see formats/common.py).
-    x = adversarial_matrix(256, 512, seed, block=16, subnormals=False)
+    # NVFP4 without NaN or Inf: a NaN makes the global amax NaN (and an Inf does in the
+    # Hadamard-rotated copy, Inf - Inf), so S_enc = FLT_MAX and S_dec = 2^-128, a subnormal that
+    # XLA:CPU flushes in s_b * S_dec: the CPU reference then differs from TE there, the GPU one
+    # does not (test_formats_vs_oracle.py; seen on the H200 2026-11-29).
+    specials = recipe.name != "nvfp4"
+    x = adversarial_matrix(256, 512, seed, block=16, subnormals=False, specials=specials)
     if seed == 1:
         x = x.astype(jnp.bfloat16)
     key = jax.random.key(seed)

@@ -31,6 +31,8 @@ from benchmarks import quantized_weight_bytes
 from jax_qtrain.ops import INPUT, KERNEL
 from jax_qtrain.ops.dense import stochastic_rounding_key
 
+from .gpu_compare import REQUANTIZATION, STRICT, assert_same_result
+
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
     "fp8_block": jq.Float8BlockScaling(),
@@ -675,9 +677,9 @@ def test_grouped_layers_keep_usages_through_train_infer_train(name, kind):
                 for model, optimizer in zip((cached, plain), optimizers, strict=True):
                     overwrite_weights(model, optimizer, k_weights)
                 dy = jax.random.normal(k_dy, (96, 48))
-                assert_bits_equal(train(cached, x, dy), train(plain, x, dy))
+                assert_same_result(train(cached, x, dy), train(plain, x, dy))
             else:
-                assert_bits_equal(infer(cached, x), infer(plain, x))
+                assert_same_result(infer(cached, x), infer(plain, x))
             for kept, kernel in _kept_copies(cached):
                 assert kept.usages == BOTH
                 assert_bits_equal(kept, jq.quantize_weight(kernel, recipe))
@@ -773,7 +775,10 @@ def test_alternating_train_and_eval_match_uncached(name):
     recipe = RECIPES[name]
     cached, model = alternate_train_and_eval(recipe, True, REFRESH_BY[name])
     uncached, _ = alternate_train_and_eval(recipe, False, "optimizer")
-    assert cached == uncached  # bit for bit, all 40 losses
+    if STRICT:
+        assert cached == uncached  # bit for bit, all 40 losses
+    else:  # the H200: two programs, each step within a requantization (gpu_compare.py)
+        np.testing.assert_allclose(cached, uncached, rtol=REQUANTIZATION)
     assert cached[-2] < 0.5 * cached[0]  # and it trains
     for layer in (model.fc1, model.fc2):
         _check_cache(layer, recipe, layer.kernel[...].astype(layer.dtype or jnp.float32), BOTH)
@@ -889,7 +894,7 @@ def test_accumulated_gradients_match_the_full_batch_step(name):
     dx_accum, dw_accum = jnp.concatenate([dx_a, dx_b]), dw_a + dw_b
     exact_dw = np.asarray(x, np.float64).T @ np.asarray(c, np.float64)
     if name in ("mxfp8", "fp8_block"):
-        assert_bits_equal(dx_accum, dx_full)
+        assert_same_result(dx_accum, dx_full)
         qx = jq.quantize(x, recipe, "input", rowwise=False, columnwise=True)
         qc = jq.quantize(c, recipe, "grad", rowwise=False, columnwise=True)
         abs_sum = np.abs(np.asarray(qx.dequantize("columnwise"), np.float64)).T @ np.abs(
