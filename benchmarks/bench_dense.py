@@ -1,7 +1,10 @@
 """`jax_qtrain.dense` forward and forward+backward per recipe, against a plain `x @ w` in bf16.
 
 TFLOP/s counts 2·M·K·N per GEMM (1 forward, 3 forward+backward), including the quantization
-work inside the op, so it is the layer's effective rate.
+work inside the op, so it is the layer's effective rate. Forward+backward is
+`value_and_grad` of `sum(y · c)` with a random `c`: with a plain `sum(y)` (all-ones cotangent)
+XLA turns the peer's two backward GEMMs into row sums and drops its forward, which made it look
+faster than the GPU's peak (fixed 2026-11-29).
 
     python -m benchmarks.bench_dense [--small] [--out DIR]
 """
@@ -34,13 +37,14 @@ RECIPES = {
 
 
 def run(tokens: int, features: int, iters: int) -> list[dict]:
-    keys = jax.random.split(jax.random.key(0), 6)
+    keys = jax.random.split(jax.random.key(0), 9)
     argument_sets = [
         (
-            jax.random.normal(keys[2 * i], (tokens, features), jnp.bfloat16),
-            (jax.random.normal(keys[2 * i + 1], (features, features), jnp.float32) * 0.02).astype(
+            jax.random.normal(keys[3 * i], (tokens, features), jnp.bfloat16),
+            (jax.random.normal(keys[3 * i + 1], (features, features), jnp.float32) * 0.02).astype(
                 jnp.bfloat16
             ),
+            jax.random.normal(keys[3 * i + 2], (tokens, features), jnp.float32),
         )
         for i in range(3)
     ]
@@ -50,9 +54,11 @@ def run(tokens: int, features: int, iters: int) -> list[dict]:
     for name, recipe in RECIPES.items():
         layers[name] = lambda x, w, r=recipe: jq.dense(x, w, recipe=r)
     for name, layer in layers.items():
-        forward = jax.jit(layer)
+        forward = jax.jit(lambda x, w, c, f=layer: f(x, w))
         train = jax.jit(
-            jax.grad(lambda x, w, f=layer: f(x, w).astype(jnp.float32).sum(), argnums=(0, 1))
+            jax.value_and_grad(
+                lambda x, w, c, f=layer: (f(x, w).astype(jnp.float32) * c).sum(), argnums=(0, 1)
+            )
         )
         fwd_s = median_seconds(forward, argument_sets, iters=iters)
         train_s = median_seconds(train, argument_sets, iters=iters)
