@@ -380,7 +380,7 @@ def _quantize(
     x, key, position_offset, *, spec, rowwise, columnwise, backend, amax_axis_name
 ) -> QuantizedTensor:
     # Jitted so that eager calls compile once per shape (inside a caller's jit it is inlined).
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = common.rounded_input(x.reshape(-1, x.shape[-1]))
     offset_matters = position_offset is not None and spec.stochastic_rounding
     use_kernel = backend == "pallas" or (
         backend == "auto"

@@ -121,6 +121,18 @@ def materialize(x: jax.Array) -> jax.Array:
     return lax.optimization_barrier(x)
 
 
+def rounded_input(x: jax.Array) -> jax.Array:
+    """`x` as its own dtype says, for a quantizer that computes in float32.
+
+    A bfloat16 or float16 input is often the caller's float32 value cast in the same jit (a
+    layer's `dtype`, an activation). XLA:GPU drops `f32 → bf16 → f32` convert pairs
+    (allow-excess-precision), so the quantizer would see the unrounded float32 values: a
+    different amax, so different scales and codes than for the bf16 tensor itself (seen on the
+    H200: a cached weight's FP8 codes differed from a fresh quantization of the same bf16
+    weight). A barrier on the narrow array keeps the rounding."""
+    return materialize(x) if jnp.dtype(x.dtype).itemsize < 4 else x
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

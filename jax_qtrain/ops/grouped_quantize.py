@@ -405,6 +405,7 @@ def quantize_aligned(
         q = quantize(aligned, spec, rowwise=rowwise, columnwise=columnwise, backend=backend)
         fields = {n: getattr(q, n) for n in QuantizedTensor._LEAF_FIELDS}
     else:
+        aligned = common.rounded_input(aligned)
         fields = {}
         if rowwise:
             fields |= _quantize_per_group_copy(aligned, spec, "rowwise", layout, key)

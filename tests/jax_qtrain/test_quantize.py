@@ -1,6 +1,7 @@
 """`jax_qtrain.quantize` and `QuantizedTensor` through the public API."""
 
 import functools
+import re
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -368,3 +369,25 @@ def test_bad_arguments_are_named():
     q = jq.quantize(x, RECIPES["mxfp8"])
     with pytest.raises(ValueError, match="usage must be one of"):
         q.dequantize("transposed")
+
+
+@pytest.mark.parametrize(
+    "recipe", [jq.Float8CurrentScaling(), jq.NVFP4BlockScaling()], ids=lambda r: r.name
+)
+def test_a_cast_before_quantizing_is_kept(recipe):
+    """XLA:GPU drops `f32 → bf16 → f32` convert pairs inside one program, which would quantize
+    a weight cast to bfloat16 in the same jit from its float32 values (another amax, other
+    codes; seen on the H200). The quantizer puts an optimization barrier on its narrow input;
+    the GPU twins of the cached-weight tests check the bits."""
+    w = jnp.linspace(-1.0, 1.0, 64 * 32, dtype=jnp.float32).reshape(64, 32)
+
+    def cast_then_quantize(w):
+        return jq.quantize(w.astype(jnp.bfloat16), recipe, "weight").rowwise_data
+
+    text = jax.jit(cast_then_quantize).lower(w).as_text()
+    assert re.search(r"optimization_barrier[^\n]*bf16", text), "no barrier on the bf16 input"
+    # and the result is that of the rounded tensor
+    want = jq.quantize(np.asarray(w.astype(jnp.bfloat16)), recipe, "weight").rowwise_data
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cast_then_quantize)(w)).view(np.uint8), np.asarray(want).view(np.uint8)
+    )
