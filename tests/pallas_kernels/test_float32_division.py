@@ -78,17 +78,15 @@ def test_works_on_values_varying_over_a_shard_map_axis():
     _same_bits(jax.jit(per_shard)(sharded), _ieee(np.float32(448.0), amax))
 
 
-@pytest.mark.parametrize("digit_offset", [-1, 0, 1])
-def test_significand_quotient_is_exact_whatever_the_digit_estimates(digit_offset):
-    """Each radix-256 digit comes from a float32 division, which the GPU does approximately:
-    estimates one off in either direction (forced here) must still give the exact quotient."""
+def test_significand_quotient_is_the_long_division_quotient():
     rng = np.random.default_rng(5)
     a = rng.integers(2**23, 2**24, 200_000, dtype=np.uint64)
     b = rng.integers(2**23, 2**24, 200_000, dtype=np.uint64)
     edges = np.array([2**23, 2**23 + 1, 2**24 - 2, 2**24 - 1], np.uint64)
     a = np.concatenate([a, b[:1000], np.repeat(edges, 4)])  # includes a == b
     b = np.concatenate([b, b[:1000], np.tile(edges, 4)])
-    quotient = functools.partial(_significand_quotient, digit_offset=digit_offset)
-    got_quotient, got_sticky = jax.jit(quotient)(a.astype(np.uint32), b.astype(np.uint32))
+    got_quotient, got_sticky = jax.jit(_significand_quotient)(
+        a.astype(np.uint32), b.astype(np.uint32)
+    )
     np.testing.assert_array_equal(np.asarray(got_quotient), (a << np.uint64(26)) // b)
     np.testing.assert_array_equal(np.asarray(got_sticky), (a << np.uint64(26)) % b != 0)
