@@ -33,7 +33,8 @@ def requantization_rtol(recipe_name: str) -> float:
     return 0.25 if recipe_name == "nvfp4" else REQUANTIZATION
 
 
-def _bits(a) -> np.ndarray:
+def bits(a) -> np.ndarray:
+    """A bit view of an array (uint of the same width) for exact comparisons (NaN, -0)."""
     a = np.asarray(a)
     return a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
 
@@ -51,7 +52,7 @@ def assert_same_result(got, want, *, gpu_rtol: float = SUMMATION, what: str = ""
         assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype, u.shape, v.shape)
         wide_float = jnp.issubdtype(u.dtype, jnp.floating) and jnp.dtype(u.dtype).itemsize >= 2
         if STRICT or not wide_float:
-            np.testing.assert_array_equal(_bits(u), _bits(v), err_msg=what)
+            np.testing.assert_array_equal(bits(u), bits(v), err_msg=what)
             continue
         u32, v32 = np.asarray(u, np.float32), np.asarray(v, np.float32)
         np.testing.assert_array_equal(np.isfinite(u32), np.isfinite(v32), err_msg=what)

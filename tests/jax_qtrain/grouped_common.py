@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_qtrain as jq
 from jax_qtrain.formats import common
+
+from .gpu_compare import ON_GPU, bits
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -18,13 +19,6 @@ RECIPES = {
     "nvfp4": jq.NVFP4BlockScaling(),
 }
 MODES = [None, "high_precision", "dequantized"]
-ON_GPU = jax.default_backend() == "gpu"
-
-
-def bits(a) -> np.ndarray:
-    """A bit view of an array (uint of the same width) for exact comparisons (NaN, -0)."""
-    a = np.asarray(a)
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
 
 
 def assert_bits_equal(got, want, what: str = "") -> None:

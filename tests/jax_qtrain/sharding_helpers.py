@@ -15,9 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType
 
 import jax_qtrain as jq
+
+from .gpu_compare import bits
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -72,11 +75,6 @@ def layer_data(recipe_name, x_shape, out_features, dtype=jnp.bfloat16, seed=0):
     return tuple(jnp.asarray(t, dtype) for t in (x, kernel, bias, dy))
 
 
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
-
-
 def assert_bits_equal(actual, expected, what="") -> None:
     for i, (u, v) in enumerate(zip(actual, expected, strict=True)):
         if u is None and v is None:
@@ -94,6 +92,18 @@ def value_and_grads(layer_fn, x, kernel, bias, dy):
         return (y, *vjp(dy))
 
     return run(x, kernel, bias, dy)
+
+
+def module_value_and_grads(model, x, dy):
+    """(y, dparams, dx) of an NNX module applied to x, through jax.vjp with cotangent dy, jitted."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, rest, x, dy):
+        y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest, copy=True)(x), params, x)
+        return y, *vjp(dy)
+
+    return run(params, rest, x, dy)
 
 
 def quantized_leaf_shapes(shape, recipe, role, usage) -> list[tuple[tuple[int, ...], np.dtype]]:

@@ -13,7 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_qtrain as jq
 from jax_qtrain import sharding as jqs
-from tests.jax_qtrain.sharding_helpers import RECIPES, assert_bits_equal, mesh_1d
+from tests.jax_qtrain.sharding_helpers import (
+    RECIPES,
+    assert_bits_equal,
+    mesh_1d,
+    module_value_and_grads,
+)
 
 DEVICES, EXPERTS, ROWS, HIDDEN, FFN = 4, 8, 48, 64, 32  # ROWS per device
 
@@ -112,19 +117,8 @@ def test_expert_parallel_moe_layer_is_the_moe_on_the_whole_batch():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(DEVICES * 32, HIDDEN)), jnp.float32)
     dy = jnp.asarray(rng.normal(size=(DEVICES * 32, HIDDEN)), jnp.float32)
-
-    def value_and_grads(model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        @jax.jit
-        def run(params, rest, x, dy):
-            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest, copy=True)(x), params, x)
-            return y, *vjp(dy)
-
-        return run(params, rest, x, dy)
-
-    y, dparams, dx = value_and_grads(sharded)
-    y_ref, dparams_ref, dx_ref = value_and_grads(plain)
+    y, dparams, dx = module_value_and_grads(sharded, x, dy)
+    y_ref, dparams_ref, dx_ref = module_value_and_grads(plain, x, dy)
     assert_bits_equal(
         (y, dx, dparams["fc1_kernel"].get_value(), dparams["fc2_kernel"].get_value()),
         (

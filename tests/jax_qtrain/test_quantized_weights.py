@@ -31,7 +31,7 @@ from benchmarks import quantized_weight_bytes
 from jax_qtrain.ops import INPUT, KERNEL
 from jax_qtrain.ops.dense import stochastic_rounding_key
 
-from .gpu_compare import REQUANTIZATION, STRICT, assert_same_result
+from .gpu_compare import REQUANTIZATION, STRICT, assert_same_result, bits
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -43,18 +43,13 @@ BOTH = ("rowwise", "columnwise")
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _uint_view(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
-
-
 def assert_bits_equal(a, b) -> None:
     leaves_a, tree_a = jax.tree_util.tree_flatten(a)
     leaves_b, tree_b = jax.tree_util.tree_flatten(b)
     assert tree_a == tree_b
     for u, v in zip(leaves_a, leaves_b, strict=True):
         assert u.dtype == v.dtype and u.shape == v.shape
-        np.testing.assert_array_equal(_uint_view(u), _uint_view(v))
+        np.testing.assert_array_equal(bits(u), bits(v))
 
 
 def fresh_quantization(weight: jax.Array, recipe, usages=BOTH) -> jq.QuantizedTensor:

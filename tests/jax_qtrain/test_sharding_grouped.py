@@ -14,7 +14,13 @@ from jax.sharding import PartitionSpec as P
 import jax_qtrain as jq
 from jax_qtrain import sharding as jqs
 from jax_qtrain.ops import FC1_KERNEL, FC2_KERNEL, KERNEL
-from tests.jax_qtrain.sharding_helpers import RECIPES, assert_bits_equal, kernel_shapes, mesh_1d
+from tests.jax_qtrain.sharding_helpers import (
+    RECIPES,
+    assert_bits_equal,
+    kernel_shapes,
+    mesh_1d,
+    module_value_and_grads,
+)
 
 DEVICES, EXPERTS, TOKENS = 4, 8, 64  # TOKENS per device
 SPLIT_SPECS = {"experts": P("fsdp"), 0: P(None, "fsdp"), 1: P(None, None, "fsdp")}
@@ -263,19 +269,9 @@ def test_sharded_moe_is_the_unsharded_moe_per_device():
     x = jnp.asarray(rng.normal(size=(DEVICES * 32, 64)), jnp.float32)
     dy = jnp.asarray(rng.normal(size=(DEVICES * 32, 64)), jnp.float32)
 
-    def value_and_grads(model, x, dy):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        @jax.jit
-        def run(params, rest, x, dy):
-            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest, copy=True)(x), params, x)
-            return y, *vjp(dy)
-
-        return run(params, rest, x, dy)
-
-    y, dparams, dx = value_and_grads(sharded, x, dy)
+    y, dparams, dx = module_value_and_grads(sharded, x, dy)
     chunks = [
-        value_and_grads(plain, x[d * 32 : (d + 1) * 32], dy[d * 32 : (d + 1) * 32])
+        module_value_and_grads(plain, x[d * 32 : (d + 1) * 32], dy[d * 32 : (d + 1) * 32])
         for d in range(DEVICES)
     ]
     assert_bits_equal(
