@@ -222,8 +222,12 @@ def test_switching_the_override_between_calls_gives_the_new_behaviour():
     for recipe in recipes:
         with jq.autocast(recipe):
             results.append(grads_under_autocast(x, w, b, dy))
-            assert_bits_equal(results[-1], run(x, w, b, dy, recipe)[1:])
-    assert_bits_equal(results[0], results[2])
+            # Another program than the explicit-recipe one: bit-exact on CPU, summation bound on
+            # GPU (a stale trace of the other override lands percents away: E5M2 vs bf16 dy).
+            assert_same_result(
+                results[-1], run(x, w, b, dy, recipe)[1:], what=str(recipe.backward_override)
+            )
+    assert_bits_equal(results[0], results[2])  # the same compiled program
     assert not np.array_equal(np.asarray(results[0][0]), np.asarray(results[1][0]))
 
 
