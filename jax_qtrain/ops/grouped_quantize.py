@@ -293,31 +293,43 @@ def _group_seeds(key: jax.Array, num_groups: int, usage: str) -> jax.Array:
     )
 
 
-def _quantize_per_group_copy(
+def _quantize_fp8_groups(
+    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str]
+) -> dict:
+    """FP8 per-tensor scaling of every group: the rowwise codes, and the columnwise ones as
+    their transpose. A group's amax (hence its scale) is the same for both copies and the
+    quantization is elementwise, so this is bit for bit a second quantization of xᵀ, in one pass
+    over x: the transposed pass ran 16× slower than the rowwise one on the H200 (9.1 vs 0.57 ms
+    for 16384×4096 bf16 in 8 groups, 2026-11-29)."""
+    group_amax = layout.group_amax(aligned, token_axis=0)
+    codes, _ = fp8_tensor.quantize(aligned, spec, tensor_amax=layout.per_slot(group_amax)[:, None])
+    codes = common.materialize(codes)  # the transpose moves bytes, not a transposed quantization
+    scale = fp8_tensor.compute_scale(
+        group_amax,
+        common.fp8_max(spec.dtype),
+        power_2_scale=spec.power_2_scale,
+        amax_epsilon=spec.amax_epsilon,
+    )
+    scale_inv = fp8_tensor.reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
+    fields = {}
+    for usage in usages:
+        data = codes if usage == "rowwise" else codes.T
+        fields |= {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv}
+    return fields
+
+
+def _quantize_nvfp4_group_copy(
     source: jax.Array, spec: QuantizerSpec, usage: str, layout: GroupLayout, key
 ) -> dict:
-    """One copy of an FP8 per-tensor or NVFP4 tensor: the reference quantizer, fed per-group
-    amaxes (and seeds and positions) that broadcast along the token axis."""
+    """One NVFP4 copy of every group: the reference quantizer, fed per-group global amaxes (and
+    seeds and positions) that broadcast along the token axis."""
     token_axis = 0 if usage == "rowwise" else 1
     group_amax = layout.group_amax(source, token_axis)
 
     def along_tokens(per_slot):  # (P,) → (P, 1) or (1, P)
         return per_slot[:, None] if token_axis == 0 else per_slot[None, :]
 
-    if spec.format == "fp8":
-        codes, _ = fp8_tensor.quantize(
-            source, spec, tensor_amax=along_tokens(layout.per_slot(group_amax))
-        )
-        scale = fp8_tensor.compute_scale(
-            group_amax,
-            common.fp8_max(spec.dtype),
-            power_2_scale=spec.power_2_scale,
-            amax_epsilon=spec.amax_epsilon,
-        )
-        scale_inv = fp8_tensor.reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
-        return {f"{usage}_data": common.materialize(codes), f"{usage}_scale_inv": scale_inv}
-
-    # NVFP4: the global amax broadcasts against the per-block arrays: per row for the rowwise
+    # The global amax broadcasts against the per-block arrays: per row for the rowwise
     # copy, per 16-token block column for the columnwise one (groups start on block boundaries).
     slot_amax = layout.per_slot(group_amax)
     block_amax = slot_amax[:, None] if token_axis == 0 else slot_amax[None, :: nvfp4.BLOCK_SIZE]
@@ -404,14 +416,17 @@ def quantize_aligned(
         # No per-tensor quantity, and blocks never straddle groups: quantize the buffer.
         q = quantize(aligned, spec, rowwise=rowwise, columnwise=columnwise, backend=backend)
         fields = {n: getattr(q, n) for n in QuantizedTensor._LEAF_FIELDS}
+    elif spec.format == "fp8":
+        usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
+        fields = _quantize_fp8_groups(common.rounded_input(aligned), spec, layout, usages)
     else:
         aligned = common.rounded_input(aligned)
         fields = {}
         if rowwise:
-            fields |= _quantize_per_group_copy(aligned, spec, "rowwise", layout, key)
+            fields |= _quantize_nvfp4_group_copy(aligned, spec, "rowwise", layout, key)
         if columnwise:
             source = columnwise_source(aligned, spec)
-            fields |= _quantize_per_group_copy(source, spec, "columnwise", layout, key)
+            fields |= _quantize_nvfp4_group_copy(source, spec, "columnwise", layout, key)
     return GroupedQuantizedTensor(
         spec=spec,
         shape=(layout.num_rows, aligned.shape[1]),
