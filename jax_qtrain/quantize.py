@@ -393,12 +393,7 @@ def _quantize(
         sources = {}
         amaxes = kernels.tensor_amaxes(x2d, spec, usages)  # one Pallas pass for NVFP4's two
     else:
-        # FP8 per-tensor quantizes x once for both copies (_fp8_tensor_copies): x's amax serves
-        # both (XLA merges the two identical reductions).
-        one_pass = spec.format == "fp8"
-        sources = {
-            u: x2d if u == "rowwise" or one_pass else columnwise_source(x2d, spec) for u in usages
-        }
+        sources = {u: x2d if u == "rowwise" else columnwise_source(x2d, spec) for u in usages}
         per_tensor = spec.format in ("fp8", "nvfp4")
         amaxes = {u: common.amax(sources[u]) if per_tensor else None for u in usages}
     if amax_axis_name is not None:
@@ -408,8 +403,6 @@ def _quantize(
     if use_kernel:
         # The kernels read x once and write both copies; they get the (reduced) amaxes and seeds.
         fields = kernels.quantize(x2d, spec, input_dtype=x.dtype, amaxes=amaxes, seeds=seeds)
-    elif spec.format == "fp8":
-        fields = _fp8_tensor_copies(x2d, spec, usages, amaxes[usages[0]])
     else:
         fields = {}
         for usage in usages:
@@ -429,19 +422,3 @@ def _quantize(
                 {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": copy_amax}
             )
     return QuantizedTensor(spec=spec, shape=x.shape, dtype=x.dtype, **fields)
-
-
-def _fp8_tensor_copies(
-    x2d: jax.Array, spec: QuantizerSpec, usages: list[str], tensor_amax: jax.Array
-) -> dict:
-    """FP8 per-tensor scaling: one scale serves both copies and the quantization is elementwise,
-    so the columnwise copy is the rowwise codes transposed (TransformerEngine's cast-transpose),
-    bit for bit a quantization of xᵀ, in one pass over x."""
-    codes, scale_inv, _ = quantize_reference_copy(
-        x2d, spec, input_dtype=x2d.dtype, tensor_amax=tensor_amax
-    )
-    fields = {}
-    for usage in usages:  # codes are materialized: the transpose moves bytes only
-        data = codes if usage == "rowwise" else codes.T
-        fields |= {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": None}
-    return fields
