@@ -113,7 +113,19 @@ GROUPED_KERNELS = {
         jq.Float8CurrentScaling(),
         ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"],
     ),
-    "fp8_block": (jq.Float8BlockScaling(), ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm"]),
+    "fp8_block": (
+        jq.Float8BlockScaling(),
+        ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm", "grouped_wgrad_gemm"],
+    ),
+    # no native kernel: the 16-bit ones on the exactly-dequantized bf16 operands
+    "mxfp8": (
+        jq.MXFP8BlockScaling(),
+        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"],
+    ),
+    "nvfp4": (
+        jq.NVFP4BlockScaling(),
+        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"],
+    ),
 }
 
 
