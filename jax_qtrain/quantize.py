@@ -289,9 +289,16 @@ def quantize_reference_copy(
     return data, common.materialize(scale_inv), tensor_amax
 
 
-def columnwise_source(x2d: jax.Array, spec: QuantizerSpec) -> jax.Array:
-    """What the columnwise copy quantizes: xᵀ, rotated by the Hadamard transform if asked."""
+def columnwise_source(
+    x2d: jax.Array, spec: QuantizerSpec, *, separate_transpose: bool = False
+) -> jax.Array:
+    """What the columnwise copy quantizes: xᵀ, rotated by the Hadamard transform if asked.
+
+    `separate_transpose`: transpose x in a pass of its own (a barrier keeps XLA from fusing it
+    into the quantizer), so the quantizer reads xᵀ in memory order; see grouped_quantize."""
     source = x2d.T
+    if separate_transpose:
+        source = common.materialize(source)
     if spec.hadamard_columnwise:
         source = nvfp4.hadamard16(common.pad_to_blocks(source.astype(jnp.float32), 1, 16))
     return source
