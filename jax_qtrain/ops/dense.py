@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.gemm import matmul_nt
+from jax_qtrain.ops.gemm import fprop_split_accumulator, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
@@ -148,9 +148,16 @@ def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, 
         _check_quantized_kernel_usages(quantized_kernel, recipe, differentiated)
         qw = quantized_kernel
     rows, cols = x2d.shape[0], qw.shape[1]
-    y = _add_bias(
-        matmul_nt(qx, "rowwise", qw, "columnwise", rows=rows, cols=cols), bias, config.out_dtype
+    fprop = matmul_nt(
+        qx,
+        "rowwise",
+        qw,
+        "columnwise",
+        rows=rows,
+        cols=cols,
+        split_accumulator=fprop_split_accumulator(recipe),
     )
+    y = _add_bias(fprop, bias, config.out_dtype)
     if not differentiated:
         return y, None
 

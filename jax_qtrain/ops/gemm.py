@@ -10,10 +10,12 @@ With the stored layouts (docs/design/layouts.md) every GEMM of a linear layer is
 Per-tensor FP8 runs as XLA's FP8 dot_general (cuBLASLt on the GPU) with the two scales applied
 to the float32 result, at `Precision.HIGHEST`: XLA then turns off cuBLASLt's FP8 fast
 accumulation, which is TransformerEngine's `use_split_accumulator=True`. TE uses that for dgrad
-and wgrad and fast accumulation for fprop; here fprop uses it too, because on the H200 the fast
-mode's error (8.5e-4 of the norm at K=4096, against 1.3e-4) depended on which cuBLASLt algorithm a
-program got, so a vmapped, rematerialized or cached-weight step gave other results than the plain
-one (measured 2026-11-29, docs/design/gemm_accumulation.md).
+and wgrad and fast accumulation for fprop; here fprop uses it too by default, because on the H200
+the fast mode's error (8.5e-4 of the norm at K=4096, against 1.3e-4) depended on which cuBLASLt
+algorithm a program got, so a vmapped, rematerialized or cached-weight step gave other results
+than the plain one (measured 2026-11-29, docs/design/gemm_accumulation.md). A recipe with
+`fprop_split_accumulator=False` gets TE's fast fprop (`split_accumulator=False` here, at
+`Precision.DEFAULT`).
 
 The block formats run as a high-precision dot on exactly-dequantized operands with float32
 accumulation: MXFP8's e4m3·2^k, NVFP4's e2m1·e4m3 and power-of-2 FP8-block values are exact in
@@ -75,12 +77,20 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
 
 
 def matmul_nt(
-    a: QuantizedTensor, a_usage: Usage, b: QuantizedTensor, b_usage: Usage, *, rows: int, cols: int
+    a: QuantizedTensor,
+    a_usage: Usage,
+    b: QuantizedTensor,
+    b_usage: Usage,
+    *,
+    rows: int,
+    cols: int,
+    split_accumulator: bool = True,
 ) -> jax.Array:
     """float32 `A · Bᵀ` of two stored copies, cropped to (rows, cols) (the copies may be padded).
 
     Both tensors must use the same format. Padding along the contraction is zeros (or, for two
-    Hadamard-rotated copies, the same rotated length), so it adds nothing.
+    Hadamard-rotated copies, the same rotated length), so it adds nothing. `split_accumulator`
+    (per-tensor FP8 only): False lets cuBLASLt use FP8 fast accumulation (module docstring).
     """
     if a.spec.format != b.spec.format:
         raise ValueError(f"matmul_nt: formats differ ({a.spec.format} vs {b.spec.format})")
@@ -91,7 +101,8 @@ def matmul_nt(
             a_data,
             b_data,
             _NT,
-            precision=lax.Precision.HIGHEST,  # split accumulator (module docstring)
+            # HIGHEST: the split accumulator; DEFAULT: fast accumulation (module docstring)
+            precision=lax.Precision.HIGHEST if split_accumulator else lax.Precision.DEFAULT,
             preferred_element_type=jnp.float32,
         )
         return out[:rows, :cols] * (a_scale_inv * b_scale_inv)
@@ -120,3 +131,9 @@ def matmul_nt(
         if factor is not None:
             out = out * factor
     return out
+
+
+def fprop_split_accumulator(recipe) -> bool:
+    """Whether `recipe`'s forward GEMM splits its accumulator (only per-tensor FP8 can opt out,
+    `Float8CurrentScaling.fprop_split_accumulator`)."""
+    return getattr(recipe, "fprop_split_accumulator", True)

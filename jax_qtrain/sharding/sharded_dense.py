@@ -42,7 +42,7 @@ from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.dense import _add_bias, _high_precision_dot, effective_save_original_input
-from jax_qtrain.ops.gemm import matmul_nt
+from jax_qtrain.ops.gemm import fprop_split_accumulator, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.recipes import Recipe
 
@@ -174,11 +174,16 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
             kernel = config.whole_kernel(kernel_shard)
             qw = quantize(kernel, recipe, "weight", rowwise=False, columnwise=True)
             saved_kernel = kernel_shard  # backward re-gathers and re-quantizes
-        y = _add_bias(
-            matmul_nt(qx, "rowwise", qw, "columnwise", rows=rows, cols=qw.shape[1]),
-            bias,
-            config.out_dtype,
+        fprop = matmul_nt(
+            qx,
+            "rowwise",
+            qw,
+            "columnwise",
+            rows=rows,
+            cols=qw.shape[1],
+            split_accumulator=fprop_split_accumulator(recipe),
         )
+        y = _add_bias(fprop, bias, config.out_dtype)
         saved_input = saved_input_operand(x2d, qx, mode, config.save_original_input)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),

@@ -20,6 +20,7 @@ from jax_qtrain.ops.dense import stochastic_rounding_key
 from jax_qtrain.ops.gemm import matmul_nt
 
 from .gpu_compare import assert_same_result
+from .lowered import fp8_gemm_precisions
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -207,6 +208,30 @@ def test_modes_differ_where_they_should():
     assert not np.array_equal(np.asarray(high[1]), np.asarray(deq[1]))
     assert not np.array_equal(np.asarray(default[1]), np.asarray(deq[1]))
     np.testing.assert_array_equal(np.asarray(high[0]), np.asarray(deq[0]))  # same forward
+
+
+# --- FP8 GEMM accumulation (docs/design/gemm_accumulation.md) -----------------------------------
+@pytest.mark.parametrize("split", [True, False])
+def test_fprop_split_accumulator_sets_only_the_forward_gemm(split):
+    x, w, b, dy = make_inputs()
+    recipe = jq.Float8CurrentScaling(fprop_split_accumulator=split)
+
+    def step(x, w, b, dy):
+        y, vjp = jax.vjp(lambda x, w, b: jq.dense(x, w, b, recipe=recipe), x, w, b)
+        return y, vjp(dy)
+
+    assert fp8_gemm_precisions(step, x, w, b, dy) == {
+        "fprop": "HIGHEST" if split else "DEFAULT",  # DEFAULT: cuBLASLt fast accumulation
+        "dgrad": "HIGHEST",
+        "wgrad": "HIGHEST",
+    }
+    # The CPU computes both alike; on the GPU fast accumulation moves y by ~1e-3 of its norm.
+    default = run(x, w, b, dy, RECIPES["fp8"])
+    y, *grads = run(x, w, b, dy, recipe)
+    assert_same_result(y, default[0], gpu_rtol=5e-3, what="y")
+    assert_same_result(tuple(grads), tuple(default[1:]), what="grads")
+    with pytest.raises(ValueError, match="fprop_split_accumulator"):
+        jq.Float8CurrentScaling(fprop_split_accumulator="yes")
 
 
 # --- no stale traces -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_qtrain as jq
 from jax_qtrain import sharding as jqs
+from tests.jax_qtrain.lowered import fp8_gemm_precisions
 from tests.jax_qtrain.sharding_helpers import (
     MODES,
     RECIPES,
@@ -113,6 +114,21 @@ def test_sharded_layer_equals_unsharded_bit_for_bit(name, mode):
         y, dx, dkernel, dbias = sharded
         flat = (y.reshape(tokens, out_features), dx.reshape(tokens, in_features), dkernel, dbias)
         assert_bits_equal(flat, expected, label)
+
+
+def test_fast_fprop_accumulation_reaches_the_sharded_forward():
+    recipe = jq.Float8CurrentScaling(fprop_split_accumulator=False)
+    x, kernel, bias, dy = layer_data("fp8", (64, 128), 64)
+    sharding = jqs.WeightSharding(mesh_1d(), "fsdp")
+
+    def step(x, k, b, dy):
+        y, vjp = jax.vjp(
+            lambda x, k, b: jqs.dense(x, k, b, sharding=sharding, recipe=recipe), x, k, b
+        )
+        return y, vjp(dy)
+
+    precisions = fp8_gemm_precisions(step, x, kernel, bias, dy)
+    assert precisions == {"fprop": "DEFAULT", "dgrad": "HIGHEST", "wgrad": "HIGHEST"}
 
 
 def test_a_local_amax_would_be_caught():
