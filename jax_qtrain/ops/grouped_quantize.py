@@ -94,11 +94,21 @@ class GroupLayout:
 
     def to_aligned(self, x: jax.Array) -> jax.Array:
         """(M, ...) rows sorted by group → (P, ...) aligned buffer, zeros in the padding slots."""
+        if self.align == 1:
+            return self._zero_rows_past_groups(x)
         return jnp.take(x, self.slot_source, axis=0, mode="fill", fill_value=0)
 
     def from_aligned(self, values: jax.Array) -> jax.Array:
         """(P, ...) → (M, ...): each row read back from its slot; rows past the groups are 0."""
+        if self.align == 1:
+            return self._zero_rows_past_groups(values)
         return jnp.take(values, self.row_slot, axis=0, mode="fill", fill_value=0)
+
+    def _zero_rows_past_groups(self, x: jax.Array) -> jax.Array:
+        """With align 1 (FP8 per-tensor scaling) slot s holds row s, and P = M: the gathers
+        above reduce to zeroing the rows past the groups, a mask XLA fuses into its consumer."""
+        in_groups = jnp.arange(x.shape[0]) < jnp.sum(self.group_sizes)
+        return jnp.where(in_groups.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
     def per_slot(self, group_values: jax.Array) -> jax.Array:
         """(G,) per-group values → (P,) one per slot (the tail slots get group G−1's value:

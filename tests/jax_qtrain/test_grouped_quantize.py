@@ -42,6 +42,20 @@ def test_layout_puts_every_group_on_an_aligned_offset():
     np.testing.assert_array_equal(back[128:], 0)
 
 
+@pytest.mark.parametrize("sizes", [SIZES, [-5, 50, 200, 7], [0, 0, 0, 0]])
+def test_layout_with_align_1_is_the_identity_up_to_the_rows_past_the_groups(sizes):
+    """FP8 per-tensor scaling's layout (align 1) masks instead of gathering: the same bits as
+    the gathers through slot_source and row_slot, -0.0 and NaN rows included."""
+    layout = jq.group_layout(jnp.array(sizes, jnp.int32), NUM_ROWS, 1)
+    assert layout.padded_rows == NUM_ROWS
+    x = jax.random.normal(jax.random.key(3), (NUM_ROWS, 2, 3), jnp.bfloat16)
+    x = x.at[0].set(-0.0).at[1].set(jnp.nan)
+    gathered = jnp.take(x, layout.slot_source, axis=0, mode="fill", fill_value=0)
+    assert_bits_equal(layout.to_aligned(x), gathered)
+    read_back = jnp.take(gathered, layout.row_slot, axis=0, mode="fill", fill_value=0)
+    assert_bits_equal(layout.from_aligned(gathered), read_back)
+
+
 def test_layout_clamps_run_time_group_sizes():
     """Values cannot be checked at trace time: negative sizes count as 0, sizes past the rows
     are truncated, as the Pallas kernels do."""
