@@ -14,7 +14,12 @@ from jax_qtrain.ops.grouped_quantize import (
     quantize_per_expert,
 )
 from jax_qtrain.quantize import QuantizedTensor, quantize
-from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages, quantize_weight
+from jax_qtrain.quantized_weight import (
+    QuantizedWeight,
+    WeightLayout,
+    needed_weight_usages,
+    quantize_weight,
+)
 from jax_qtrain.recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -39,6 +44,7 @@ __all__ = [
     "QuantizedWeight",
     "QuantizerSpec",
     "Recipe",
+    "WeightLayout",
     "WeightSharding",
     "autocast",
     "current_recipe",

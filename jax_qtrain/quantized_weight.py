@@ -16,6 +16,11 @@ older weight. Here that cannot happen, by construction:
 3. The usages are part of the pytree structure (a copy it does not hold is a None child), so
    jit, scan, `tree_map` and NNX state plumbing carry them unchanged.
 
+A weight split over devices (FSDP, `jax_qtrain.sharding.ShardedLinear(quantized_weight=True)`)
+keeps its copies split the same way: the `QuantizedWeight` carries a `WeightLayout` that
+quantizes each device's shard as part of the whole weight, and `refresh` reuses it, so the kept
+copies stay split and equal, bit for bit, the whole weight's quantization.
+
 Stacked expert weights (G, K, N) are quantized per expert, as the grouped ops quantize them
 (`quantize_per_expert`: each expert its own scales and, for per-tensor formats, its own amax):
 the tensor's arrays get a leading G axis, its metadata (`tensor.shape`) is one expert's (K, N),
@@ -24,8 +29,8 @@ and `qw.expert(g)` is expert g's `QuantizedTensor`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Hashable, Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +82,32 @@ def _check_weight(weight: Any, argument: str = "weight") -> None:
         )
 
 
-def _quantize_copies(weight: jax.Array, recipe: Recipe, usages: tuple[str, ...]):
+@runtime_checkable
+class WeightLayout(Hashable, Protocol):
+    """Where a `QuantizedWeight`'s copies live, for weights split over devices. Hashable (it is
+    static metadata of the weight) and compared by value. Implemented by
+    `jax_qtrain.sharding.SplitKernelLayout`."""
+
+    def quantize_copies(
+        self, weight: jax.Array, recipe: Recipe, *, rowwise: bool, columnwise: bool
+    ) -> QuantizedTensor:
+        """The whole weight's quantized copies (bit for bit `quantize(weight, recipe,
+        "weight", ...)`), laid out this layout's way."""
+        ...
+
+    def describe(self) -> str:
+        """A short description for reprs and error messages."""
+        ...
+
+
+def _quantize_copies(
+    weight: jax.Array, recipe: Recipe, usages: tuple[str, ...], layout: WeightLayout | None
+):
     """Every copy in `usages`, quantized from `weight` in one call (per expert if stacked)."""
+    if layout is not None:
+        return layout.quantize_copies(
+            weight, recipe, rowwise="rowwise" in usages, columnwise="columnwise" in usages
+        )
     if weight.ndim == 2:
         return quantize(
             weight,
@@ -110,9 +139,10 @@ class QuantizedWeight:
       recipe: the recipe whose weight quantizer made it.
       shape, dtype: the high-precision weight's.
       usages: the copies held, e.g. ("rowwise", "columnwise").
+      layout: the `WeightLayout` of a weight split over devices, or None.
     """
 
-    __slots__ = ("_recipe", "_shape", "_tensor")
+    __slots__ = ("_layout", "_recipe", "_shape", "_tensor")
 
     def __init__(self, *args, **kwargs):
         del args, kwargs
@@ -122,11 +152,14 @@ class QuantizedWeight:
         )
 
     @classmethod
-    def _make(cls, tensor: Any, recipe: Recipe, shape: tuple[int, ...]) -> QuantizedWeight:
+    def _make(
+        cls, tensor: Any, recipe: Recipe, shape: tuple[int, ...], layout: WeightLayout | None
+    ) -> QuantizedWeight:
         self = object.__new__(cls)
         object.__setattr__(self, "_tensor", tensor)
         object.__setattr__(self, "_recipe", recipe)
         object.__setattr__(self, "_shape", tuple(shape))
+        object.__setattr__(self, "_layout", layout)
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -137,13 +170,13 @@ class QuantizedWeight:
 
     # --- pytree: the tensor's arrays are the leaves; usages live in its structure -------------
     def tree_flatten(self):
-        return (self._tensor,), (self._recipe, self._shape)
+        return (self._tensor,), (self._recipe, self._shape, self._layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        recipe, shape = aux
+        recipe, shape, layout = aux
         (tensor,) = children
-        return cls._make(tensor, recipe, shape)
+        return cls._make(tensor, recipe, shape, layout)
 
     # --- reading -------------------------------------------------------------------------------
     @property
@@ -161,6 +194,10 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
+
+    @property
+    def layout(self) -> WeightLayout | None:
+        return self._layout
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -200,7 +237,8 @@ class QuantizedWeight:
         one holds plus `add_usages`, all copies made from `weight` in one call.
 
         Call it whenever the weight changes (after each optimizer update). A usage once held is
-        kept for good: a step that reads fewer copies still gets all of them refreshed.
+        kept for good: a step that reads fewer copies still gets all of them refreshed. A split
+        weight is re-quantized with its own layout (it stays split).
         """
         _check_weight(weight)
         if tuple(weight.shape) != self._shape or jnp.dtype(weight.dtype) != self.dtype:
@@ -210,14 +248,18 @@ class QuantizedWeight:
             )
         usages = _canonical_usages((*self.usages, *_as_tuple(add_usages)), "add_usages")
         return QuantizedWeight._make(
-            _quantize_copies(weight, self._recipe, usages), self._recipe, self._shape
+            _quantize_copies(weight, self._recipe, usages, self._layout),
+            self._recipe,
+            self._shape,
+            self._layout,
         )
 
     def __repr__(self) -> str:
         experts = "" if self.num_groups is None else f", {self.num_groups} experts"
+        layout = "" if self._layout is None else f", {self._layout.describe()}"
         return (
             f"QuantizedWeight({self.spec.describe()}, shape={self._shape}, dtype={self.dtype}, "
-            f"usages={list(self.usages)}{experts}, nbytes={self.nbytes:,})"
+            f"usages={list(self.usages)}{experts}{layout}, nbytes={self.nbytes:,})"
         )
 
 
@@ -229,13 +271,16 @@ def quantize_weight(
     weight: jax.Array,
     recipe: Recipe,
     usages: Iterable[Usage] = ("rowwise", "columnwise"),
+    *,
+    layout: WeightLayout | None = None,
 ) -> QuantizedWeight:
     """Quantize a kernel (K, N), or stacked expert kernels (G, K, N) per expert, with `recipe`'s
     weight quantizer, producing the copies named in `usages` (default both; see
     `needed_weight_usages`).
 
     Pass the kernel in the dtype the layer computes in: the quantization depends on it (FP8
-    block's overflow rule and the rounding of a wider weight).
+    block's overflow rule and the rounding of a wider weight). `layout`: for a kernel split over
+    devices, e.g. `jax_qtrain.sharding.SplitKernelLayout(sharding)`; kept for every refresh.
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(
@@ -246,8 +291,16 @@ def quantize_weight(
     usages = _canonical_usages(usages, "usages")
     if not usages:
         raise ValueError("usages is empty: name at least one of 'rowwise', 'columnwise'")
+    if layout is not None and not isinstance(layout, WeightLayout):
+        raise TypeError(
+            f"layout must be a WeightLayout (e.g. jax_qtrain.sharding.SplitKernelLayout) or "
+            f"None, got {type(layout).__name__}"
+        )
     return QuantizedWeight._make(
-        _quantize_copies(jnp.asarray(weight), recipe, usages), recipe, tuple(weight.shape)
+        _quantize_copies(jnp.asarray(weight), recipe, usages, layout),
+        recipe,
+        tuple(weight.shape),
+        layout,
     )
 
 

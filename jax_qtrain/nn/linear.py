@@ -72,11 +72,19 @@ class Linear(nnx.Linear):
         if quantized_weight:
             weight_dtype = self.dtype if self.dtype is not None else self.param_dtype
             quantized_kernel = QuantizedKernel.of(
-                self.kernel[...].astype(weight_dtype), recipe, quantized_weight_usages
+                self.kernel[...].astype(weight_dtype),
+                recipe,
+                quantized_weight_usages,
+                layout=self._kept_weight_layout(),
             )
             if not keep_master_weight:
                 self.kernel = None
         self.quantized_kernel = quantized_kernel
+
+    def _kept_weight_layout(self):
+        """Where the kept quantized kernel lives (None: wherever XLA puts it); a layer whose
+        kernel is split over devices keeps its quantized copies split alike."""
+        return None
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         del out_sharding

@@ -33,7 +33,12 @@ from flax import nnx
 from flax.typing import MISSING
 
 from jax_qtrain.quantize import Usage
-from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages, quantize_weight
+from jax_qtrain.quantized_weight import (
+    QuantizedWeight,
+    WeightLayout,
+    needed_weight_usages,
+    quantize_weight,
+)
 from jax_qtrain.recipes import Recipe
 
 
@@ -51,6 +56,15 @@ def _check_replacement(old: Any, new: Any) -> None:
             f"a QuantizedKernel's new value must quantize the same weight with the same recipe: "
             f"had shape {old.shape} ({type(old.recipe).__name__}), got {new.shape} "
             f"({type(new.recipe).__name__})"
+        )
+    if new.layout != old.layout:
+
+        def describe(layout):
+            return "not split" if layout is None else layout.describe()
+
+        raise ValueError(
+            f"a QuantizedKernel's new value must keep the weight's layout: had "
+            f"{describe(old.layout)}, got {describe(new.layout)}"
         )
     dropped = [u for u in old.usages if u not in new.usages]
     if dropped:
@@ -84,10 +98,16 @@ class QuantizedKernel(nnx.Variable):
 
     @classmethod
     def of(
-        cls, kernel: jax.Array, recipe: Recipe | None, usages: Iterable[Usage] | None = None
+        cls,
+        kernel: jax.Array,
+        recipe: Recipe | None,
+        usages: Iterable[Usage] | None = None,
+        *,
+        layout: WeightLayout | None = None,
     ) -> QuantizedKernel:
         """`kernel` quantized by `recipe` for `usages` (default: what training reads). Pass the
-        kernel in the dtype the layer computes in; refreshes keep that dtype."""
+        kernel in the dtype the layer computes in; refreshes keep that dtype (and `layout`, for
+        a kernel split over devices)."""
         if recipe is None:
             raise ValueError(
                 "quantized_weight=True needs recipe=: the weight is quantized once, ahead of the "
@@ -95,7 +115,7 @@ class QuantizedKernel(nnx.Variable):
             )
         if usages is None:
             usages = needed_weight_usages(recipe, training=True)
-        return cls(quantize_weight(kernel, recipe, usages))
+        return cls(quantize_weight(kernel, recipe, usages, layout=layout))
 
     def refresh(self, kernel: jax.Array, *, add_usages: Iterable[Usage] = ()) -> None:
         """Rebuild every copy (plus `add_usages`) from the high-precision `kernel`, cast to the

@@ -19,6 +19,7 @@ from jax_qtrain.sharding.gather import (
     gather_raw,
     quantize_shard,
 )
+from jax_qtrain.sharding.kept_weight import SplitKernelLayout
 from jax_qtrain.sharding.layers import ShardedLinear, ShardedMoE
 from jax_qtrain.sharding.residuals import DeviceResidual, per_device_saved_residuals
 from jax_qtrain.sharding.sharded_dense import dense, fsdp_dense
@@ -34,6 +35,7 @@ __all__ = [
     "GatherBytes",
     "ShardedLinear",
     "ShardedMoE",
+    "SplitKernelLayout",
     "Strategy",
     "WeightSharding",
     "dense",

@@ -147,3 +147,12 @@ class WeightSharding:
     def shard_batch(self, x: jax.Array) -> jax.Array:
         """`x` placed on the mesh, its leading dim split over `batch_axes`."""
         return jax.device_put(x, NamedSharding(self.mesh, self.batch_spec()))
+
+
+def laid_out(array: jax.Array, spec, mesh) -> jax.Array:
+    """`array` resharded to `spec` on an Explicit mesh (where shard_map requires its inputs to be
+    laid out already); on an Auto mesh shard_map reshards by itself."""
+    explicit = jax.sharding.AxisType.Explicit
+    if any(axis_type == explicit for axis_type in mesh.axis_types):
+        return jax.reshard(array, NamedSharding(mesh, spec))
+    return array

@@ -18,11 +18,11 @@ from jax_qtrain.nn.moe import default_router_init, permute_by_expert, route_top_
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.recipes import Recipe
 
-from .config import WeightSharding, check_kernel_dim
+from .config import WeightSharding, check_kernel_dim, laid_out
 from .expert_parallel import expert_parallel_mlp
+from .kept_weight import SplitKernelLayout
 from .reductions import psum, replicated_input
 from .sharded_dense import dense as sharded_dense
-from .sharded_dense import laid_out
 from .sharded_grouped import fsdp_grouped_mlp
 
 _NN = (((1,), (0,)), ((), ()))
@@ -35,9 +35,6 @@ def _latest(previous, new):  # sown intermediates hold the latest call's value (
 
 def _nothing():
     return None
-
-
-_UNSUPPORTED_LINEAR_OPTIONS = ("quantized_weight", "keep_master_weight", "quantized_weight_usages")
 
 
 def _kernel_metadata(sharding: WeightSharding, metadata, ndim: int = 2) -> dict:
@@ -64,9 +61,17 @@ class ShardedLinear(Linear):
     re-gathers in backward and reduce-scatters the kernel gradient
     (`jax_qtrain.sharding.dense`). Call it under `jax.jit`/`nnx.jit`.
 
+    With `quantized_weight=True` (and `keep_master_weight`, `quantized_weight_usages`, as
+    `jax_qtrain.nn.Linear`) the layer keeps its kernel's quantized copies split like the kernel
+    (`SplitKernelLayout`; strategy "quantize_then_gather"): a call gathers the kept fprop copy's
+    bytes instead of quantizing, backward re-gathers the kept dgrad copy, and
+    `jax_qtrain.nn.Optimizer` (or `refresh_quantized_weights`) re-quantizes the shards after
+    each update. The kept copies equal the whole kernel's quantization bit for bit.
+
     Args:
-      in_features, out_features, recipe, save_original_input, and `nnx.Linear`'s keyword
-        arguments: as `jax_qtrain.nn.Linear`.
+      in_features, out_features, recipe, save_original_input, quantized_weight,
+        keep_master_weight, quantized_weight_usages, and `nnx.Linear`'s keyword arguments: as
+        `jax_qtrain.nn.Linear`.
       sharding: a `WeightSharding`.
     """
 
@@ -93,12 +98,9 @@ class ShardedLinear(Linear):
                 f"{split_name} {split_size} must be a multiple of {sharding.axis_size}, the size "
                 f"of mesh axis {sharding.axis!r} it is split over"
             )
-        for option in _UNSUPPORTED_LINEAR_OPTIONS:
-            if option in kwargs:
-                raise ValueError(
-                    f"{option}: ShardedLinear quantizes the gathered kernel in every call; a "
-                    "kept quantized weight is not supported with a split kernel"
-                )
+        if kwargs.get("quantized_weight", False) is True:
+            SplitKernelLayout(sharding)  # a kept weight needs quantize_then_gather: fail early
+        self.sharding = sharding  # before Linear.__init__, which may keep a split weight
         kwargs["kernel_metadata"] = _kernel_metadata(sharding, kwargs.get("kernel_metadata"))
         # The bias is replicated on the mesh (in a multi-process run, a global array too).
         kwargs["bias_metadata"] = {
@@ -113,13 +115,27 @@ class ShardedLinear(Linear):
             save_original_input=save_original_input,
             **kwargs,
         )
-        self.sharding = sharding
+
+    def _kept_weight_layout(self) -> SplitKernelLayout:
+        return SplitKernelLayout(self.sharding)
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         del out_sharding
-        kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        if self.quantized_kernel is not None:
+            # As nn.Linear with a kept weight: the kernel in the dtype its copies were made from.
+            quantized = self.quantized_kernel.get_value()
+            compute_dtype = self.dtype
+            if compute_dtype is None:
+                compute_dtype = jnp.result_type(
+                    inputs, quantized.dtype, *(() if bias is None else (bias,))
+                )
+            inputs, bias = self.promote_dtype((inputs, bias), dtype=compute_dtype)
+            kernel = None if self.kernel is None else self.kernel[...].astype(quantized.dtype)
+        else:
+            quantized = None
+            kernel = self.kernel[...]
+            inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         y = sharded_dense(
             inputs,
             kernel,
@@ -127,6 +143,7 @@ class ShardedLinear(Linear):
             sharding=self.sharding,
             recipe=self.recipe,
             save_original_input=self.save_original_input,
+            quantized_kernel=quantized,
         )
         if self.preferred_element_type is not None:
             y = y.astype(self.preferred_element_type)

@@ -44,6 +44,7 @@ from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.dense import _add_bias, _high_precision_dot, effective_save_original_input
 from jax_qtrain.ops.gemm import fprop_split_accumulator, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
+from jax_qtrain.quantized_weight import QuantizedWeight
 from jax_qtrain.recipes import Recipe
 
 from . import reductions
@@ -54,9 +55,11 @@ from .config import (
     WeightSharding,
     check_kernel_dim,
     check_strategy,
+    laid_out,
     normalize_axes,
 )
 from .gather import Split
+from .kept_weight import SplitKernelLayout
 
 _NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
@@ -79,6 +82,7 @@ class _FsdpDenseConfig:
     kernel_dtype: np.dtype
     bias_dtype: np.dtype | None
     out_dtype: np.dtype
+    has_kernel: bool = True  # False: only kept quantized shards, no kernel gradient
 
     @property
     def mode(self) -> str | None:
@@ -126,22 +130,26 @@ def _stochastic_rounding_key(key: jax.Array | None, dy: jax.Array, config) -> ja
     return jax.random.key(lax.psum(local, config.batch_axis_names))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fsdp_dense(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
-    y, _ = _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fsdp_dense(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDenseConfig):
+    y, _ = _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config)
     return y
 
 
-def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
-    """Forward. Residuals: (saved_input, saved_kernel, key), named as `jax_qtrain.dense` names
-    them, all of this device's size:
+def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDenseConfig):
+    """Forward. `kept_shard`: this device's shard of a kept quantized kernel (kept_weight.py),
+    read instead of quantizing `kernel_shard` (which may then be None: no kernel gradient).
+
+    Residuals: (saved_input, saved_kernel, key), named as `jax_qtrain.dense` names them, all of
+    this device's size:
 
     - saved_input (INPUT): exactly what `jax_qtrain.dense` saves for these rows (the quantized
       columnwise copy, the raw x2d, or the forward's rowwise copy), or the raw x2d unquantized;
+      None without a kernel to differentiate (only wgrad reads x);
     - saved_kernel (KERNEL): this device's kernel shard, never the gathered kernel: the raw
       shard (gather_then_quantize, "high_precision", unquantized), or with
       quantize_then_gather the quantized shard of the copy backward gathers (rowwise in the
-      default mode, columnwise under "dequantized");
+      default mode, columnwise under "dequantized"), a view of `kept_shard` if given;
     - key (SR_KEY): the caller's stochastic-rounding key, or None.
     """
     rows = x2d.shape[0]
@@ -151,7 +159,7 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
         saved_input, saved_kernel = x2d, kernel_shard
     else:
         recipe, mode = config.recipe, config.mode
-        keep_x_columnwise = mode is None and not config.save_original_input
+        keep_x_columnwise = mode is None and not config.save_original_input and config.has_kernel
         qx = quantize(
             x2d,
             recipe,
@@ -161,9 +169,11 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
             amax_axis_name=config.batch_axis_names,
         )
         if config.quantize_then_gather:
-            q_shard = config.split.quantize_shard(
-                kernel_shard, recipe, rowwise=mode is None, columnwise=True
-            )
+            q_shard = kept_shard
+            if q_shard is None:
+                q_shard = config.split.quantize_shard(
+                    kernel_shard, recipe, rowwise=mode is None, columnwise=True
+                )
             qw = config.gather(q_shard.restrict_to("columnwise"))
             saved_kernel = {
                 None: lambda: q_shard.restrict_to("rowwise"),
@@ -184,7 +194,9 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, config: _FsdpDenseConfig):
             split_accumulator=fprop_split_accumulator(recipe),
         )
         y = _add_bias(fprop, bias, config.out_dtype)
-        saved_input = saved_input_operand(x2d, qx, mode, config.save_original_input)
+        saved_input = None  # without a kernel to differentiate: only wgrad reads x
+        if config.has_kernel:
+            saved_input = saved_input_operand(x2d, qx, mode, config.save_original_input)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),
         checkpoint_name(saved_kernel, names.KERNEL),
@@ -224,43 +236,53 @@ def _fsdp_dense_bwd(config: _FsdpDenseConfig, residuals, dy):
             amax_axis_name=config.batch_axis_names,
             position_offset=(config.row_offset(rows), 0) if spec.stochastic_rounding else None,
         )
-        qx = saved_input
-        if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize
-            qx = quantize(
-                qx,
-                recipe,
-                "input",
-                rowwise=False,
-                columnwise=True,
-                amax_axis_name=config.batch_axis_names,
-            )
         qw = _backward_kernel_copy(saved_kernel, "rowwise", config)
         dx = matmul_nt(qdy, "rowwise", qw, "rowwise", rows=rows, cols=config.in_features)
-        dw_partial = matmul_nt(
-            qx, "columnwise", qdy, "columnwise", rows=config.in_features, cols=out_features
-        )
+        dw_partial = None
+        if config.has_kernel:
+            qx = saved_input
+            if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize
+                qx = quantize(
+                    qx,
+                    recipe,
+                    "input",
+                    rowwise=False,
+                    columnwise=True,
+                    amax_axis_name=config.batch_axis_names,
+                )
+            dw_partial = matmul_nt(
+                qx, "columnwise", qdy, "columnwise", rows=config.in_features, cols=out_features
+            )
     else:  # unquantized, "high_precision" or "dequantized": GEMMs in the compute dtype
         compute_dtype = jnp.promote_types(config.x_dtype, config.kernel_dtype)
         if mode == "dequantized":
-            x_values = saved_input.dequantize("rowwise", compute_dtype)
             qw = _backward_kernel_copy(saved_kernel, "columnwise", config)
             kernel_values = qw.dequantize("columnwise", compute_dtype)
         else:
-            x_values, kernel_values = saved_input, config.whole_kernel(saved_kernel)
+            kernel_values = config.whole_kernel(saved_kernel)
         dy_c = dy.astype(compute_dtype)
         dx = _high_precision_dot(dy_c, kernel_values, _NT)
-        dw_partial = _high_precision_dot(x_values, dy_c, _TN)
+        dw_partial = None
+        if config.has_kernel:
+            x_values = saved_input
+            if mode == "dequantized":
+                x_values = saved_input.dequantize("rowwise", compute_dtype)
+            dw_partial = _high_precision_dot(x_values, dy_c, _TN)
 
     # float32 partial sums over this device's rows → the shard of the sum over all rows.
     deterministic = config.deterministic
-    dw = reductions.psum_scatter(
-        dw_partial,
-        config.axis_name,
-        scatter_dimension=config.kernel_dim,
-        deterministic=deterministic,
-    )
-    other_batch_axes = tuple(a for a in config.batch_axis_names if a != config.axis_name)
-    dw = reductions.psum(dw, other_batch_axes, deterministic=deterministic)
+    dw = None
+    if dw_partial is not None:
+        dw = reductions.psum_scatter(
+            dw_partial,
+            config.axis_name,
+            scatter_dimension=config.kernel_dim,
+            deterministic=deterministic,
+        )
+        other_batch_axes = tuple(a for a in config.batch_axis_names if a != config.axis_name)
+        dw = reductions.psum(dw, other_batch_axes, deterministic=deterministic).astype(
+            config.kernel_dtype
+        )
     dbias = None
     if config.bias_dtype is not None:
         dbias = reductions.psum(
@@ -269,7 +291,7 @@ def _fsdp_dense_bwd(config: _FsdpDenseConfig, residuals, dy):
             deterministic=deterministic,
         )
         dbias = dbias.astype(config.bias_dtype)
-    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None
+    return dx.astype(config.x_dtype), dw, dbias, None, None
 
 
 _fsdp_dense.defvjp(_fsdp_dense_fwd, _fsdp_dense_bwd)
@@ -297,12 +319,14 @@ def bound_axis_size(axis_name: str, argument: str, caller: str = "fsdp_dense") -
 
 
 def _check_shapes(x, kernel_shard, bias, kernel_dim: int, axis_size: int) -> tuple[int, int]:
-    """(in_features, out_features) of the whole kernel, after checking every shape."""
+    """(in_features, out_features) of the whole kernel, after checking every shape.
+    `kernel_shard` may be a kept quantized shard (a QuantizedTensor)."""
     _check_array("x", x)
-    _check_array("kernel_shard", kernel_shard)
+    if not isinstance(kernel_shard, QuantizedTensor):
+        _check_array("kernel_shard", kernel_shard)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (..., in_features)")
-    if kernel_shard.ndim != 2:
+    if len(kernel_shard.shape) != 2:
         raise ValueError(
             f"kernel_shard must have rank 2 (a shard of the (in_features, out_features) kernel), "
             f"got shape {tuple(kernel_shard.shape)}"
@@ -326,6 +350,46 @@ def _check_shapes(x, kernel_shard, bias, kernel_dim: int, axis_size: int) -> tup
     return in_features, out_features
 
 
+def _check_kept_shard(kept, kernel_shard, recipe: Recipe | None, strategy: Strategy) -> None:
+    if not isinstance(kept, QuantizedTensor):
+        raise TypeError(
+            f"quantized_kernel_shard must be a QuantizedTensor (this device's shard of a kept "
+            f"QuantizedWeight), got {type(kept).__name__}"
+        )
+    if recipe is None:
+        raise ValueError("quantized_kernel_shard needs recipe=, the recipe it was quantized with")
+    if kept.spec != recipe.spec("weight"):
+        raise ValueError(
+            f"quantized_kernel_shard was quantized as {kept.spec.describe()}, but the recipe "
+            f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
+        )
+    if strategy == GATHER_THEN_QUANTIZE:
+        raise ValueError(
+            "quantized_kernel_shard: a kept quantized shard is gathered as it is; it needs "
+            "strategy='quantize_then_gather'"
+        )
+    if kernel_shard is not None and (
+        tuple(kernel_shard.shape) != kept.shape or jnp.dtype(kernel_shard.dtype) != kept.dtype
+    ):
+        raise ValueError(
+            f"quantized_kernel_shard must quantize kernel_shard: it has shape {kept.shape} and "
+            f"dtype {kept.dtype}, kernel_shard {tuple(kernel_shard.shape)} {kernel_shard.dtype}"
+        )
+    mode = recipe.backward_override
+    needed = ("rowwise", "columnwise") if mode is None else ("columnwise",)
+    missing = [u for u in needed if not kept.has_usage(u)]
+    if missing:
+        raise ValueError(
+            f"quantized_kernel_shard holds only {list(kept.usages)}, but this op reads "
+            f"{list(needed)}; refresh the kept weight with add_usages={tuple(missing)}"
+        )
+    if mode == "high_precision" and kernel_shard is None:
+        raise ValueError(
+            'backward_override="high_precision" reads the high-precision kernel: pass '
+            "kernel_shard with quantized_kernel_shard"
+        )
+
+
 def fsdp_dense(
     x: jax.Array,
     kernel_shard: jax.Array,
@@ -339,13 +403,15 @@ def fsdp_dense(
     save_original_input: bool = False,
     key: jax.Array | None = None,
     deterministic: bool = False,
+    quantized_kernel_shard: QuantizedTensor | None = None,
 ) -> jax.Array:
     """`jax_qtrain.dense` on one device, inside `jax.shard_map`, with a split kernel.
 
     Args:
       x: this device's rows, (..., in_features).
       kernel_shard: this device's shard of the (in_features, out_features) kernel, split along
-        `kernel_dim` over mesh axis `axis_name`.
+        `kernel_dim` over mesh axis `axis_name`. May be None with `quantized_kernel_shard` (no
+        kernel gradient then).
       bias: the whole (out_features,) bias, replicated.
       axis_name: the mesh axis the kernel is split over.
       kernel_dim: 0 (in_features split) or 1 (out_features split).
@@ -354,6 +420,10 @@ def fsdp_dense(
       strategy: "quantize_then_gather" (default) or "gather_then_quantize" (config.py).
       recipe, save_original_input, key: as `jax_qtrain.dense` (the same key on every device).
       deterministic: see `WeightSharding`.
+      quantized_kernel_shard: this device's shard of a kept quantized kernel (the leaves of a
+        `QuantizedWeight` made with `SplitKernelLayout`, as `jax_qtrain.sharding.dense` passes
+        them): the forward gathers it instead of quantizing `kernel_shard`. Needs `recipe`, the
+        recipe it was quantized with, and strategy "quantize_then_gather".
 
     Returns: this device's rows of y, (..., out_features).
     """
@@ -372,10 +442,21 @@ def fsdp_dense(
     axis_size = bound_axis_size(axis_name, "axis_name")
     for name in batch_axis_names:
         bound_axis_size(name, "batch_axis_names")
-    in_features, out_features = _check_shapes(x, kernel_shard, bias, kernel_dim, axis_size)
+    if kernel_shard is None and quantized_kernel_shard is None:
+        raise TypeError("kernel_shard must be an array (None only with quantized_kernel_shard)")
+    in_features, out_features = _check_shapes(
+        x,
+        kernel_shard if kernel_shard is not None else quantized_kernel_shard,
+        bias,
+        kernel_dim,
+        axis_size,
+    )
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
+    if quantized_kernel_shard is not None:
+        _check_kept_shard(quantized_kernel_shard, kernel_shard, recipe, strategy)
+    kernel_dtype = (kernel_shard if kernel_shard is not None else quantized_kernel_shard).dtype
     config = _FsdpDenseConfig(
         recipe=recipe,
         save_original_input=(
@@ -388,23 +469,27 @@ def fsdp_dense(
         in_features=in_features,
         deterministic=bool(deterministic),
         x_dtype=jnp.dtype(x.dtype),
-        kernel_dtype=jnp.dtype(kernel_shard.dtype),
+        kernel_dtype=jnp.dtype(kernel_dtype),
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
-        out_dtype=jnp.promote_types(x.dtype, kernel_shard.dtype),
+        out_dtype=jnp.promote_types(x.dtype, kernel_dtype),
+        has_kernel=kernel_shard is not None,
     )
-    y2d = _fsdp_dense(x.reshape(-1, x.shape[-1]), kernel_shard, bias, key, config)
+    y2d = _fsdp_dense(
+        x.reshape(-1, x.shape[-1]), kernel_shard, bias, key, quantized_kernel_shard, config
+    )
     return y2d.reshape(*x.shape[:-1], out_features)
 
 
 def dense(
     x: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | None,
     bias: jax.Array | None = None,
     *,
     sharding: WeightSharding,
     recipe: Recipe | None = None,
     save_original_input: bool = False,
     key: jax.Array | None = None,
+    quantized_kernel: QuantizedWeight | None = None,
 ) -> jax.Array:
     """`jax_qtrain.dense` with `kernel` split over `sharding.axis` and x's batch over
     `sharding.batch_axes`: a `jax.shard_map` around `fsdp_dense`. Call it on global arrays,
@@ -413,13 +498,23 @@ def dense(
     Args:
       x: (batch, ..., in_features); batch a multiple of the product of the batch axes' sizes.
       kernel: (in_features, out_features), its `sharding.kernel_dim` a multiple of the axis size.
+        May be None with `quantized_kernel` (no kernel gradient then).
       bias: optional (out_features,), replicated.
       sharding: a `WeightSharding`.
       recipe, save_original_input, key: as `jax_qtrain.dense`.
+      quantized_kernel: the kernel kept quantized and split
+        (`quantize_weight(kernel, recipe, layout=SplitKernelLayout(sharding))`, what
+        `ShardedLinear(quantized_weight=True)` keeps): each device gathers its shard's bytes
+        instead of quantizing the kernel (sharding/kept_weight.py).
     """
     if not isinstance(sharding, WeightSharding):
         raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
     check_kernel_dim(sharding.kernel_dim)  # "experts" splits grouped layers only
+    kept = _kept_operands(quantized_kernel, kernel, sharding)
+    if kernel is None:
+        if quantized_kernel is None:
+            raise TypeError("kernel must be an array (None only together with quantized_kernel)")
+        kernel = jax.ShapeDtypeStruct(quantized_kernel.shape, quantized_kernel.dtype)
     for name, value in (("x", x), ("kernel", kernel)):
         _check_array(name, value)
     if x.ndim < 2:
@@ -453,7 +548,12 @@ def dense(
         deterministic=sharding.deterministic,
     )
     replicated = jax.sharding.PartitionSpec()
-    operands = {"x": x, "kernel_shard": kernel, "bias": bias, "key": key}
+    operands = {
+        "x": x,
+        "kernel_shard": None if isinstance(kernel, jax.ShapeDtypeStruct) else kernel,
+        "bias": bias,
+        "key": key,
+    }
     specs = {
         "x": sharding.batch_spec(),
         "kernel_shard": sharding.kernel_spec(),
@@ -461,22 +561,53 @@ def dense(
         "key": replicated,
     }
     given = [name for name, value in operands.items() if value is not None]
+    kept_leaves, kept_specs = ({}, {}) if kept is None else kept[1].operands(kept[0])
 
-    def body(*arrays):
-        return per_device(**dict(zip(given, arrays, strict=True)))
+    def body(kept_leaves, *arrays):
+        kept_shard = None if kept is None else kept[1].local(kept[0], kept_leaves)
+        named = {"kernel_shard": None, **dict(zip(given, arrays, strict=True))}
+        return per_device(**named, quantized_kernel_shard=kept_shard)
 
     return jax.shard_map(
         body,
         mesh=sharding.mesh,
-        in_specs=tuple(specs[name] for name in given),
+        in_specs=(kept_specs, *(specs[name] for name in given)),
         out_specs=sharding.batch_spec(),
-    )(*(laid_out(operands[name], specs[name], sharding.mesh) for name in given))
+    )(
+        {
+            name: laid_out(leaf, kept_specs[name], sharding.mesh)
+            for name, leaf in kept_leaves.items()
+        },
+        *(laid_out(operands[name], specs[name], sharding.mesh) for name in given),
+    )
 
 
-def laid_out(array: jax.Array, spec, mesh) -> jax.Array:
-    """`array` resharded to `spec` on an Explicit mesh (where shard_map requires its inputs to be
-    laid out already); on an Auto mesh shard_map reshards by itself."""
-    explicit = jax.sharding.AxisType.Explicit
-    if any(axis_type == explicit for axis_type in mesh.axis_types):
-        return jax.reshard(array, jax.sharding.NamedSharding(mesh, spec))
-    return array
+def _kept_operands(quantized_kernel, kernel, sharding: WeightSharding):
+    """(the kept tensor, its SplitKernelLayout) of a `quantized_kernel` argument, or None,
+    after checking it was kept split as `sharding` splits the kernel."""
+    if quantized_kernel is None:
+        return None
+    if not isinstance(quantized_kernel, QuantizedWeight):
+        raise TypeError(
+            f"quantized_kernel must be a QuantizedWeight (jax_qtrain.quantize_weight with "
+            f"layout=SplitKernelLayout(sharding)), got {type(quantized_kernel).__name__}"
+        )
+    layout = SplitKernelLayout(sharding)
+    if quantized_kernel.layout != layout:
+        held = quantized_kernel.layout
+        raise ValueError(
+            f"quantized_kernel must be kept split as sharding splits the kernel "
+            f"({layout.describe()}), but it is "
+            f"{'not split' if held is None else held.describe()}: make it with "
+            "quantize_weight(kernel, recipe, layout=SplitKernelLayout(sharding))"
+        )
+    if kernel is not None and (
+        tuple(kernel.shape) != quantized_kernel.shape
+        or jnp.dtype(kernel.dtype) != quantized_kernel.dtype
+    ):
+        raise ValueError(
+            f"quantized_kernel must be the quantization of kernel: it has shape "
+            f"{quantized_kernel.shape} and dtype {quantized_kernel.dtype}, kernel "
+            f"{tuple(kernel.shape)} {kernel.dtype}"
+        )
+    return quantized_kernel.tensor, layout

@@ -10,7 +10,13 @@ from flax import nnx
 
 import jax_qtrain as jq
 from jax_qtrain import sharding as jqs
-from tests.jax_qtrain.sharding_helpers import RECIPES, assert_bits_equal, layer_data, mesh_1d
+from tests.jax_qtrain.sharding_helpers import (
+    RECIPES,
+    assert_bits_equal,
+    layer_data,
+    mesh_1d,
+    module_value_and_grads,
+)
 
 
 class TwoRecipes(nnx.Module):
@@ -138,15 +144,18 @@ def test_sharded_linear_rejects_bad_arguments():
     sharding = jqs.WeightSharding(mesh_1d(8), "fsdp")
     with pytest.raises(TypeError, match="sharding must be a WeightSharding"):
         jqs.ShardedLinear(64, 32, sharding="fsdp", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="quantized_weight: ShardedLinear"):
+    gather_first = jqs.WeightSharding(mesh_1d(8), "fsdp", strategy="gather_then_quantize")
+    with pytest.raises(ValueError, match=r"kept as quantized shards.*quantize_then_gather"):
         jqs.ShardedLinear(
             64,
             32,
-            sharding=sharding,
+            sharding=gather_first,
             recipe=RECIPES["fp8"],
             quantized_weight=True,
             rngs=nnx.Rngs(0),
         )
+    with pytest.raises(ValueError, match="needs recipe="):
+        jqs.ShardedLinear(64, 32, sharding=sharding, quantized_weight=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"kernel_metadata\['out_sharding'\]"):
         jqs.ShardedLinear(
             64,
@@ -157,3 +166,106 @@ def test_sharded_linear_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="in_features 36 must be a multiple of 8"):
         jqs.ShardedLinear(36, 32, sharding=sharding, rngs=nnx.Rngs(0))
+
+
+# --- kept quantized weights with a split kernel (sharding/kept_weight.py) ------------------------
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("kernel_dim", [0, 1])
+def test_kept_copies_are_split_and_equal_the_whole_quantization(name, kernel_dim):
+    sharding = jqs.WeightSharding(mesh_1d(4), "fsdp", kernel_dim=kernel_dim)
+    layout = jqs.SplitKernelLayout(sharding)
+    _, kernel, _, _ = layer_data(name, (16, 512), 512)
+    kept = jq.quantize_weight(sharding.shard_kernel(kernel), RECIPES[name], layout=layout)
+    whole = jq.quantize_weight(kernel, RECIPES[name])
+    assert kept.layout == layout and "split over mesh axis 'fsdp'" in repr(kept)
+    assert_bits_equal(jax.tree.leaves(kept), jax.tree.leaves(whole), name)
+    for usage in kept.usages:
+        data = getattr(kept.tensor, f"{usage}_data")
+        split_axis = kernel_dim if usage == "rowwise" else 1 - kernel_dim
+        parts = [None, None]
+        parts[split_axis] = "fsdp"
+        assert data.sharding.spec == jax.sharding.PartitionSpec(*parts), usage
+    refreshed = kept.refresh(sharding.shard_kernel(kernel * 2))
+    assert refreshed.layout == layout
+    assert_bits_equal(
+        jax.tree.leaves(refreshed), jax.tree.leaves(jq.quantize_weight(kernel * 2, RECIPES[name]))
+    )
+
+
+def _kept_and_unkept(name, **kept_options):
+    sharding = jqs.WeightSharding(mesh_1d(4), "fsdp")
+    x, kernel, bias, dy = layer_data(name, (64, 512), 128)
+
+    def layer(**options):
+        model = jqs.ShardedLinear(
+            512,
+            128,
+            sharding=sharding,
+            recipe=RECIPES[name],
+            param_dtype=jnp.bfloat16,
+            kernel_init=lambda key, shape, dtype: kernel.astype(dtype),
+            rngs=nnx.Rngs(0),
+            **options,
+        )
+        model.bias[...] = bias
+        return model
+
+    return layer(quantized_weight=True, **kept_options), layer(), x, dy
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_sharded_linear_with_a_kept_weight_trains_like_the_plain_one(name):
+    """Same bits as quantizing the split kernel in every call, through two optimizer steps
+    (jq.nn.Optimizer re-quantizes the kept shards after each update)."""
+    kept, plain, x, dy = _kept_and_unkept(name)
+    assert_bits_equal(
+        jax.tree.leaves(module_value_and_grads(kept, x, dy)),
+        jax.tree.leaves(module_value_and_grads(plain, x, dy)),
+    )
+
+    def train(model):
+        optimizer = jq.nn.Optimizer(model, optax.sgd(2.0**-6), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(
+                model
+            )
+            optimizer.update(model, grads)
+            return loss
+
+        return [step(model, optimizer, x) for _ in range(2)]
+
+    assert_bits_equal(train(kept), train(plain), "losses")
+    kernel = kept.kernel[...]
+    assert_bits_equal(kernel[None], plain.kernel[...][None], "kernel")
+    held = kept.quantized_kernel.get_value()
+    assert held.layout == jqs.SplitKernelLayout(kept.sharding)  # still split after refreshes
+    assert_bits_equal(
+        jax.tree.leaves(held), jax.tree.leaves(jq.quantize_weight(kernel, RECIPES[name]))
+    )
+
+
+def test_sharded_linear_without_a_master_weight():
+    kept, plain, x, dy = _kept_and_unkept("mxfp8", keep_master_weight=False)
+    assert kept.kernel is None
+    y, dparams, dx = module_value_and_grads(kept, x, dy)
+    y_ref, _, dx_ref = module_value_and_grads(plain, x, dy)
+    assert_bits_equal((y, dx), (y_ref, dx_ref))
+    assert "kernel" not in dparams
+    held = kept.quantized_kernel.get_value()
+    jq.nn.refresh_quantized_weights(kept)  # a frozen weight: nothing to rebuild
+    assert_bits_equal(jax.tree.leaves(kept.quantized_kernel.get_value()), jax.tree.leaves(held))
+
+
+def test_sharded_dense_checks_a_kept_weight():
+    sharding = jqs.WeightSharding(mesh_1d(4), "fsdp")
+    x, kernel, bias, _ = layer_data("fp8", (64, 512), 128)
+    unsplit = jq.quantize_weight(kernel, RECIPES["fp8"])
+    with pytest.raises(ValueError, match="must be kept split as sharding splits the kernel"):
+        jqs.dense(
+            x, kernel, bias, sharding=sharding, recipe=RECIPES["fp8"], quantized_kernel=unsplit
+        )
+    kept = jq.quantize_weight(kernel, RECIPES["mxfp8"], layout=jqs.SplitKernelLayout(sharding))
+    with pytest.raises(ValueError, match="quantized_kernel_shard was quantized as mxfp8"):
+        jqs.dense(x, kernel, bias, sharding=sharding, recipe=RECIPES["fp8"], quantized_kernel=kept)
