@@ -58,8 +58,15 @@ class Split:
         axis = self.kernel_dim if usage == "rowwise" else 1 - self.kernel_dim
         return axis + (1 if self.stacked else 0)
 
-    def check_block_aligned(self, shard_shape: tuple[int, ...], spec: QuantizerSpec, usages):
-        """Raise ValueError unless every block of the requested copies lies within one shard."""
+    def check_block_aligned(
+        self,
+        shard_shape: tuple[int, ...],
+        spec: QuantizerSpec,
+        usages,
+        remedy: str = f"use strategy={GATHER_THEN_QUANTIZE!r}, or",
+    ):
+        """Raise ValueError unless every block of the requested copies lies within one shard
+        (`remedy` starts the message's advice)."""
         if self.splits_experts:
             return
         shard_length = shard_shape[self.array_dim]
@@ -71,8 +78,8 @@ class Split:
                     f"kernel_shard {tuple(shard_shape)}: its kernel_dim={self.kernel_dim} length "
                     f"{shard_length} is not a multiple of the {spec.describe()} block length "
                     f"{block} of the {usage} copy, so quantizing shards would not equal "
-                    f"quantizing the whole weight; use strategy={GATHER_THEN_QUANTIZE!r}, or a "
-                    f"shard length that is a multiple of {block}"
+                    f"quantizing the whole weight; {remedy} a shard length that is a multiple "
+                    f"of {block}"
                 )
 
     def gather_raw(self, shard: jax.Array) -> jax.Array:

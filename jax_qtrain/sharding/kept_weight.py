@@ -87,7 +87,13 @@ class SplitKernelLayout:
     ) -> QuantizedTensor:
         """`quantize(weight, recipe, "weight", ...)` computed shard by shard on the mesh, its
         codes and scales left split (module docstring)."""
-        self.shard_shape(tuple(weight.shape))
+        usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
+        self.split.check_block_aligned(
+            self.shard_shape(tuple(weight.shape)),
+            recipe.spec("weight"),
+            usages,
+            remedy="a kept quantized weight is kept as quantized shards, so it needs",
+        )
         whole = jax.eval_shape(
             lambda w: quantize(w, recipe, "weight", rowwise=rowwise, columnwise=columnwise),
             jax.ShapeDtypeStruct(weight.shape, weight.dtype),

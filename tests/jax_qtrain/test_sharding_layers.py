@@ -156,6 +156,15 @@ def test_sharded_linear_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="needs recipe="):
         jqs.ShardedLinear(64, 32, sharding=sharding, quantized_weight=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="kept as quantized shards, so it needs a shard length"):
+        jqs.ShardedLinear(  # 64 rows per shard: half a 128×128 FP8 block
+            512,
+            128,
+            sharding=sharding,
+            recipe=RECIPES["fp8_block"],
+            quantized_weight=True,
+            rngs=nnx.Rngs(0),
+        )
     with pytest.raises(ValueError, match=r"kernel_metadata\['out_sharding'\]"):
         jqs.ShardedLinear(
             64,
