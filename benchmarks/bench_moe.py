@@ -7,8 +7,9 @@ weights. Group sizes are balanced (tokens / E each) or skewed (expert e gets a s
 TFLOP/s counts the GEMMs only: 6·T·H·F forward, 18·T·H·F forward+backward, including the
 quantization work inside the op (the layer's effective rate). "saved MiB" is what one call keeps
 for its backward (`jq.saved_residuals`). The grouped GEMMs run on whatever
-`jax_qtrain.ops.grouped_gemm` dispatches to: on the GPU the Pallas grouped kernels for bf16,
-per-tensor FP8 and block FP8 (fprop/dgrad), the lax.ragged_dot reference for MXFP8 and NVFP4.
+`jax_qtrain.ops.grouped_gemm` dispatches to: on the GPU the Pallas grouped kernels (native FP8
+for per-tensor FP8 and block FP8's fprop/dgrad, the 16-bit ones for bf16 and for the dequantized
+MXFP8, NVFP4 and block-FP8 wgrad operands). `bench_grouped_quantize` times the quantizers alone.
 
     python -m benchmarks.bench_moe [--small] [--out DIR]
 writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.

@@ -28,7 +28,7 @@ elif [[ $STAGE == bench ]]; then
   # Writes into a scratch folder, then packs it into one archive (the run may be cut by timeout).
   scratch=$(mktemp -d)
   timeout "${BENCH_BUDGET:-540}" python3 -m benchmarks.run --out "$scratch" \
-    --only ${BENCHES:-bench_dense bench_moe bench_quantize} 2>&1 | tee "$OUT/bench.log" | tail -40
+    --only ${BENCHES:-bench_moe bench_grouped_quantize bench_dense bench_quantize} 2>&1 | tee "$OUT/bench.log" | tail -40
   cp "$scratch"/*.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_raw.tar.gz" -C "$scratch" .
 else
