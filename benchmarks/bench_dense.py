@@ -12,14 +12,12 @@ faster than the GPU's peak (fixed 2026-11-29).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, median_seconds
+from benchmarks.timing import device_description, median_seconds, report
 
 
 def plain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -94,12 +92,7 @@ def main(out_dir: str | None = None, small: bool = False) -> str:
     tokens, features, iters = (256, 256, 3) if small else (8192, 4096, 20)
     rows = run(tokens, features, iters)
     text = markdown(rows, tokens, features)
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_dense.json").write_text(json.dumps(rows, indent=2))
-        (Path(out_dir) / "bench_dense.md").write_text(text)
-    print(text)
-    return text
+    return report(out_dir, "bench_dense", rows, text)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ Effective TB/s = (bytes of x + bytes of every output) / time.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, median_seconds
+from benchmarks.timing import device_description, median_seconds, report
 from jax_qtrain.ops.grouped_quantize import token_alignment
 
 RECIPES = {
@@ -112,12 +110,7 @@ def markdown(rows: list[dict]) -> str:
 def main(out_dir: str | None = None, small: bool = False) -> str:
     rows = run(SMALL_SHAPES if small else SHAPES, iters=2 if small else 20)
     text = markdown(rows)
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_grouped_quantize.json").write_text(json.dumps(rows, indent=2))
-        (Path(out_dir) / "bench_grouped_quantize.md").write_text(text)
-    print(text)
-    return text
+    return report(out_dir, "bench_grouped_quantize", rows, text)
 
 
 if __name__ == "__main__":

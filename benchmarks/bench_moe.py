@@ -18,9 +18,7 @@ writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ import numpy as np
 from jax import lax
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, median_seconds
+from benchmarks.timing import device_description, median_seconds, report
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -162,12 +160,7 @@ def main(out_dir: str | None = None, small: bool = False, budget_s: float | None
     configs, iters = (SMALL_CONFIGS, 2) if small else (CONFIGS, 10)
     rows = run(configs, iters, budget_s)
     text = markdown(rows)
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_moe.json").write_text(json.dumps(rows, indent=2))
-        (Path(out_dir) / "bench_moe.md").write_text(text)
-    print(text)
-    return text
+    return report(out_dir, "bench_moe", rows, text)
 
 
 if __name__ == "__main__":

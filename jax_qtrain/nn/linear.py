@@ -106,7 +106,19 @@ class Linear(nnx.Linear):
         return y
 
     def _call_quantized_kernel(self, inputs: jax.Array) -> jax.Array:
-        """The forward on the kept quantized weight; the gradient flows to `kernel` if kept.
+        """The forward on the kept quantized weight; the gradient flows to `kernel` if kept."""
+        inputs, kernel, bias, quantized = self._kept_weight_operands(inputs)
+        return dense(
+            inputs,
+            kernel,
+            bias,
+            recipe=self.recipe,
+            save_original_input=self.save_original_input,
+            quantized_kernel=quantized,
+        )
+
+    def _kept_weight_operands(self, inputs: jax.Array):
+        """(inputs, kernel or None, bias, kept QuantizedWeight) for a call on the kept weight.
 
         Inputs and bias are promoted as nnx.Linear promotes them; the kernel is passed in the
         dtype its quantized form was made from.
@@ -120,14 +132,7 @@ class Linear(nnx.Linear):
             )
         inputs, bias = self.promote_dtype((inputs, bias), dtype=compute_dtype)
         kernel = None if self.kernel is None else self.kernel[...].astype(quantized.dtype)
-        return dense(
-            inputs,
-            kernel,
-            bias,
-            recipe=self.recipe,
-            save_original_input=self.save_original_input,
-            quantized_kernel=quantized,
-        )
+        return inputs, kernel, bias, quantized
 
     def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
         """Rebuild the quantized kernel from `kernel` for every usage it holds plus

@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.gemm import fprop_split_accumulator, matmul_nt
+from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
@@ -148,16 +148,7 @@ def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, 
         _check_quantized_kernel_usages(quantized_kernel, recipe, differentiated)
         qw = quantized_kernel
     rows, cols = x2d.shape[0], qw.shape[1]
-    fprop = matmul_nt(
-        qx,
-        "rowwise",
-        qw,
-        "columnwise",
-        rows=rows,
-        cols=cols,
-        split_accumulator=fprop_split_accumulator(recipe),
-    )
-    y = _add_bias(fprop, bias, config.out_dtype)
+    y = _add_bias(fprop_gemm(qx, qw, recipe, rows=rows, cols=cols), bias, config.out_dtype)
     if not differentiated:
         return y, None
 
@@ -318,21 +309,31 @@ def _unwrap_quantized_kernel(quantized_kernel, kernel) -> QuantizedTensor:
     return tensor
 
 
-def _check_quantized_kernel_recipe(tensor: QuantizedTensor, recipe: Recipe | None, kernel) -> None:
+def check_quantized_kernel_recipe(
+    tensor: QuantizedTensor,
+    recipe: Recipe | None,
+    kernel,
+    *,
+    argument: str = "quantized_kernel",
+    kernel_argument: str = "kernel",
+) -> None:
+    """A pre-quantized kernel (`argument`) against the op's recipe: there is one, it quantizes
+    weights as the kernel was quantized, and the high-precision kernel is given where backward
+    reads it."""
     if recipe is None:
         raise ValueError(
-            "quantized_kernel needs the recipe it was quantized with: pass recipe= (or use "
+            f"{argument} needs the recipe it was quantized with: pass recipe= (or use "
             "jax_qtrain.autocast); with no recipe dense runs in high precision"
         )
     if tensor.spec != recipe.spec("weight"):
         raise ValueError(
-            f"quantized_kernel was quantized as {tensor.spec.describe()}, but the recipe "
+            f"{argument} was quantized as {tensor.spec.describe()}, but the recipe "
             f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
         )
     if kernel is None and recipe.backward_override == "high_precision":
         raise ValueError(
-            'kernel is None, but backward_override="high_precision" reads the raw kernel in '
-            "backward; pass the high-precision kernel"
+            f'{kernel_argument} is None, but backward_override="high_precision" reads the raw '
+            f"kernel in backward; pass the high-precision {kernel_argument}"
         )
 
 
@@ -384,7 +385,7 @@ def dense(
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
     if quantized_tensor is not None:
-        _check_quantized_kernel_recipe(quantized_tensor, recipe, kernel)
+        check_quantized_kernel_recipe(quantized_tensor, recipe, kernel)
     out_dtype = jnp.promote_types(x.dtype, kernel_dtype)
     x2d = x.reshape(-1, x.shape[-1])
     if recipe is None:

@@ -133,7 +133,18 @@ def matmul_nt(
     return out
 
 
-def fprop_split_accumulator(recipe) -> bool:
-    """Whether `recipe`'s forward GEMM splits its accumulator (only per-tensor FP8 can opt out,
+def fprop_gemm(
+    qx: QuantizedTensor, qw: QuantizedTensor, recipe, *, rows: int, cols: int
+) -> jax.Array:
+    """A linear layer's forward GEMM `y = x · W` (x's rowwise copy, W's columnwise copy), split
+    accumulator or not as the recipe says (only per-tensor FP8 can opt out,
     `Float8CurrentScaling.fprop_split_accumulator`)."""
-    return getattr(recipe, "fprop_split_accumulator", True)
+    return matmul_nt(
+        qx,
+        "rowwise",
+        qw,
+        "columnwise",
+        rows=rows,
+        cols=cols,
+        split_accumulator=getattr(recipe, "fprop_split_accumulator", True),
+    )

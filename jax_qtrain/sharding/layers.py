@@ -98,8 +98,6 @@ class ShardedLinear(Linear):
                 f"{split_name} {split_size} must be a multiple of {sharding.axis_size}, the size "
                 f"of mesh axis {sharding.axis!r} it is split over"
             )
-        if kwargs.get("quantized_weight", False) is True:
-            SplitKernelLayout(sharding)  # a kept weight needs quantize_then_gather: fail early
         self.sharding = sharding  # before Linear.__init__, which may keep a split weight
         kwargs["kernel_metadata"] = _kernel_metadata(sharding, kwargs.get("kernel_metadata"))
         # The bias is replicated on the mesh (in a multi-process run, a global array too).
@@ -121,19 +119,11 @@ class ShardedLinear(Linear):
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         del out_sharding
-        bias = self.bias[...] if self.bias is not None else None
         if self.quantized_kernel is not None:
-            # As nn.Linear with a kept weight: the kernel in the dtype its copies were made from.
-            quantized = self.quantized_kernel.get_value()
-            compute_dtype = self.dtype
-            if compute_dtype is None:
-                compute_dtype = jnp.result_type(
-                    inputs, quantized.dtype, *(() if bias is None else (bias,))
-                )
-            inputs, bias = self.promote_dtype((inputs, bias), dtype=compute_dtype)
-            kernel = None if self.kernel is None else self.kernel[...].astype(quantized.dtype)
+            inputs, kernel, bias, quantized = self._kept_weight_operands(inputs)
         else:
             quantized = None
+            bias = self.bias[...] if self.bias is not None else None
             kernel = self.kernel[...]
             inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         y = sharded_dense(

@@ -41,10 +41,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.dense import _add_bias, _high_precision_dot, effective_save_original_input
-from jax_qtrain.ops.gemm import fprop_split_accumulator, matmul_nt
+from jax_qtrain.ops.dense import (
+    _add_bias,
+    _high_precision_dot,
+    check_quantized_kernel_recipe,
+    effective_save_original_input,
+)
+from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
-from jax_qtrain.quantized_weight import QuantizedWeight
+from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
 
 from . import reductions
@@ -184,16 +189,9 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDense
             kernel = config.whole_kernel(kernel_shard)
             qw = quantize(kernel, recipe, "weight", rowwise=False, columnwise=True)
             saved_kernel = kernel_shard  # backward re-gathers and re-quantizes
-        fprop = matmul_nt(
-            qx,
-            "rowwise",
-            qw,
-            "columnwise",
-            rows=rows,
-            cols=qw.shape[1],
-            split_accumulator=fprop_split_accumulator(recipe),
+        y = _add_bias(
+            fprop_gemm(qx, qw, recipe, rows=rows, cols=qw.shape[1]), bias, config.out_dtype
         )
-        y = _add_bias(fprop, bias, config.out_dtype)
         saved_input = None  # without a kernel to differentiate: only wgrad reads x
         if config.has_kernel:
             saved_input = saved_input_operand(x2d, qx, mode, config.save_original_input)
@@ -356,13 +354,13 @@ def _check_kept_shard(kept, kernel_shard, recipe: Recipe | None, strategy: Strat
             f"quantized_kernel_shard must be a QuantizedTensor (this device's shard of a kept "
             f"QuantizedWeight), got {type(kept).__name__}"
         )
-    if recipe is None:
-        raise ValueError("quantized_kernel_shard needs recipe=, the recipe it was quantized with")
-    if kept.spec != recipe.spec("weight"):
-        raise ValueError(
-            f"quantized_kernel_shard was quantized as {kept.spec.describe()}, but the recipe "
-            f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
-        )
+    check_quantized_kernel_recipe(
+        kept,
+        recipe,
+        kernel_shard,
+        argument="quantized_kernel_shard",
+        kernel_argument="kernel_shard",
+    )
     if strategy == GATHER_THEN_QUANTIZE:
         raise ValueError(
             "quantized_kernel_shard: a kept quantized shard is gathered as it is; it needs "
@@ -375,18 +373,12 @@ def _check_kept_shard(kept, kernel_shard, recipe: Recipe | None, strategy: Strat
             f"quantized_kernel_shard must quantize kernel_shard: it has shape {kept.shape} and "
             f"dtype {kept.dtype}, kernel_shard {tuple(kernel_shard.shape)} {kernel_shard.dtype}"
         )
-    mode = recipe.backward_override
-    needed = ("rowwise", "columnwise") if mode is None else ("columnwise",)
+    needed = needed_weight_usages(recipe, training=True)
     missing = [u for u in needed if not kept.has_usage(u)]
     if missing:
         raise ValueError(
             f"quantized_kernel_shard holds only {list(kept.usages)}, but this op reads "
             f"{list(needed)}; refresh the kept weight with add_usages={tuple(missing)}"
-        )
-    if mode == "high_precision" and kernel_shard is None:
-        raise ValueError(
-            'backward_override="high_precision" reads the high-precision kernel: pass '
-            "kernel_shard with quantized_kernel_shard"
         )
 
 
@@ -511,29 +503,30 @@ def dense(
         raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
     check_kernel_dim(sharding.kernel_dim)  # "experts" splits grouped layers only
     kept = _kept_operands(quantized_kernel, kernel, sharding)
-    if kernel is None:
-        if quantized_kernel is None:
-            raise TypeError("kernel must be an array (None only together with quantized_kernel)")
-        kernel = jax.ShapeDtypeStruct(quantized_kernel.shape, quantized_kernel.dtype)
-    for name, value in (("x", x), ("kernel", kernel)):
-        _check_array(name, value)
+    if kernel is None and quantized_kernel is None:
+        raise TypeError("kernel must be an array (None only together with quantized_kernel)")
+    # Shape checks read the kernel, or the kept weight standing in for it.
+    kernel_like = kernel if kernel is not None else quantized_kernel
+    _check_array("x", x)
+    if kernel is not None:
+        _check_array("kernel", kernel)
     if x.ndim < 2:
         raise ValueError(
             f"x must have a batch dim to split: (batch, ..., in_features), got shape "
             f"{tuple(x.shape)}"
         )
-    if kernel.ndim != 2:
+    if len(kernel_like.shape) != 2:
         raise ValueError(
-            f"kernel must have shape (in_features, out_features), got {tuple(kernel.shape)}"
+            f"kernel must have shape (in_features, out_features), got {tuple(kernel_like.shape)}"
         )
     if x.shape[0] % sharding.batch_size_divisor:
         raise ValueError(
             f"x's batch dim ({x.shape[0]}) must be a multiple of {sharding.batch_size_divisor}, "
             f"the number of shards of batch_axes {sharding.batch_axes}"
         )
-    if kernel.shape[sharding.kernel_dim] % sharding.axis_size:
+    if kernel_like.shape[sharding.kernel_dim] % sharding.axis_size:
         raise ValueError(
-            f"kernel {tuple(kernel.shape)}: dim {sharding.kernel_dim} must be a multiple of "
+            f"kernel {tuple(kernel_like.shape)}: dim {sharding.kernel_dim} must be a multiple of "
             f"{sharding.axis_size}, the size of mesh axis {sharding.axis!r}"
         )
     recipe = resolve_recipe(recipe)
@@ -550,7 +543,7 @@ def dense(
     replicated = jax.sharding.PartitionSpec()
     operands = {
         "x": x,
-        "kernel_shard": None if isinstance(kernel, jax.ShapeDtypeStruct) else kernel,
+        "kernel_shard": kernel,
         "bias": bias,
         "key": key,
     }

@@ -278,3 +278,20 @@ def test_sharded_dense_checks_a_kept_weight():
     kept = jq.quantize_weight(kernel, RECIPES["mxfp8"], layout=jqs.SplitKernelLayout(sharding))
     with pytest.raises(ValueError, match="quantized_kernel_shard was quantized as mxfp8"):
         jqs.dense(x, kernel, bias, sharding=sharding, recipe=RECIPES["fp8"], quantized_kernel=kept)
+    fprop_only = jq.quantize_weight(
+        kernel, RECIPES["fp8"], ("columnwise",), layout=jqs.SplitKernelLayout(sharding)
+    )
+    with pytest.raises(ValueError, match=r"holds only \['columnwise'\].*add_usages"):
+        jqs.dense(
+            x, kernel, bias, sharding=sharding, recipe=RECIPES["fp8"], quantized_kernel=fprop_only
+        )
+    with pytest.raises(TypeError, match="quantized_kernel must be a QuantizedWeight"):
+        jqs.dense(
+            x, kernel, bias, sharding=sharding, recipe=RECIPES["fp8"], quantized_kernel=kernel
+        )
+    with pytest.raises(TypeError, match="None only together with quantized_kernel"):
+        jqs.dense(x, None, bias, sharding=sharding, recipe=RECIPES["fp8"])
+    with pytest.raises(TypeError, match="sharding must be a WeightSharding"):
+        jqs.SplitKernelLayout("fsdp")
+    with pytest.raises(TypeError, match="layout must be a WeightLayout"):
+        jq.quantize_weight(kernel, RECIPES["fp8"], layout="fsdp")
