@@ -8,7 +8,7 @@ the same run: `jax_qtrain.quantize` of the whole tensor (what a dense layer pays
 kernels where they apply) and XLA's `x + 1` (one read and one write of x: the copy floor).
 Effective TB/s = (bytes of x + bytes of every output) / time.
 
-    python -m benchmarks.bench_grouped_quantize [--small] [--out DIR]
+    python -m benchmarks.bench_grouped_quantize [--small] [--out DIR] [--recipes fp8 ...]
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def whole_quantizer(recipe, key, rowwise: bool, columnwise: bool):
     )
 
 
-def run_shape(label: str, tokens: int, features: int, groups: int, iters: int) -> list[dict]:
+def run_shape(
+    label: str, tokens: int, features: int, groups: int, iters: int, recipes: dict = RECIPES
+) -> list[dict]:
     keys = jax.random.split(jax.random.key(0), 3)
     argument_sets = [(jax.random.normal(k, (tokens, features), jnp.bfloat16),) for k in keys[:2]]
     sizes = jnp.full((groups,), tokens // groups, jnp.int32)
@@ -78,7 +80,7 @@ def run_shape(label: str, tokens: int, features: int, groups: int, iters: int) -
         print(rows[-1], flush=True)
 
     record("copy floor: XLA x + 1", "-", jax.jit(lambda x: x + 1))
-    for name, recipe in RECIPES.items():
+    for name, recipe in recipes.items():
         key = keys[2] if recipe.spec("grad").stochastic_rounding else None
         for copies, (rowwise, columnwise) in COPIES.items():
             grouped = grouped_quantizer(recipe, sizes, tokens, key, rowwise, columnwise)
@@ -89,8 +91,10 @@ def run_shape(label: str, tokens: int, features: int, groups: int, iters: int) -
     return rows
 
 
-def run(shapes: dict, iters: int) -> list[dict]:
-    return [row for label, shape in shapes.items() for row in run_shape(label, *shape, iters)]
+def run(shapes: dict, iters: int, recipes: dict = RECIPES) -> list[dict]:
+    return [
+        row for label, shape in shapes.items() for row in run_shape(label, *shape, iters, recipes)
+    ]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -107,8 +111,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, small: bool = False) -> str:
-    rows = run(SMALL_SHAPES if small else SHAPES, iters=2 if small else 20)
+def main(out_dir: str | None = None, small: bool = False, recipe_names=tuple(RECIPES)) -> str:
+    recipes = {name: RECIPES[name] for name in recipe_names}
+    rows = run(SMALL_SHAPES if small else SHAPES, iters=2 if small else 20, recipes=recipes)
     text = markdown(rows)
     return report(out_dir, "bench_grouped_quantize", rows, text)
 
@@ -117,5 +122,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs on the CPU)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--recipes", nargs="*", choices=list(RECIPES), default=list(RECIPES))
     args = parser.parse_args()
-    main(args.out, args.small)
+    main(args.out, args.small, args.recipes)

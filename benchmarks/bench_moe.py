@@ -11,7 +11,8 @@ for its backward (`jq.saved_residuals`). The grouped GEMMs run on whatever
 for per-tensor FP8 and block FP8's fprop/dgrad, the 16-bit ones for bf16 and for the dequantized
 MXFP8, NVFP4 and block-FP8 wgrad operands). `bench_grouped_quantize` times the quantizers alone.
 
-    python -m benchmarks.bench_moe [--small] [--out DIR]
+    python -m benchmarks.bench_moe [--small] [--out DIR] [--configs "8 experts" ...]
+                                   [--routings balanced] [--budget SECONDS]
 writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.
 """
 
@@ -100,12 +101,15 @@ def measure(block, argument_sets, iters: int) -> tuple[float, float, int]:
     )
 
 
-def run(configs: dict, iters: int, budget_s: float | None = None) -> list[dict]:
+ROUTINGS = ("balanced", "skewed")
+
+
+def run(configs: dict, iters: int, budget_s: float | None = None, routings=ROUTINGS) -> list[dict]:
     """One row per (config, routing, block); stops starting new configs after `budget_s`."""
     start = time.perf_counter()
     rows = []
     for config, (tokens, hidden, experts, ffn) in configs.items():
-        for routing in ("balanced", "skewed"):
+        for routing in routings:
             if budget_s is not None and time.perf_counter() - start > budget_s:
                 print(f"time budget spent: skipping {config} {routing}", flush=True)
                 continue
@@ -156,9 +160,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, small: bool = False, budget_s: float | None = None) -> str:
+def main(
+    out_dir: str | None = None,
+    small: bool = False,
+    budget_s: float | None = None,
+    config_names: list[str] | None = None,
+    routings=ROUTINGS,
+) -> str:
     configs, iters = (SMALL_CONFIGS, 2) if small else (CONFIGS, 10)
-    rows = run(configs, iters, budget_s)
+    if config_names:
+        unknown = sorted(set(config_names) - set(configs))
+        if unknown:
+            raise ValueError(f"unknown configs {unknown}; expected some of {sorted(configs)}")
+        configs = {name: configs[name] for name in config_names}
+    rows = run(configs, iters, budget_s, routings)
     text = markdown(rows)
     return report(out_dir, "bench_moe", rows, text)
 
@@ -167,5 +182,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs on the CPU)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--configs", nargs="*", help=f"some of {list(CONFIGS)} (default: all)")
+    parser.add_argument("--routings", nargs="*", choices=ROUTINGS, default=list(ROUTINGS))
+    parser.add_argument("--budget", type=float, default=None, help="seconds; no new config after")
     args = parser.parse_args()
-    main(args.out, args.small)
+    main(args.out, args.small, args.budget, args.configs, tuple(args.routings))

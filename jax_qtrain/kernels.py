@@ -155,6 +155,19 @@ def _fp8_block_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds
     return _copy_fields(out, amaxes, "scale_inv")
 
 
+def fp8_cast_transpose(scaled2d: jax.Array, fp8_dtype, usages) -> dict:
+    """{usage: codes} of already-scaled float32 values (per-tensor FP8 after the multiply by
+    its scale): the rowwise codes and / or the columnwise ones (of scaledᵀ), from one kernel
+    pass that writes both layouts itself."""
+    out = _pallas().cast_transpose_fp8(
+        scaled2d,
+        rowwise="rowwise" in usages,
+        columnwise="columnwise" in usages,
+        fp8_dtype=fp8_dtype,
+    )
+    return {usage: getattr(out, f"{usage}_data") for usage in usages}
+
+
 _QUANTIZE_KERNELS.update(
     {
         "mxfp8": (_mxfp8_applies, _mxfp8_run),

@@ -1,6 +1,9 @@
 """Pallas (Mosaic GPU) kernels for Hopper. Never imports jax_qtrain."""
 
 # Quantize / dequantize kernels (issue 4).
+from pallas_kernels.cast_transpose_fp8 import CastTransposeConfig as CastTransposeConfig
+from pallas_kernels.cast_transpose_fp8 import CastTransposed as CastTransposed
+from pallas_kernels.cast_transpose_fp8 import cast_transpose_fp8 as cast_transpose_fp8
 from pallas_kernels.dequantize import DequantizeConfig as DequantizeConfig
 from pallas_kernels.dequantize import dequantize_fp8_block as dequantize_fp8_block
 from pallas_kernels.dequantize import dequantize_mxfp8 as dequantize_mxfp8

@@ -310,6 +310,15 @@ class DataOutput:
         return (jt, i) if self.columnwise else (i, jt)
 
 
+def data_outputs(rowwise: bool, columnwise: bool, elements_per_byte: int = 1) -> list[DataOutput]:
+    """The code arrays a kernel writes: the rowwise copy, then the columnwise one, if wanted."""
+    return [
+        DataOutput(columnwise=c, elements_per_byte=elements_per_byte)
+        for c, wanted in ((False, rowwise), (True, columnwise))
+        if wanted
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class TileDest:
     """Where a tile's codes go: a shared-memory tile buffer (origin 0, 0) or the global output

@@ -109,16 +109,8 @@ def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
         qc.store_line_bytes(dst_ref, qc.as_bytes(_codes(v, scale_b, fp8_dtype, False)))
 
 
-def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
-    return [
-        qc.DataOutput(columnwise=c)
-        for c, wanted in ((False, rowwise), (True, columnwise))
-        if wanted
-    ]
-
-
 def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, **options):
-    data_outputs = _data_outputs(rowwise, columnwise)
+    data_outputs = qc.data_outputs(rowwise, columnwise)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
@@ -238,7 +230,7 @@ def quantize_fp8_block(
     rows, cols = x.shape
     pr, pc = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, pr, pc)
-    qc.check_smem(config, x.dtype, pc, _data_outputs(rowwise, columnwise))
+    qc.check_smem(config, x.dtype, pc, qc.data_outputs(rowwise, columnwise))
     out_types = []
     if rowwise:
         scale_shape = (pr // BLOCK, pc // BLOCK) if two_d else (pr, pc // BLOCK)
@@ -267,7 +259,9 @@ def quantize_fp8_block(
         plgpu.kernel(
             kernel,
             out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(config, x.dtype, pc, _data_outputs(rowwise, columnwise)),
+            scratch_types=qc.tile_scratch(
+                config, x.dtype, pc, qc.data_outputs(rowwise, columnwise)
+            ),
             interpret=qc.interpret_params(interpret),
             compiler_params=qc.kernel_params(config, pc),
             **qc.tile_grid(pr, pc, config),

@@ -130,16 +130,8 @@ def quantize_lines(v: jax.Array, layout, fp8_dtype) -> tuple[jax.Array, jax.Arra
     return codes, byte.astype(jnp.uint8)
 
 
-def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
-    return [
-        qc.DataOutput(columnwise=c)
-        for c, wanted in ((False, rowwise), (True, columnwise))
-        if wanted
-    ]
-
-
 def _kernel(x_gmem, *refs, config, cols, fp8_dtype, rowwise, columnwise, in_dtype):
-    data_outputs = _data_outputs(rowwise, columnwise)
+    data_outputs = qc.data_outputs(rowwise, columnwise)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
@@ -201,7 +193,7 @@ def quantize_mxfp8(
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
-    qc.check_smem(config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise))
+    qc.check_smem(config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise))
     out_types = []  # codes come out as bytes and are bitcast to fp8_dtype below
     if rowwise:
         out_types += [
@@ -226,7 +218,7 @@ def quantize_mxfp8(
         kernel,
         out_type=tuple(out_types),
         scratch_types=qc.tile_scratch(
-            config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise)
+            config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise)
         ),
         interpret=qc.interpret_params(interpret),
         compiler_params=qc.kernel_params(config, padded_cols),

@@ -248,16 +248,8 @@ def _quantize_copy(
     )
 
 
-def _data_outputs(rowwise: bool, columnwise: bool) -> list[qc.DataOutput]:
-    return [
-        qc.DataOutput(columnwise=c, elements_per_byte=2)
-        for c, wanted in ((False, rowwise), (True, columnwise))
-        if wanted
-    ]
-
-
 def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, rowwise, columnwise, **options):
-    data_outputs = _data_outputs(rowwise, columnwise)
+    data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
@@ -397,7 +389,9 @@ def quantize_nvfp4(
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
-    qc.check_smem(config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise))
+    qc.check_smem(
+        config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
+    )
     out_types = []
     if rowwise:
         out_types += [
@@ -424,7 +418,10 @@ def quantize_nvfp4(
             kernel,
             out_type=tuple(out_types),
             scratch_types=qc.tile_scratch(
-                config, x.dtype, padded_cols, _data_outputs(rowwise, columnwise)
+                config,
+                x.dtype,
+                padded_cols,
+                qc.data_outputs(rowwise, columnwise, elements_per_byte=2),
             ),
             interpret=qc.interpret_params(interpret),
             compiler_params=qc.kernel_params(config, padded_cols),

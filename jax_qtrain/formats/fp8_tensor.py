@@ -62,8 +62,14 @@ def quantize(
         power_2_scale=spec.power_2_scale,
         amax_epsilon=spec.amax_epsilon,
     )
-    codes = common.saturating_cast(x2d.astype(jnp.float32) * scale, spec.dtype)
+    codes = common.saturating_cast(scaled_values(x2d, scale), spec.dtype)
     return codes, reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
+
+
+def scaled_values(x2d: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 x · scale, the values the saturating cast rounds to codes (the cast-transpose
+    kernel takes them from here)."""
+    return x2d.astype(jnp.float32) * scale
 
 
 def dequantize(codes: jax.Array, scale_inv: jax.Array) -> jax.Array:

@@ -36,6 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_qtrain import kernels
 from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import (
@@ -304,16 +305,18 @@ def _group_seeds(key: jax.Array, num_groups: int, usage: str) -> jax.Array:
 
 
 def _quantize_fp8_groups(
-    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str]
+    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str], backend
 ) -> dict:
-    """FP8 per-tensor scaling of every group: the rowwise codes, and the columnwise ones as
-    their transpose. A group's amax (hence its scale) is the same for both copies and the
-    quantization is elementwise, so this is bit for bit a second quantization of xᵀ, in one pass
-    over x: the transposed pass ran 16× slower than the rowwise one on the H200 (9.1 vs 0.57 ms
-    for 16384×4096 bf16 in 8 groups, 2026-11-29)."""
+    """FP8 per-tensor scaling of every group: group g's rows times its scale, cast to FP8; the
+    columnwise codes are the rowwise ones transposed (a group's amax, hence its scale, is the
+    same for xᵀ, and the cast is elementwise).
+
+    On the GPU the cast and the transpose run in the cast-transpose kernel, which writes both
+    layouts from one read of the scaled values. Left to XLA, the transposed copy fused into the
+    quantizing loop ran 16× slower than the rowwise one on the H200 (8.9 vs 0.57 ms for
+    16384×4096 bf16 in 8 groups, 2026-11-29/30), and it is most of what the FP8 MoE backward
+    lost there."""
     group_amax = layout.group_amax(aligned, token_axis=0)
-    codes, _ = fp8_tensor.quantize(aligned, spec, tensor_amax=layout.per_slot(group_amax)[:, None])
-    codes = common.materialize(codes)  # the transpose moves bytes, not a transposed quantization
     scale = fp8_tensor.compute_scale(
         group_amax,
         common.fp8_max(spec.dtype),
@@ -321,10 +324,15 @@ def _quantize_fp8_groups(
         amax_epsilon=spec.amax_epsilon,
     )
     scale_inv = fp8_tensor.reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
+    scaled = fp8_tensor.scaled_values(aligned, layout.per_slot(scale)[:, None])
+    if backend == "pallas" or (backend == "auto" and kernels.on_gpu()):
+        codes = kernels.fp8_cast_transpose(scaled, spec.dtype, usages)
+    else:
+        rowwise_codes = common.materialize(common.saturating_cast(scaled, spec.dtype))
+        codes = {"rowwise": rowwise_codes, "columnwise": rowwise_codes.T}
     fields = {}
     for usage in usages:
-        data = codes if usage == "rowwise" else codes.T
-        fields |= {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv}
+        fields |= {f"{usage}_data": codes[usage], f"{usage}_scale_inv": scale_inv}
     return fields
 
 
@@ -375,9 +383,10 @@ def grouped_quantize(
     """Quantize the groups of `x` (M, K) (rows sorted by group, as `layout` says) each as its own
     tensor, like TransformerEngine's split_quantize.
 
-    `key` (NVFP4 gradients) gives group g the key `fold_in(key, g)`. `backend` applies to the
-    block formats (MXFP8, FP8 block), whose aligned buffer is quantized by `jax_qtrain.quantize`
-    itself, kernels included; per-group amaxes (FP8, NVFP4) use the jnp reference.
+    `key` (NVFP4 gradients) gives group g the key `fold_in(key, g)`. `backend` picks the Pallas
+    kernels or the jnp reference for the block formats (MXFP8, FP8 block: `jax_qtrain.quantize`
+    of the aligned buffer) and for FP8's cast and transpose after the per-group scaling; NVFP4's
+    per-group global scales always use the jnp reference.
     """
     if x.ndim != 2 or x.shape[0] != layout.num_rows:
         raise ValueError(f"x must have shape ({layout.num_rows}, K), got {tuple(x.shape)}")
@@ -428,7 +437,7 @@ def quantize_aligned(
         fields = {n: getattr(q, n) for n in QuantizedTensor._LEAF_FIELDS}
     elif spec.format == "fp8":
         usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
-        fields = _quantize_fp8_groups(common.rounded_input(aligned), spec, layout, usages)
+        fields = _quantize_fp8_groups(common.rounded_input(aligned), spec, layout, usages, backend)
     else:
         aligned = common.rounded_input(aligned)
         fields = {}

@@ -5,10 +5,13 @@ gives (TransformerEngine's split_quantize), for every format and role, both copi
 NVFP4's Hadamard transform and stochastic rounding (group g keyed by fold_in(key, g)).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_qtrain as jq
 from jax_qtrain.ops.grouped_quantize import (
@@ -17,7 +20,15 @@ from jax_qtrain.ops.grouped_quantize import (
     token_alignment,
 )
 
-from .grouped_common import RECIPES, assert_bits_equal, bits, group_slices, padded_rows
+from .adversarial import adversarial_matrix
+from .grouped_common import (
+    ON_GPU,
+    RECIPES,
+    assert_bits_equal,
+    bits,
+    group_slices,
+    padded_rows,
+)
 
 SIZES = [1, 31, 0, 96]  # unaligned, an empty group, and 12 rows past the groups
 NUM_ROWS, FEATURES = 140, 96
@@ -208,3 +219,56 @@ def test_bad_arguments_are_named():
         jq.grouped_quantize(x, RECIPES["nvfp4"], "grad", nv_layout)
     with pytest.raises(ValueError, match="usage"):
         jq.grouped_quantize(x, recipe, "input", layout).copy("columnwise")
+
+
+# --- FP8 per-tensor groups on the cast-transpose kernel ----------------------------------------
+def _fp8_groups(x, sizes, recipe, role, backend, rowwise, columnwise):
+    @jax.jit
+    def run(x, group_sizes):
+        layout = jq.group_layout(group_sizes, x.shape[0], token_alignment(recipe))
+        q = jq.grouped_quantize(
+            x, recipe, role, layout, rowwise=rowwise, columnwise=columnwise, backend=backend
+        )
+        return jax.tree_util.tree_leaves(q)
+
+    return run(x, jnp.array(sizes, jnp.int32))
+
+
+def _assert_kernel_matches_reference(x, sizes, recipe, role):
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        want = _fp8_groups(x, sizes, recipe, role, "reference", rowwise, columnwise)
+        # On the GPU "auto" is the kernel; on CPU "pallas" runs it in the interpreter (unwritten
+        # outputs come back NaN there, so a missed tile cannot pass).
+        interpreted = (
+            contextlib.nullcontext()
+            if ON_GPU
+            else plgpu.force_gpu_interpret_mode(
+                plgpu.InterpretGPUParams(uninitialized_memory="nan")
+            )
+        )
+        with interpreted:
+            got = _fp8_groups(
+                x, sizes, recipe, role, "auto" if ON_GPU else "pallas", rowwise, columnwise
+            )
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_bits_equal(g, w, f"rowwise={rowwise} columnwise={columnwise}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreter test; the gpu twin below runs it compiled")
+@pytest.mark.parametrize("role", ["input", "grad"])  # E4M3 and E5M2
+def test_fp8_groups_on_the_cast_transpose_kernel_equal_the_reference(role):
+    """Per-group FP8 codes from the Pallas cast-transpose kernel (interpreted here): the same
+    bits as the jnp reference for each copy alone and both, with NaN / ±Inf / huge rows (a group
+    whose amax is NaN or Inf keeps scale 1), an empty group and rows past the groups."""
+    x = np.asarray(jax.random.normal(jax.random.key(4), (NUM_ROWS, 160), jnp.float32)) * 50
+    x[2, 3], x[40, 7], x[41, 8], x[100, 9] = np.nan, np.inf, -np.inf, 3e38
+    _assert_kernel_matches_reference(jnp.asarray(x, jnp.bfloat16), SIZES, RECIPES["fp8"], role)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ["input", "grad"])
+def test_gpu_fp8_groups_on_the_cast_transpose_kernel_equal_the_reference(role):
+    x = adversarial_matrix(4000, 1000, 5, block=128, subnormals=True)  # pads to whole tiles
+    sizes = [1000, 0, 1717, 1200, 3]  # 80 rows past the groups
+    _assert_kernel_matches_reference(jnp.asarray(x, jnp.bfloat16), sizes, RECIPES["fp8"], role)

@@ -129,6 +129,32 @@ def run_fp8_block(x, fp8_dtype, block, pow2, **kw):
     )(x)
 
 
+def scaled_sample(shape, dtype, seed):
+    """Already-scaled FP8 inputs: values across and past the FP8 range (each row its own power
+    of two), ties, NaN of both signs, ±Inf, subnormals."""
+    x = sample(shape, jnp.float32, seed, block=32, subnormals=True)
+    x = x * jnp.exp2(jnp.arange(shape[0], dtype=jnp.float32) % 40 - 20)[:, None]
+    x = x.at[0, :8].set(jnp.array([448, 464, 480, 57344, 61440, 0.5 * 2.0**-9, -0.0, 1e-45]))
+    x = x.at[1, :4].set(jnp.array([jnp.nan, -jnp.nan, jnp.inf, -jnp.inf]))
+    return x.astype(dtype)
+
+
+def check_cast_transpose(x, fp8_dtype, config=None):
+    want = common.saturating_cast(x.astype(jnp.float32), fp8_dtype)
+    got = jax.jit(
+        lambda v: pk.cast_transpose_fp8(
+            v, columnwise=True, fp8_dtype=fp8_dtype, config=config, interpret=INTERPRET
+        )
+    )(x)
+    assert_same_bits(got.rowwise_data, want, "cast-transpose rowwise")
+    assert_same_bits(got.columnwise_data, want.T, "cast-transpose columnwise")
+    only_columnwise = pk.cast_transpose_fp8(
+        x, rowwise=False, columnwise=True, fp8_dtype=fp8_dtype, config=config, interpret=INTERPRET
+    )
+    assert only_columnwise.rowwise_data is None
+    assert_same_bits(only_columnwise.columnwise_data, want.T, "cast-transpose columnwise only")
+
+
 NAMES = ("rowwise data", "rowwise scale", "columnwise data", "columnwise scale")
 SEEDS = (jnp.uint32(0x1234567), jnp.uint32(0x9ABCDEF))
 
@@ -243,10 +269,20 @@ def test_fp8_block_interpret_edge_blocks():
         check_fp8_block(jnp.asarray(x), E4M3, block, pow2)
 
 
+@cpu_only
+@pytest.mark.parametrize(
+    "shape, dtype, fp8_dtype",
+    [((256, 256), jnp.float32, E4M3), ((200, 136), jnp.bfloat16, E5M2)],  # 2nd: padded tiles
+)
+def test_cast_transpose_interpret(shape, dtype, fp8_dtype):
+    check_cast_transpose(scaled_sample(shape, dtype, 13), fp8_dtype)
+
+
 PIPELINED = {
     "mxfp8": pk.MXFP8QuantizeConfig(steps_per_cta=2),
     "nvfp4": pk.NVFP4QuantizeConfig(steps_per_cta=2, max_concurrent_steps=3),
     "fp8_block": pk.FP8BlockQuantizeConfig(steps_per_cta=2, stage_outputs=False),
+    "cast_transpose": pk.CastTransposeConfig(steps_per_cta=2),
 }
 
 
@@ -264,6 +300,7 @@ def test_pipelined_tiles_interpret():
     got = run_fp8_block(x, E4M3, (1, 128), True, config=PIPELINED["fp8_block"])
     for g, w, name in zip(got, ref_fp8_block(x, E4M3, (1, 128), True), NAMES, strict=True):
         assert_same_bits(g, w, f"pipelined fp8_block {name}")
+    check_cast_transpose(x.astype(jnp.float32) * 300, E4M3, config=PIPELINED["cast_transpose"])
 
 
 @cpu_only
@@ -332,6 +369,12 @@ def test_wrappers_reject_bad_arguments():
             columnwise=True,
             config=pk.MXFP8QuantizeConfig(tile_m=256, tile_k=256),
         )
+    with pytest.raises(TypeError, match="scaled must be bfloat16 or float32"):
+        pk.cast_transpose_fp8(x.astype(E4M3))
+    with pytest.raises(ValueError, match="rowwise and columnwise are both False"):
+        pk.cast_transpose_fp8(x, rowwise=False)
+    with pytest.raises(TypeError, match="config must be a CastTransposeConfig"):
+        pk.cast_transpose_fp8(x, config=pk.MXFP8QuantizeConfig())
     with pytest.raises(ValueError, match="amax_epsilon"):
         pk.quantize_fp8_block(x, amax_epsilon=-1.0)
     with pytest.raises(ValueError, match="scale must have shape"):
@@ -425,6 +468,24 @@ CROSS_LOWERED = {
             columnwise=True,
             config=pk.FP8BlockQuantizeConfig(steps_per_cta=3),
         ),
+        jnp.float32,
+    ),
+    "cast-transpose e4m3 row+col": (
+        lambda x: pk.cast_transpose_fp8(x, columnwise=True),
+        jnp.float32,
+    ),
+    "cast-transpose e5m2 col, 256x256 tiles": (
+        lambda x: pk.cast_transpose_fp8(
+            x,
+            rowwise=False,
+            columnwise=True,
+            fp8_dtype=E5M2,
+            config=pk.CastTransposeConfig(**_TILE_256),
+        ),
+        jnp.bfloat16,
+    ),
+    "cast-transpose pipelined": (
+        lambda x: pk.cast_transpose_fp8(x, columnwise=True, config=PIPELINED["cast_transpose"]),
         jnp.float32,
     ),
     "fp8_block 1x128 256x256 tiles": (
@@ -546,6 +607,21 @@ def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
         got = run_fp8_block(x, fp8_dtype, block, pow2, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"fp8_block {name}")
+
+
+@gpu_cases
+@pytest.mark.parametrize(
+    "dtype, fp8_dtype, config",
+    [
+        (jnp.float32, E4M3, None),
+        (jnp.float32, E5M2, PIPELINED["cast_transpose"]),
+        (jnp.bfloat16, E4M3, pk.CastTransposeConfig(stage_outputs=False)),
+    ],
+)
+def test_gpu_cast_transpose_bit_exact(dtype, fp8_dtype, config):
+    x = scaled_sample((1992, 1000), dtype, 14)
+    poison_device_memory(2 * x.size)
+    check_cast_transpose(x, fp8_dtype, config)
 
 
 @gpu_cases
