@@ -446,7 +446,8 @@ def quantize_aligned(
         if columnwise:
             # The transposed read fused into the quantizer was what made the FP8 columnwise
             # pass 16× slower on the H200 (_quantize_fp8_groups); NVFP4's blocks run along the
-            # tokens, so it transposes x in a pass of its own instead (not yet timed there).
+            # tokens, so it transposes x in a pass of its own instead (1.95 ms for 16384×4096
+            # in 8 groups on the H200, 2.1× quantizing that copy of the whole tensor).
             source = columnwise_source(aligned, spec, separate_transpose=True)
             fields |= _quantize_nvfp4_group_copy(source, spec, "columnwise", layout, key)
     return GroupedQuantizedTensor(
