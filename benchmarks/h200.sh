@@ -2,6 +2,8 @@
 # One H200 device call per stage; everything it measures lands in $OUT (at most 8 files come back).
 #   bash benchmarks/h200.sh tests   every `gpu` test in one pytest run (-n $WORKERS), -v log
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
+#   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
+#                                      the two gather strategies timed over NCCL
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -31,6 +33,13 @@ elif [[ $STAGE == bench ]]; then
     --only ${BENCHES:-bench_moe bench_grouped_quantize bench_dense bench_quantize} 2>&1 | tee "$OUT/bench.log" | tail -40
   cp "$scratch"/*.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_raw.tar.gz" -C "$scratch" .
+elif [[ $STAGE == sharding ]]; then
+  timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
+    tests/jax_qtrain/test_sharding_gpu.py > "$OUT/gpu_sharding_tests.log" 2>&1
+  echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
+  tail -5 "$OUT/gpu_sharding_tests.log"
+  timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.sharding_strategies \
+    --out "$OUT/sharding_strategies.md" 2>&1 | tail -12
 else
-  echo "unknown stage '$STAGE' (expected tests or bench)" >&2; exit 2
+  echo "unknown stage '$STAGE' (expected tests, bench or sharding)" >&2; exit 2
 fi

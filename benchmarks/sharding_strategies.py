@@ -4,10 +4,12 @@ Bytes are exact, from shapes (`jax_qtrain.sharding.gather_bytes`): what one devi
 training step for one (K, N) kernel split 8 ways — the forward gather, the backward re-gather and
 the float32 gradient reduce-scatter (ring collectives: (P-1)/P of the array per device).
 
-Time is the median forward+backward of one `jax_qtrain.sharding.dense` call on 8 virtual CPU
-devices (`--xla_force_host_platform_device_count=8`). That is NOT a communication measurement:
-the "devices" share one host's memory and cores, a collective is a memory copy, and the time is
-mostly the quantization and GEMM work of 8 devices on the host's cores.
+Time is the median forward+backward of one `jax_qtrain.sharding.dense` call. Where JAX sees
+GPUs (the device tool's `nvidia-h200-x2`) it runs on all of them over NCCL, at a size worth
+splitting (x 16384×4096, kernel 4096×4096); elsewhere on 8 virtual CPU devices
+(`--xla_force_host_platform_device_count=8`, x 4096×1024, kernel 1024×1024), which is NOT a
+communication measurement: the "devices" share one host's memory and cores, a collective is a
+memory copy, and the time is mostly the quantization and GEMM work of 8 devices on the host.
 
     python -m benchmarks.sharding_strategies [--bytes-only] [--out table.md]
 """
@@ -70,17 +72,26 @@ def bytes_markdown(features: int = 4096, shards: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timing_markdown(tokens: int = 4096, features: int = 1024, iters: int = 10) -> str:
-    """Median ms of a jitted forward+backward of one split-kernel dense layer per strategy."""
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+def timing_markdown(iters: int = 10) -> str:
+    """Median ms of a jitted forward+backward of one split-kernel dense layer per strategy, on
+    every GPU of the host, or on 8 virtual CPU devices where there is none."""
+    on_gpu = jax.default_backend() == "gpu"
+    devices = jax.device_count() if on_gpu else 8
+    tokens, features = (16384, 4096) if on_gpu else (4096, 1024)
+    mesh = jax.make_mesh((devices,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (tokens, features), jnp.bfloat16)
     kernel = (jax.random.normal(keys[1], (features, features)) * 0.02).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (tokens, features), jnp.bfloat16)
+    where = (
+        f"{devices}× {jax.devices()[0].device_kind}, jax {jax.__version__}"
+        if on_gpu
+        else f"8 virtual CPU devices ({os.cpu_count()} host cores). CPU time, not "
+        "communication time"
+    )
     lines = [
-        f"Forward+backward of one split-kernel layer, x {tokens}×{features} bf16, kernel "
-        f"{features}×{features} bf16, 8 virtual CPU devices ({os.cpu_count()} host cores), "
-        f"median of {iters} (ms). CPU time, not communication time.",
+        f"Forward+backward of one split-kernel layer, x {tokens}×{features} bf16 (rows split "
+        f"over the devices), kernel {features}×{features} bf16, {where}; median of {iters} (ms).",
         "",
         "| recipe | (a) gather, then quantize | (b) quantize, then gather |",
         "|---|---:|---:|",
