@@ -72,7 +72,9 @@ def test_fsdp_grouped_dense_over_gpus(gpu_devices, name, mode, kernel_dim, strat
     )
 
 
-@pytest.mark.parametrize("name, mode, kernel_dim, strategy", test_sharding_grouped.GROUPED_MLP_CASES)
+@pytest.mark.parametrize(
+    "name, mode, kernel_dim, strategy", test_sharding_grouped.GROUPED_MLP_CASES
+)
 def test_fsdp_grouped_mlp_over_gpus(gpu_devices, name, mode, kernel_dim, strategy):
     test_sharding_grouped.test_fsdp_grouped_mlp_is_the_unsharded_op_per_device(
         name, mode, kernel_dim, strategy
