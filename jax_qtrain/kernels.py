@@ -52,24 +52,30 @@ def tensor_amaxes(x2d: jax.Array, spec: QuantizerSpec, usages) -> dict:
     return {u: None for u in usages}
 
 
-def quantize(
-    x2d: jax.Array, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict
-) -> dict:
-    """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
-    in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
-    """
+def require_quantize_kernel(spec: QuantizerSpec, shape2d: tuple[int, int], dtype) -> None:
+    """What backend='pallas' checks before any kernel runs: a clear error when no kernel
+    covers this spec, shape and dtype."""
     entry = _QUANTIZE_KERNELS.get(spec.format)
     if entry is None:
         raise NotImplementedError(
             f"backend='pallas': no Pallas quantize kernel for {spec.describe()} yet; "
             "use backend='reference' or 'auto'"
         )
-    applies, run = entry
-    if not applies(spec, tuple(x2d.shape), x2d.dtype):
+    if not entry[0](spec, tuple(shape2d), dtype):
         raise ValueError(
-            f"backend='pallas': the {spec.format} kernel does not cover shape {tuple(x2d.shape)} "
-            f"{x2d.dtype}; use backend='reference' or 'auto'"
+            f"backend='pallas': the {spec.format} kernel does not cover {spec.describe()} of "
+            f"shape {tuple(shape2d)} {jax.numpy.dtype(dtype)}; use backend='reference' or 'auto'"
         )
+
+
+def quantize(
+    x2d: jax.Array, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict
+) -> dict:
+    """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
+    in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
+    """
+    require_quantize_kernel(spec, tuple(x2d.shape), x2d.dtype)
+    run = _QUANTIZE_KERNELS[spec.format][1]
     return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds)
 
 
@@ -116,14 +122,20 @@ def _mxfp8_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: di
 
 
 def _nvfp4_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
-    # 16×16 weight blocks have no kernel yet: the reference handles them.
-    return _kernel_input(dtype) and spec.block_shape == (1, 16)
+    # 1×16 blocks (with or without the Hadamard transform), or 16×16 weight blocks (without).
+    two_d = spec.block_shape == (16, 16)
+    return (
+        _kernel_input(dtype)
+        and (spec.block_shape == (1, 16) or two_d)
+        and not (two_d and spec.hadamard_columnwise)
+    )
 
 
 def _nvfp4_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:
     del input_dtype
     out = _pallas().quantize_nvfp4(
         x2d,
+        block_shape=spec.block_shape,
         rowwise="rowwise" in amaxes,
         columnwise="columnwise" in amaxes,
         rowwise_amax=amaxes.get("rowwise"),

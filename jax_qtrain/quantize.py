@@ -397,6 +397,7 @@ def _quantize(
 
     usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
     if use_kernel:
+        kernels.require_quantize_kernel(spec, x2d.shape, x2d.dtype)  # before the amax kernels
         sources = {}
         amaxes = kernels.tensor_amaxes(x2d, spec, usages)  # one Pallas pass for NVFP4's two
     else:

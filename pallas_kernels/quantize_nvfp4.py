@@ -1,4 +1,4 @@
-"""NVFP4 quantize kernels (Mosaic GPU, Hopper): 1×16 blocks, rowwise and columnwise copies.
+"""NVFP4 quantize kernels (Mosaic GPU, Hopper): 1×16 or 16×16 blocks, rowwise and columnwise copies.
 
 `quantize_nvfp4` reads a bf16 / f32 (M, K) array once and writes, in the same pass,
   rowwise:    packed E2M1 codes (M, K/2) uint8 (element 2i in the low nibble) and E4M3 block
@@ -18,7 +18,14 @@ The sign nibble bit is set when fp32(x·enc_b) is negative and nonzero, decided 
 uses the reference's counter hash of the element's (row, col) in the copy and a uint32 seed, so
 kernel and reference draw the same bits.
 
-Weights' 16×16 blocks are not implemented here (jax_qtrain falls back to its reference).
+Weights' 16×16 blocks (`block_shape=(16, 16)`): one E4M3 scale per 16×16 block, shared by
+both copies (the columnwise copy is the rowwise one transposed). A block's amax spans 16 lines,
+i.e. 16 threads of the row-per-thread layout, so it is not reduced in the kernel: the wrapper
+takes the 16×16 block amaxes with one jnp reduction (1/256 of x's elements come out) and hands
+each copy's line its blocks' amaxes, repeated along the block's 16 lines; the kernel then
+quantizes exactly as for 1×16 blocks, with the given amax in place of the line's own. Scales
+come out per line and are cut to one row per block ((M16/16, K16/16) and (K16/16, M16/16), the
+reference's layout); codes are (M16, K16/2) and (K16, M16/2).
 """
 
 from __future__ import annotations
@@ -181,11 +188,17 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
     return (rounded_bits - magic_bits) + binade_offset
 
 
-def quantize_block_lines(v, layout, t, s_dec, uniforms=None) -> tuple[jax.Array, jax.Array]:
+def quantize_block_lines(
+    v, layout, t, s_dec, uniforms=None, block_amax_bits=None
+) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
+    `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
+    row (16×16 blocks); default the row's own amax.
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
-    block_amax = qc.f32_from_bits(qc.row_amax_bits(v))
+    if block_amax_bits is None:
+        block_amax_bits = qc.row_amax_bits(v)
+    block_amax = qc.f32_from_bits(block_amax_bits)
     block_scale = jnp.minimum(block_amax * t, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
     encode = jnp.minimum(
         divide(jnp.float32(1.0), block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
@@ -215,12 +228,30 @@ _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled 
 
 
 def _quantize_copy(
-    load_pair, layout, n_blocks, lines, line0, col0, dest, scale_gmem, scalars, seed, hadamard
+    load_pair,
+    layout,
+    n_blocks,
+    lines,
+    line0,
+    col0,
+    dest,
+    scale_gmem,
+    scalars,
+    seed,
+    hadamard,
+    block_amax_gmem=None,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
-    `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array."""
+    `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array.
+    `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
+    1×16 blocks."""
     t, s_dec = scalars
+    line_amaxes = None
+    if block_amax_gmem is not None:
+        window = block_amax_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)]
+        # Thread t gets its line's n_blocks amaxes: a plain global load of a few words each.
+        line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
     scales, packed_group = [], []
     for p in range(n_blocks // 2):
         pair = load_pair(p)
@@ -234,7 +265,12 @@ def _quantize_copy(
                 rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
                 cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
                 uniforms = hash_uniforms(rows, cols, seed)
-            packed, block_scale = quantize_block_lines(v, layout, t, s_dec, uniforms)
+            block_amax_bits = None
+            if line_amaxes is not None:
+                block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
+            packed, block_scale = quantize_block_lines(
+                v, layout, t, s_dec, uniforms, block_amax_bits
+            )
             packed_group.append(packed)
             scales.append(qc.column(block_scale))
             if len(packed_group) == _BLOCKS_PER_STORE or b == n_blocks - 1:
@@ -248,8 +284,22 @@ def _quantize_copy(
     )
 
 
-def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, rowwise, columnwise, **options):
+def _kernel(
+    x_gmem,
+    scalars_gmem,
+    seeds_gmem,
+    *refs,
+    config,
+    cols,
+    rowwise,
+    columnwise,
+    two_d,
+    **options,
+):
     data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
+    # 16×16 blocks: two more inputs, the per-line block amaxes of each copy.
+    block_amax_gmems = refs[:2] if two_d else (None, None)
+    refs = refs[2:] if two_d else refs
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
@@ -257,6 +307,7 @@ def _kernel(x_gmem, scalars_gmem, seeds_gmem, *refs, config, cols, rowwise, colu
         scalars_gmem=scalars_gmem,
         seeds_gmem=seeds_gmem,
         scale_gmems=scale_gmems,
+        block_amax_gmems=block_amax_gmems,
         copies=[o.columnwise for o in data_outputs],
         config=config,
         **options,
@@ -275,6 +326,7 @@ def _tile(
     scalars_gmem,
     seeds_gmem,
     scale_gmems,
+    block_amax_gmems,
     copies,
     config,
     in_dtype,
@@ -303,6 +355,7 @@ def _tile(
                 scalars,
                 seed,
                 hadamard=False,
+                block_amax_gmem=block_amax_gmems[0],
             )
         else:
 
@@ -321,6 +374,7 @@ def _tile(
                 scalars,
                 seed,
                 hadamard=hadamard,
+                block_amax_gmem=block_amax_gmems[1],
             )
 
 
@@ -342,9 +396,23 @@ def _check_seed(value, name: str):
     return value
 
 
+BLOCK_SHAPES = ((1, BLOCK), (BLOCK, BLOCK))
+
+
+def block_amax_per_line(xp: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 bits of each 16×16 block's amax of a padded x (NaN-propagating, flush-immune, like
+    the reference), repeated along the block's lines: (rows, cols/16) for the rowwise copy and
+    (cols, rows/16) for the columnwise one."""
+    rows, cols = xp.shape
+    bits = lax.bitcast_convert_type(xp.astype(jnp.float32), jnp.uint32) & jnp.uint32(qc.ABS_MASK)
+    block = jnp.max(bits.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK), axis=(1, 3))
+    return jnp.repeat(block, BLOCK, axis=0), jnp.repeat(block.T, BLOCK, axis=0)
+
+
 def quantize_nvfp4(
     x: jax.Array,
     *,
+    block_shape: tuple[int, int] = (1, BLOCK),
     rowwise: bool = True,
     columnwise: bool = False,
     rowwise_amax: jax.Array | None = None,
@@ -356,16 +424,26 @@ def quantize_nvfp4(
     config: NVFP4QuantizeConfig | None = None,
     interpret: bool = False,
 ) -> NVFP4Quantized:
-    """NVFP4-quantize a 2-D bf16/f32 array (1×16 blocks): both copies in one pass over x.
+    """NVFP4-quantize a 2-D bf16/f32 array (1×16 or 16×16 blocks): both copies in one pass.
 
     `rowwise_amax` / `columnwise_amax` are each copy's global amax (float32 scalars; the
     columnwise one taken after the Hadamard rotation when `hadamard_columnwise`). With
-    `stochastic_rounding`, each copy needs a uint32 seed. Shapes (layouts.md): rowwise data
-    (M, K16/2) uint8 and scales (M, K16/16) float8_e4m3fn; columnwise (K, M16/2) and
-    (K, M16/16), with K16 / M16 rounded up to 16.
+    `stochastic_rounding`, each copy needs a uint32 seed. Shapes (layouts.md), K16 / M16
+    rounded up to 16: 1×16 blocks give rowwise data (M, K16/2) uint8 and scales (M, K16/16)
+    float8_e4m3fn, columnwise (K, M16/2) and (K, M16/16); 16×16 blocks give (M16, K16/2) and
+    (M16/16, K16/16), columnwise (K16, M16/2) and (K16/16, M16/16).
     """
     qc.check_input(x)
     qc.check_copies(rowwise, columnwise)
+    block_shape = tuple(block_shape) if isinstance(block_shape, tuple | list) else block_shape
+    if block_shape not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
+    two_d = block_shape == (BLOCK, BLOCK)
+    if two_d and hadamard_columnwise:
+        raise ValueError(
+            "hadamard_columnwise applies to 1×16 blocks only (TransformerEngine rotates "
+            "activations and gradients, not 16×16 weight blocks)"
+        )
     for name, flag in (
         ("hadamard_columnwise", hadamard_columnwise),
         ("stochastic_rounding", stochastic_rounding),
@@ -410,9 +488,11 @@ def quantize_nvfp4(
         in_dtype=jnp.dtype(x.dtype),
         rowwise=rowwise,
         columnwise=columnwise,
+        two_d=two_d,
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
     )
+    block_amaxes = block_amax_per_line(xp) if two_d else ()
     outs = list(
         plgpu.kernel(
             kernel,
@@ -426,19 +506,25 @@ def quantize_nvfp4(
             interpret=qc.interpret_params(interpret),
             compiler_params=qc.kernel_params(config, padded_cols),
             **qc.tile_grid(padded_rows, padded_cols, config),
-        )(xp, jnp.stack(scalars), jnp.stack(seeds))
+        )(xp, jnp.stack(scalars), jnp.stack(seeds), *block_amaxes)
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
+    # 16×16 blocks keep the padded lines of the last block and one scale row per block.
+    lines = {"rowwise": rows16 if two_d else rows, "columnwise": cols16 if two_d else cols}
+    width = {"rowwise": cols16, "columnwise": rows16}
     result = {}
-    if rowwise:
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not wanted:
+            continue
         data, scale = outs[:2]
         outs = outs[2:]
-        result["rowwise_data"] = qc.crop(data, rows, cols16 // 2)
-        result["rowwise_scale"] = qc.crop(scale, rows, cols16 // BLOCK)
-    if columnwise:
-        data, scale = outs[:2]
-        result["columnwise_data"] = qc.crop(data, cols, rows16 // 2)
-        result["columnwise_scale"] = qc.crop(scale, cols, rows16 // BLOCK)
+        if two_d:  # sliced as bytes: XLA:CPU rewrites NaN payloads when it copies float8
+            scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)[::BLOCK]
+            scale = lax.bitcast_convert_type(scale_bytes, scale.dtype)
+        result[f"{usage}_data"] = qc.crop(data, lines[usage], width[usage] // 2)
+        result[f"{usage}_scale"] = qc.crop(
+            scale, lines[usage] // (BLOCK if two_d else 1), width[usage] // BLOCK
+        )
     return NVFP4Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

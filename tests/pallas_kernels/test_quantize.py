@@ -67,9 +67,9 @@ def ref_mxfp8(x, fp8_dtype):
     return f(x)
 
 
-def ref_nvfp4(x, *, rht, sr, seeds):
+def ref_nvfp4(x, *, rht, sr, seeds, block=(1, 16)):
     spec = QuantizerSpec(
-        "nvfp4", jnp.float4_e2m1fn, (1, 16), hadamard_columnwise=rht, stochastic_rounding=sr
+        "nvfp4", jnp.float4_e2m1fn, block, hadamard_columnwise=rht, stochastic_rounding=sr
     )
 
     def f(v):
@@ -166,9 +166,9 @@ def check_mxfp8(x, fp8_dtype):
         assert_same_bits(got, want, f"mxfp8 {name}")
 
 
-def check_nvfp4(x, rht, sr):
-    want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS)
-    got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS)
+def check_nvfp4(x, rht, sr, block=(1, 16)):
+    want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=block)
+    got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, block_shape=block)
     for g, w, name in zip(got, want, NAMES, strict=True):
         assert_same_bits(g, w, f"nvfp4 {name}")
     kernel_amaxes = jax.jit(
@@ -227,16 +227,18 @@ def test_mxfp8_interpret_edge_blocks():
 
 @cpu_only
 @pytest.mark.parametrize(
-    "rht, sr, dtype, shape",
+    "rht, sr, dtype, shape, block",
     [
-        (False, False, jnp.bfloat16, (256, 128)),
-        (True, False, jnp.float32, (128, 256)),
-        (True, True, jnp.bfloat16, (128, 256)),
-        (True, False, jnp.bfloat16, (144, 160)),  # padding
+        (False, False, jnp.bfloat16, (256, 128), (1, 16)),
+        (True, False, jnp.float32, (128, 256), (1, 16)),
+        (True, True, jnp.bfloat16, (128, 256), (1, 16)),
+        (True, False, jnp.bfloat16, (144, 160), (1, 16)),  # padding
+        (False, False, jnp.bfloat16, (256, 128), (16, 16)),  # weights
+        (False, True, jnp.float32, (144, 200), (16, 16)),  # padding, stochastic rounding
     ],
 )
-def test_nvfp4_interpret(rht, sr, dtype, shape):
-    check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr)
+def test_nvfp4_interpret(rht, sr, dtype, shape, block):
+    check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block)
 
 
 @cpu_only
@@ -301,6 +303,18 @@ def test_pipelined_tiles_interpret():
     for g, w, name in zip(got, ref_fp8_block(x, E4M3, (1, 128), True), NAMES, strict=True):
         assert_same_bits(g, w, f"pipelined fp8_block {name}")
     check_cast_transpose(x.astype(jnp.float32) * 300, E4M3, config=PIPELINED["cast_transpose"])
+    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
+    got = run_nvfp4(
+        x,
+        rht=False,
+        sr=False,
+        amaxes=amaxes,
+        seeds=SEEDS,
+        block_shape=(16, 16),
+        config=PIPELINED["nvfp4"],
+    )
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"pipelined nvfp4 16x16 {name}")
 
 
 @cpu_only
@@ -359,6 +373,17 @@ def test_wrappers_reject_bad_arguments():
         )
     with pytest.raises(ValueError, match="block_shape must be one of"):
         pk.quantize_fp8_block(x, block_shape=(1, 32))
+    with pytest.raises(ValueError, match="block_shape must be one of"):
+        pk.quantize_nvfp4(x, block_shape=(16, 1), rowwise_amax=jnp.float32(1))
+    with pytest.raises(ValueError, match="hadamard_columnwise applies to 1×16 blocks only"):
+        pk.quantize_nvfp4(
+            x,
+            block_shape=(16, 16),
+            columnwise=True,
+            rowwise_amax=jnp.float32(1),
+            columnwise_amax=jnp.float32(1),
+            hadamard_columnwise=True,
+        )
     with pytest.raises(ValueError, match="128×128 blocks need tile_m = tile_k = 128"):
         pk.quantize_fp8_block(
             x, block_shape=(128, 128), config=pk.FP8BlockQuantizeConfig(tile_k=256)
@@ -428,6 +453,36 @@ CROSS_LOWERED = {
     "nvfp4 rht col": (
         lambda x: pk.quantize_nvfp4(
             x, rowwise=False, columnwise=True, columnwise_amax=_AMAX, hadamard_columnwise=True
+        ),
+        jnp.bfloat16,
+    ),
+    "nvfp4 16x16 row+col": (
+        lambda x: pk.quantize_nvfp4(
+            x, block_shape=(16, 16), columnwise=True, rowwise_amax=_AMAX, columnwise_amax=_AMAX
+        ),
+        jnp.bfloat16,
+    ),
+    "nvfp4 16x16 sr col, 256-row tiles": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            block_shape=(16, 16),
+            rowwise=False,
+            columnwise=True,
+            columnwise_amax=_AMAX,
+            stochastic_rounding=True,
+            columnwise_seed=jnp.uint32(2),
+            config=pk.NVFP4QuantizeConfig(tile_m=256),
+        ),
+        jnp.float32,
+    ),
+    "nvfp4 16x16 pipelined": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            block_shape=(16, 16),
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            config=pk.NVFP4QuantizeConfig(steps_per_cta=3, max_concurrent_steps=3),
         ),
         jnp.bfloat16,
     ),
@@ -570,19 +625,23 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
 
 @gpu_cases
 @pytest.mark.parametrize(
-    "rht, sr, dtype, config",
+    "rht, sr, dtype, config, block",
     [
-        (False, False, jnp.bfloat16, None),
-        (True, False, jnp.bfloat16, None),
-        (True, True, jnp.float32, None),
-        (True, False, jnp.bfloat16, PIPELINED["nvfp4"]),
+        (False, False, jnp.bfloat16, None, (1, 16)),
+        (True, False, jnp.bfloat16, None, (1, 16)),
+        (True, True, jnp.float32, None, (1, 16)),
+        (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
+        (False, False, jnp.bfloat16, None, (16, 16)),
+        (False, True, jnp.float32, PIPELINED["nvfp4"], (16, 16)),
     ],
 )
-def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config):
+def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
     for x in gpu_inputs(dtype, 3, 16):
-        (want, amaxes) = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS)
+        (want, amaxes) = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=block)
         poison_device_memory(2 * x.size)
-        got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, config=config)
+        got = run_nvfp4(
+            x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, config=config, block_shape=block
+        )
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"nvfp4 {name}")
         kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht))(x)

@@ -4,6 +4,7 @@ with backend="auto"."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +25,7 @@ CASES = [
     (jq.MXFP8BlockScaling(fp8_format="hybrid"), "grad"),
     (jq.NVFP4BlockScaling(), "input"),  # Hadamard on the columnwise copy
     (jq.NVFP4BlockScaling(), "grad"),  # Hadamard + stochastic rounding
+    (jq.NVFP4BlockScaling(), "weight"),  # 16×16 blocks
     (jq.Float8BlockScaling(), "input"),  # 1×128
     (jq.Float8BlockScaling(power_2_scale=False), "weight"),  # 128×128, fp32 scales
 ]
@@ -55,10 +57,12 @@ def test_kernels_cover_the_block_formats():
         spec = recipe.spec(role)
         assert kernels.quantize_kernel_applies(spec, x_shape, jnp.bfloat16) == on
         assert not kernels.quantize_kernel_applies(spec, x_shape, jnp.float16)
-    # No kernel: NVFP4 16×16 weight blocks, per-tensor FP8.
-    assert not kernels.quantize_kernel_applies(
-        jq.NVFP4BlockScaling().spec("weight"), x_shape, jnp.bfloat16
+    # No kernel: 16×16 NVFP4 blocks with a Hadamard transform (no recipe asks for that),
+    # per-tensor FP8 (quantized by XLA; only its grouped form uses the cast-transpose kernel).
+    rotated_weight = dataclasses.replace(
+        jq.NVFP4BlockScaling().spec("weight"), hadamard_columnwise=True
     )
+    assert not kernels.quantize_kernel_applies(rotated_weight, x_shape, jnp.bfloat16)
     assert not kernels.quantize_kernel_applies(
         jq.Float8CurrentScaling().spec("input"), x_shape, jnp.bfloat16
     )
@@ -67,7 +71,7 @@ def test_kernels_cover_the_block_formats():
 def test_pallas_backend_refuses_what_it_cannot_do():
     x = jnp.ones((128, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="does not cover"):
-        jq.quantize(x, jq.NVFP4BlockScaling(), "weight", backend="pallas")
+        jq.quantize(x.astype(jnp.float16), jq.NVFP4BlockScaling(), "weight", backend="pallas")
     with pytest.raises(NotImplementedError, match="no Pallas quantize kernel"):
         jq.quantize(x, jq.Float8CurrentScaling(), backend="pallas")
 
