@@ -91,9 +91,12 @@ def test_pallas_backend_matches_reference_in_interpreter(recipe, role):
 @pytest.mark.parametrize("recipe, role", CASES, ids=lambda c: getattr(c, "name", c))
 def test_auto_backend_uses_kernels_on_gpu_and_matches_reference(recipe, role):
     dtype = jnp.bfloat16
-    assert kernels.quantize_kernel_applies(recipe.spec(role), (1024, 1536), dtype)
+    # A kernel path not yet verified on the GPU runs under "pallas" here; "auto" skips it.
+    awaiting = kernels.awaiting_gpu_verification(recipe.spec(role))
+    assert kernels.quantize_kernel_applies(recipe.spec(role), (1024, 1536), dtype) != awaiting
     x = sample((1024, 1536), dtype, 4)
     key = jax.random.key(8)
     want = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="reference")
-    got = jq.quantize(x, recipe, role, columnwise=True, key=key, backend="auto")
+    backend = "pallas" if awaiting else "auto"
+    got = jq.quantize(x, recipe, role, columnwise=True, key=key, backend=backend)
     assert_same(got, want)
