@@ -165,6 +165,8 @@ def headline_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, i
     add_quantize(
         "fp8 block 128x128", jq.Float8BlockScaling(), "weight", True, xb + 2 * n + 8 * n // 16384
     )
+    # NVFP4 weights: 16×16 blocks, one scale per block for both copies (no Hadamard).
+    add_quantize("nvfp4 16x16 (weight)", jq.NVFP4BlockScaling(), "weight", True, xb + n + n // 128)
     return out
 
 
