@@ -25,7 +25,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 
@@ -101,10 +100,7 @@ def cast_transpose_fp8(
     qc.check_input(scaled, "scaled")
     qc.check_copies(rowwise, columnwise)
     fp8_dtype = qc.check_fp8_dtype(fp8_dtype)
-    if config is None:
-        config = CastTransposeConfig()
-    if not isinstance(config, CastTransposeConfig):
-        raise TypeError(f"config must be a CastTransposeConfig, got {type(config).__name__}")
+    config = qc.resolve_config(config, CastTransposeConfig)
     rows, cols = scaled.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     data_outputs = qc.data_outputs(rowwise, columnwise)
@@ -123,15 +119,13 @@ def cast_transpose_fp8(
         columnwise=columnwise,
         in_dtype=jnp.dtype(scaled.dtype),
     )
-    outs = list(
-        plgpu.kernel(
-            kernel,
-            out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(config, scaled.dtype, padded_cols, data_outputs),
-            interpret=qc.interpret_params(interpret),
-            compiler_params=qc.kernel_params(config, padded_cols),
-            **qc.tile_grid(padded_rows, padded_cols, config),
-        )(qc.pad_to(scaled, padded_rows, padded_cols))
+    outs = qc.run_tiles(
+        kernel,
+        qc.pad_to(scaled, padded_rows, padded_cols),
+        out_types=out_types,
+        config=config,
+        outputs=data_outputs,
+        interpret=interpret,
     )
     rowwise_data = qc.crop_codes(outs.pop(0), rows, cols, fp8_dtype) if rowwise else None
     columnwise_data = qc.crop_codes(outs.pop(0), cols, rows, fp8_dtype) if columnwise else None

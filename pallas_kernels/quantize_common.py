@@ -440,6 +440,33 @@ def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body, outputs=
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def resolve_config(config, config_type: type) -> TileConfig:
+    """`config`, or the kernel's defaults when None; a TypeError naming the expected type."""
+    if config is None:
+        return config_type()
+    if not isinstance(config, config_type):
+        raise TypeError(
+            f"config must be None or of type {config_type.__name__}, got {type(config).__name__}"
+        )
+    return config
+
+
+def run_tiles(kernel, xp, *inputs, out_types, config: TileConfig, outputs, interpret: bool):
+    """Launch a `for_each_tile` kernel on a tile-padded x (its first input; `inputs` follow)
+    with the scratch, grid and compiler parameters of `config`. Returns the outputs as a list."""
+    rows, cols = xp.shape
+    return list(
+        plgpu.kernel(
+            kernel,
+            out_type=tuple(out_types),
+            scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
+            interpret=interpret_params(interpret),
+            compiler_params=kernel_params(config, cols),
+            **tile_grid(rows, cols, config),
+        )(xp, *inputs)
+    )
+
+
 def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:
     """plgpu.kernel grid arguments for a (rows, cols) input padded to whole tiles."""
     return dict(

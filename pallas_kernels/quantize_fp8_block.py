@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.float32_division import divide
@@ -212,10 +211,7 @@ def quantize_fp8_block(
         raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
     if not isinstance(amax_epsilon, int | float) or amax_epsilon < 0:
         raise ValueError(f"amax_epsilon must be a float >= 0, got {amax_epsilon!r}")
-    if config is None:
-        config = FP8BlockQuantizeConfig()
-    if not isinstance(config, FP8BlockQuantizeConfig):
-        raise TypeError(f"config must be an FP8BlockQuantizeConfig, got {type(config).__name__}")
+    config = qc.resolve_config(config, FP8BlockQuantizeConfig)
     two_d = tuple(block_shape) == (128, 128)
     if two_d and (config.tile_m, config.tile_k) != (BLOCK, BLOCK):
         raise ValueError("config: 128×128 blocks need tile_m = tile_k = 128")
@@ -255,17 +251,13 @@ def quantize_fp8_block(
         columnwise=columnwise,
         scale_rule=scale_rule,
     )
-    outs = list(
-        plgpu.kernel(
-            kernel,
-            out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(
-                config, x.dtype, pc, qc.data_outputs(rowwise, columnwise)
-            ),
-            interpret=qc.interpret_params(interpret),
-            compiler_params=qc.kernel_params(config, pc),
-            **qc.tile_grid(pr, pc, config),
-        )(xp)
+    outs = qc.run_tiles(
+        kernel,
+        xp,
+        out_types=out_types,
+        config=config,
+        outputs=qc.data_outputs(rowwise, columnwise),
+        interpret=interpret,
     )
     # Block-padded extents of each copy (layouts.md).
     r_rows = qc.round_up(rows, BLOCK) if two_d else rows

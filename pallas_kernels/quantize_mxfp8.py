@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 
@@ -186,10 +185,7 @@ def quantize_mxfp8(
     qc.check_input(x)
     qc.check_copies(rowwise, columnwise)
     fp8_dtype = qc.check_fp8_dtype(fp8_dtype)
-    if config is None:
-        config = MXFP8QuantizeConfig()
-    if not isinstance(config, MXFP8QuantizeConfig):
-        raise TypeError(f"config must be an MXFP8QuantizeConfig, got {type(config).__name__}")
+    config = qc.resolve_config(config, MXFP8QuantizeConfig)
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
@@ -214,17 +210,14 @@ def quantize_mxfp8(
         columnwise=columnwise,
         in_dtype=jnp.dtype(x.dtype),
     )
-    outs = plgpu.kernel(
+    outs = qc.run_tiles(
         kernel,
-        out_type=tuple(out_types),
-        scratch_types=qc.tile_scratch(
-            config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise)
-        ),
-        interpret=qc.interpret_params(interpret),
-        compiler_params=qc.kernel_params(config, padded_cols),
-        **qc.tile_grid(padded_rows, padded_cols, config),
-    )(xp)
-    outs = list(outs)
+        xp,
+        out_types=out_types,
+        config=config,
+        outputs=qc.data_outputs(rowwise, columnwise),
+        interpret=interpret,
+    )
     rows32, cols32 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     result = {}
     if rowwise:

@@ -450,10 +450,7 @@ def quantize_nvfp4(
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if config is None:
-        config = NVFP4QuantizeConfig()
-    if not isinstance(config, NVFP4QuantizeConfig):
-        raise TypeError(f"config must be an NVFP4QuantizeConfig, got {type(config).__name__}")
+    config = qc.resolve_config(config, NVFP4QuantizeConfig)
     scalars = [jnp.ones((2,), jnp.float32), jnp.ones((2,), jnp.float32)]
     seeds = [jnp.uint32(0), jnp.uint32(0)]
     if rowwise:
@@ -493,20 +490,16 @@ def quantize_nvfp4(
         stochastic=stochastic_rounding,
     )
     block_amaxes = block_amax_per_line(xp) if two_d else ()
-    outs = list(
-        plgpu.kernel(
-            kernel,
-            out_type=tuple(out_types),
-            scratch_types=qc.tile_scratch(
-                config,
-                x.dtype,
-                padded_cols,
-                qc.data_outputs(rowwise, columnwise, elements_per_byte=2),
-            ),
-            interpret=qc.interpret_params(interpret),
-            compiler_params=qc.kernel_params(config, padded_cols),
-            **qc.tile_grid(padded_rows, padded_cols, config),
-        )(xp, jnp.stack(scalars), jnp.stack(seeds), *block_amaxes)
+    outs = qc.run_tiles(
+        kernel,
+        xp,
+        jnp.stack(scalars),
+        jnp.stack(seeds),
+        *block_amaxes,
+        out_types=out_types,
+        config=config,
+        outputs=qc.data_outputs(rowwise, columnwise, elements_per_byte=2),
+        interpret=interpret,
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.
@@ -574,10 +567,7 @@ def nvfp4_amax(
     qc.check_input(x)
     if not isinstance(hadamard_columnwise, bool):
         raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
-    if config is None:
-        config = NVFP4QuantizeConfig()
-    if not isinstance(config, NVFP4QuantizeConfig):
-        raise TypeError(f"config must be an NVFP4QuantizeConfig, got {type(config).__name__}")
+    config = qc.resolve_config(config, NVFP4QuantizeConfig)
     # One tile per CTA: a reduction needs no pipeline (steps_per_cta is ignored).
     config = dataclasses.replace(config, steps_per_cta=1)
     padded_rows, padded_cols = config.padded_shape(*x.shape)
