@@ -3,7 +3,9 @@
 Quantize: `quantize` asks `quantize_kernel_applies` whether a kernel covers a spec and shape on
 the current platform ("auto" backend) and calls `quantize` here to run it. A format with no
 kernel registered in `_QUANTIZE_KERNELS` falls back to the jnp reference under "auto" and raises
-under "pallas".
+under "pallas". A kernel path listed in `_AWAITING_GPU_VERIFICATION` runs under "pallas" only
+("auto" keeps the reference until its `gpu` tests pass on the H200). The grouped per-tensor FP8
+quantizer (ops/grouped_quantize.py) calls `fp8_cast_transpose` itself.
 
 GEMMs: the ops (ops/gemm.py, ops/grouped_gemm.py) call the `*_gemm` adapters below when
 `gemm_kernels_enabled()`; each returns None where no kernel covers the operands, and the op then
