@@ -325,7 +325,7 @@ def _quantize_fp8_groups(
     )
     scale_inv = fp8_tensor.reciprocal_scale(scale, power_2_scale=spec.power_2_scale)
     scaled = fp8_tensor.scaled_values(aligned, layout.per_slot(scale)[:, None])
-    if backend == "pallas" or (backend == "auto" and kernels.on_gpu()):
+    if backend == "pallas" or (backend == "auto" and kernels.on_gpu() and scaled.size):
         codes = kernels.fp8_cast_transpose(scaled, spec.dtype, usages)
     else:
         rowwise_codes = common.materialize(common.saturating_cast(scaled, spec.dtype))

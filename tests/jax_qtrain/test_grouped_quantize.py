@@ -266,6 +266,14 @@ def test_fp8_groups_on_the_cast_transpose_kernel_equal_the_reference(role):
     _assert_kernel_matches_reference(jnp.asarray(x, jnp.bfloat16), SIZES, RECIPES["fp8"], role)
 
 
+def test_fp8_groups_of_no_rows_quantize_on_every_backend():
+    # The kernel needs at least one tile: "auto" keeps an empty input on the reference.
+    layout = jq.group_layout(jnp.zeros((2,), jnp.int32), 0, 1)
+    x = jnp.zeros((0, 64), jnp.bfloat16)
+    q = jq.grouped_quantize(x, RECIPES["fp8"], "input", layout, rowwise=True, columnwise=True)
+    assert q.rowwise_data.shape == (0, 64) and q.columnwise_data.shape == (64, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("role", ["input", "grad"])
 def test_gpu_fp8_groups_on_the_cast_transpose_kernel_equal_the_reference(role):
