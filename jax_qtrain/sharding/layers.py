@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,9 @@ from jax.sharding import PartitionSpec
 from jax_qtrain.nn.grouped import default_expert_kernel_init
 from jax_qtrain.nn.linear import Linear
 from jax_qtrain.nn.moe import default_router_init, permute_by_expert, route_top_k
+from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.activations import check_activation, is_gated
+from jax_qtrain.quantize import Usage
 from jax_qtrain.recipes import Recipe
 
 from .config import WeightSharding, check_kernel_dim, laid_out
@@ -162,6 +165,13 @@ class ShardedMoE(nnx.Module):
         Needs `kernel_dim="experts"` and the expert axis among the batch axes. The experts then
         see the whole batch's rows: with row-local recipes (none, MXFP8, FP8 block) y, the
         input gradient and every parameter gradient equal `nn.MoE` on the whole batch.
+      quantized_weight: keep the experts' quantized copies (`quantized_fc1_kernel`,
+        `quantized_fc2_kernel`, each expert with its own scales) split like the kernels
+        (`SplitKernelLayout(sharding, stacked=True)`): a call gathers the kept fprop copies'
+        bytes instead of quantizing the shards, and backward re-gathers the kept dgrad copies;
+        `jax_qtrain.nn.Optimizer` (or `refresh_quantized_weights`) rebuilds them after each
+        update. Needs `recipe`, strategy "quantize_then_gather" and no `expert_parallel`; the
+        results equal the layer without kept copies bit for bit.
     """
 
     def __init__(
@@ -182,10 +192,18 @@ class ShardedMoE(nnx.Module):
         kernel_init=default_expert_kernel_init,
         router_init=default_router_init,
         expert_parallel: bool = False,
+        quantized_weight: bool = False,
         rngs: nnx.Rngs,
     ):
         if not isinstance(sharding, WeightSharding):
             raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
+        if not isinstance(quantized_weight, bool):
+            raise TypeError(f"quantized_weight must be a bool, got {quantized_weight!r}")
+        if quantized_weight and expert_parallel:
+            raise ValueError(
+                "quantized_weight=True is not supported with expert_parallel=True: the experts' "
+                "kept copies are gathered, and expert parallelism never gathers them"
+            )
         if expert_parallel and (
             sharding.kernel_dim != "experts" or sharding.axis not in sharding.batch_axes
         ):
@@ -250,9 +268,37 @@ class ShardedMoE(nnx.Module):
         self.dtype = dtype
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.tokens_per_expert = nnx.Intermediate(jnp.zeros((num_experts,), jnp.int32))
+        kept = {}
+        if quantized_weight:
+            # Quantized from the kernels in the compute dtype, as nn.GroupedMLP keeps them.
+            layout = SplitKernelLayout(sharding, stacked=True)
+            for name, kernel in (("fc1", self.fc1_kernel[...]), ("fc2", self.fc2_kernel[...])):
+                kernel = kernel if dtype is None else kernel.astype(dtype)
+                kept[name] = QuantizedKernel.of(kernel, recipe, layout=layout)
+        self.quantized_fc1_kernel = kept.get("fc1")
+        self.quantized_fc2_kernel = kept.get("fc2")
 
-    def _per_device(self, tokens, router_kernel, fc1_shard, fc2_shard):
-        """One device's tokens through router, experts and un-permutation (`nn.MoE.__call__`)."""
+    def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
+        """Rebuild the kept quantized copies from fc1 and fc2 (nn.QuantizedWeightLayer)."""
+        for variable, kernel in (
+            (self.quantized_fc1_kernel, self.fc1_kernel),
+            (self.quantized_fc2_kernel, self.fc2_kernel),
+        ):
+            if variable is not None:
+                variable.refresh(kernel[...], add_usages=add_usages)
+
+    def _kept_experts(self) -> dict:
+        """{"fc1": kept tensor, "fc2": kept tensor} of the kept quantized experts, or {}."""
+        if self.quantized_fc1_kernel is None:
+            return {}
+        return {
+            "fc1": self.quantized_fc1_kernel.get_value().tensor,
+            "fc2": self.quantized_fc2_kernel.get_value().tensor,
+        }
+
+    def _per_device(self, tokens, router_kernel, fc1_shard, fc2_shard, kept_leaves):
+        """One device's tokens through router, experts and un-permutation (`nn.MoE.__call__`).
+        `kept_leaves`: this device's leaves of the kept quantized fc1 and fc2 ({} if none)."""
         sharding, top_k, num_experts = self.sharding, self.top_k, self.num_experts
         axes, deterministic = sharding.batch_axes, sharding.deterministic
         if deterministic:  # its gradient summed over the devices in mesh order
@@ -267,6 +313,12 @@ class ShardedMoE(nnx.Module):
         x, fc1, fc2 = dtypes.promote_dtype(
             (jnp.take(tokens, order // top_k, axis=0), fc1_shard, fc2_shard), dtype=self.dtype
         )
+        kept = {
+            name: SplitKernelLayout(sharding, stacked=True).local(tensor, kept_leaves[name])
+            for name, tensor in self._kept_experts().items()
+        }
+        if kept:  # the kernels in the dtype the kept copies were made from
+            fc1, fc2 = fc1.astype(kept["fc1"].dtype), fc2.astype(kept["fc2"].dtype)
         row_probs = jnp.take(top_probs.reshape(-1), order, axis=0)
         if self.expert_parallel:
             expert_out = expert_parallel_mlp(
@@ -295,6 +347,8 @@ class ShardedMoE(nnx.Module):
                 recipe=self.recipe,
                 save_original_input=self.save_original_input,
                 deterministic=deterministic,
+                quantized_fc1_shard=kept.get("fc1"),
+                quantized_fc2_shard=kept.get("fc2"),
             )
         per_slot = jnp.take(expert_out, inverse, axis=0)
         per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
@@ -322,12 +376,25 @@ class ShardedMoE(nnx.Module):
         replicated, experts = PartitionSpec(), sharding.kernel_spec(3)
         specs = (sharding.batch_spec(), replicated, experts, experts)
         operands = (tokens, self.router.kernel[...], self.fc1_kernel[...], self.fc2_kernel[...])
+        layout = SplitKernelLayout(sharding, stacked=True)
+        kept_leaves, kept_specs = {}, {}
+        for name, tensor in self._kept_experts().items():
+            kept_leaves[name], kept_specs[name] = layout.operands(tensor)
+        kept_leaves = {
+            name: {
+                leaf: laid_out(v, kept_specs[name][leaf], sharding.mesh) for leaf, v in d.items()
+            }
+            for name, d in kept_leaves.items()
+        }
         y, aux_loss, tokens_per_expert = jax.shard_map(
             self._per_device,
             mesh=sharding.mesh,
-            in_specs=specs,
+            in_specs=(*specs, kept_specs),
             out_specs=(sharding.batch_spec(), replicated, replicated),
-        )(*(laid_out(a, spec, sharding.mesh) for a, spec in zip(operands, specs, strict=True)))
+        )(
+            *(laid_out(a, spec, sharding.mesh) for a, spec in zip(operands, specs, strict=True)),
+            kept_leaves,
+        )
         for name, value in (("aux_loss", aux_loss), ("tokens_per_expert", tokens_per_expert)):
             self.sow(nnx.Intermediate, name, value, reduce_fn=_latest, init_fn=_nothing)
         y = y.reshape(*x.shape[:-1], y.shape[-1])

@@ -348,36 +348,50 @@ def _check_shapes(x, kernel_shard, bias, kernel_dim: int, axis_size: int) -> tup
     return in_features, out_features
 
 
-def _check_kept_shard(kept, kernel_shard, recipe: Recipe | None, strategy: Strategy) -> None:
+def check_kept_shard(
+    kept,
+    kernel_shard,
+    recipe: Recipe | None,
+    strategy: Strategy,
+    *,
+    argument: str = "quantized_kernel_shard",
+    kernel_argument: str = "kernel_shard",
+) -> None:
+    """A kept quantized shard (`argument`) against the op's recipe, strategy and kernel shard;
+    for a (G, K, N) stack of experts the kept tensor has one expert's (K, N) shape and leaves
+    with a leading G axis."""
     if not isinstance(kept, QuantizedTensor):
         raise TypeError(
-            f"quantized_kernel_shard must be a QuantizedTensor (this device's shard of a kept "
+            f"{argument} must be a QuantizedTensor (this device's shard of a kept "
             f"QuantizedWeight), got {type(kept).__name__}"
         )
     check_quantized_kernel_recipe(
-        kept,
-        recipe,
-        kernel_shard,
-        argument="quantized_kernel_shard",
-        kernel_argument="kernel_shard",
+        kept, recipe, kernel_shard, argument=argument, kernel_argument=kernel_argument
     )
     if strategy == GATHER_THEN_QUANTIZE:
         raise ValueError(
-            "quantized_kernel_shard: a kept quantized shard is gathered as it is; it needs "
+            f"{argument}: a kept quantized shard is gathered as it is; it needs "
             "strategy='quantize_then_gather'"
         )
-    if kernel_shard is not None and (
-        tuple(kernel_shard.shape) != kept.shape or jnp.dtype(kernel_shard.dtype) != kept.dtype
-    ):
-        raise ValueError(
-            f"quantized_kernel_shard must quantize kernel_shard: it has shape {kept.shape} and "
-            f"dtype {kept.dtype}, kernel_shard {tuple(kernel_shard.shape)} {kernel_shard.dtype}"
-        )
+    if kernel_shard is not None:
+        stacked = len(kernel_shard.shape) == 3
+        kernel_shape = tuple(kernel_shard.shape[1:] if stacked else kernel_shard.shape)
+        leading = {leaf.shape[0] for leaf in jax.tree.leaves(kept)} if stacked else set()
+        if (
+            kernel_shape != kept.shape
+            or jnp.dtype(kernel_shard.dtype) != kept.dtype
+            or leading - {kernel_shard.shape[0]}
+        ):
+            raise ValueError(
+                f"{argument} must quantize {kernel_argument}: it has shape {kept.shape} and "
+                f"dtype {kept.dtype}{' per expert' if stacked else ''}, {kernel_argument} "
+                f"{tuple(kernel_shard.shape)} {kernel_shard.dtype}"
+            )
     needed = needed_weight_usages(recipe, training=True)
     missing = [u for u in needed if not kept.has_usage(u)]
     if missing:
         raise ValueError(
-            f"quantized_kernel_shard holds only {list(kept.usages)}, but this op reads "
+            f"{argument} holds only {list(kept.usages)}, but this op reads "
             f"{list(needed)}; refresh the kept weight with add_usages={tuple(missing)}"
         )
 
@@ -447,7 +461,7 @@ def fsdp_dense(
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
     if quantized_kernel_shard is not None:
-        _check_kept_shard(quantized_kernel_shard, kernel_shard, recipe, strategy)
+        check_kept_shard(quantized_kernel_shard, kernel_shard, recipe, strategy)
     kernel_dtype = (kernel_shard if kernel_shard is not None else quantized_kernel_shard).dtype
     config = _FsdpDenseConfig(
         recipe=recipe,

@@ -70,7 +70,7 @@ from .config import (
     normalize_axes,
 )
 from .gather import Split
-from .sharded_dense import saved_input_operand
+from .sharded_dense import check_kept_shard, saved_input_operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +105,22 @@ class _ExpertsConfig:
         return group_layout(group_sizes, rows, token_alignment(self.recipe))
 
     # --- the expert kernels: what the forward reads, what is saved, what backward reads ------
-    def fprop_kernels(self, shard: jax.Array) -> tuple[QuantizedTensor, object]:
-        """(the gathered fprop copies, the kernel residual: this device's shard)."""
+    def fprop_kernels(
+        self, shard: jax.Array, kept: QuantizedTensor | None = None
+    ) -> tuple[QuantizedTensor, object]:
+        """(the gathered fprop copies, the kernel residual: this device's shard). `kept`: this
+        device's shard of the experts' kept quantized copies (kept_weight.py), read instead of
+        quantizing `shard`."""
         mode, split = self.mode, self.split
         if self.strategy == GATHER_THEN_QUANTIZE:
             whole = split.gather_raw(shard)
             qw = split.quantize_whole(whole, self.recipe, rowwise=False, columnwise=True)
             return qw, shard  # backward re-gathers and re-quantizes
-        q_shard = split.quantize_shard(shard, self.recipe, rowwise=mode is None, columnwise=True)
+        q_shard = kept
+        if q_shard is None:
+            q_shard = split.quantize_shard(
+                shard, self.recipe, rowwise=mode is None, columnwise=True
+            )
         qw = split.gather_quantized(q_shard.restrict_to("columnwise"))
         if mode is None:
             return qw, q_shard.restrict_to("rowwise")
@@ -236,9 +244,13 @@ _fsdp_grouped_dense.defvjp(_fsdp_grouped_dense_fwd, _fsdp_grouped_dense_bwd)
 
 
 # --- grouped MLP ----------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _fsdp_grouped_mlp(x, fc1_shard, fc2_shard, probs, group_sizes, key, config: _ExpertsConfig):
-    y, _ = _fsdp_grouped_mlp_fwd(x, fc1_shard, fc2_shard, probs, group_sizes, key, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _fsdp_grouped_mlp(
+    x, fc1_shard, fc2_shard, probs, group_sizes, key, kept_fc1, kept_fc2, config: _ExpertsConfig
+):
+    y, _ = _fsdp_grouped_mlp_fwd(
+        x, fc1_shard, fc2_shard, probs, group_sizes, key, kept_fc1, kept_fc2, config
+    )
     return y
 
 
@@ -249,12 +261,14 @@ def _activation(config: _ExpertsConfig):
     return activation_of
 
 
-def _fsdp_grouped_mlp_fwd(x, fc1_shard, fc2_shard, probs, group_sizes, key, config):
+def _fsdp_grouped_mlp_fwd(
+    x, fc1_shard, fc2_shard, probs, group_sizes, key, kept_fc1, kept_fc2, config
+):
     """Forward. Residuals (saved_x, saved_fc1, h, probs, saved_a, saved_fc2, group_sizes, key),
     named as `grouped_mlp` names them (FC1_INPUT, FC1_KERNEL, PRE_ACTIVATION, PROBS, FC2_INPUT,
-    FC2_KERNEL, GROUP_SIZES, SR_KEY); the kernels' are this device's shards. saved_a is None
-    where backward recomputes the activation (save_original_input, "high_precision",
-    unquantized)."""
+    FC2_KERNEL, GROUP_SIZES, SR_KEY); the kernels' are this device's shards (views of
+    `kept_fc1` / `kept_fc2`, the kept quantized shards, when given). saved_a is None where
+    backward recomputes the activation (save_original_input, "high_precision", unquantized)."""
     hidden, activation_of = config.hidden_dtype, _activation(config)
     if config.recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
@@ -265,7 +279,7 @@ def _fsdp_grouped_mlp_fwd(x, fc1_shard, fc2_shard, probs, group_sizes, key, conf
     else:
         recipe, soi, mode = config.recipe, config.save_original_input, config.mode
         layout = config.layout(group_sizes, x.shape[0])
-        qw1, saved_fc1 = config.fprop_kernels(fc1_shard)
+        qw1, saved_fc1 = config.fprop_kernels(fc1_shard, kept_fc1)
         qx, _ = forward_operands(
             layout.to_aligned(x),
             None,
@@ -278,7 +292,7 @@ def _fsdp_grouped_mlp_fwd(x, fc1_shard, fc2_shard, probs, group_sizes, key, conf
         h_aligned = quantized_fprop(qx, qw1, layout).astype(hidden)
         probs_aligned = None if probs is None else layout.to_aligned(probs)
         a_aligned = activation_of(h_aligned, probs_aligned)
-        qw2, saved_fc2 = config.fprop_kernels(fc2_shard)
+        qw2, saved_fc2 = config.fprop_kernels(fc2_shard, kept_fc2)
         qa, _ = forward_operands(
             a_aligned, None, recipe, layout, save_original_input=soi, quantized_kernels=qw2
         )
@@ -334,6 +348,8 @@ def _fsdp_grouped_mlp_bwd(config: _ExpertsConfig, residuals, dy):
         config.reduce_kernel_grad(dfc2),
         dprobs,
         None,
+        None,
+        None,  # the kept quantized shards are read, not differentiated
         None,
     )
 
@@ -484,10 +500,15 @@ def fsdp_grouped_mlp(
     save_original_input: bool = False,
     key: jax.Array | None = None,
     deterministic: bool = False,
+    quantized_fc1_shard: QuantizedTensor | None = None,
+    quantized_fc2_shard: QuantizedTensor | None = None,
 ) -> jax.Array:
     """`jax_qtrain.grouped_mlp` on one device, inside `jax.shard_map`, with fc1 (G, K, 2F or F)
     and fc2 (G, F, N) split over `axis_name` along the same `kernel_dim` (module docstring).
-    Other arguments as `fsdp_grouped_dense` and `jax_qtrain.grouped_mlp`."""
+    `quantized_fc1_shard` / `quantized_fc2_shard` (both or neither): this device's shards of the
+    experts' kept quantized copies (`ShardedMoE(quantized_weight=True)`, kept_weight.py),
+    gathered instead of quantizing the shards ("quantize_then_gather" only). Other arguments as
+    `fsdp_grouped_dense` and `jax_qtrain.grouped_mlp`."""
     check_kernel_dim(kernel_dim, grouped=True)
     check_strategy(strategy)
     check_activation(activation)
@@ -511,8 +532,27 @@ def fsdp_grouped_mlp(
         check_float("probs", probs)
         if tuple(probs.shape) != (x.shape[0],):
             raise ValueError(f"probs must have shape ({x.shape[0]},), got {tuple(probs.shape)}")
+    recipe = resolve_recipe(recipe)
+    if (quantized_fc1_shard is None) != (quantized_fc2_shard is None):
+        raise ValueError(
+            "quantized_fc1_shard and quantized_fc2_shard go together: pass both kept shards "
+            "or neither"
+        )
+    for argument, kept, kernel_argument, shard in (
+        ("quantized_fc1_shard", quantized_fc1_shard, "fc1_shard", fc1_shard),
+        ("quantized_fc2_shard", quantized_fc2_shard, "fc2_shard", fc2_shard),
+    ):
+        if kept is not None:
+            check_kept_shard(
+                kept,
+                shard,
+                recipe,
+                strategy,
+                argument=argument,
+                kernel_argument=kernel_argument,
+            )
     config = _config(
-        resolve_recipe(recipe),
+        recipe,
         save_original_input,
         strategy,
         axis_name,
@@ -523,4 +563,14 @@ def fsdp_grouped_mlp(
         kernel_dtype=jnp.dtype(fc1_shard.dtype),
         activation=activation,
     )
-    return _fsdp_grouped_mlp(x, fc1_shard, fc2_shard, probs, group_sizes, key, config)
+    return _fsdp_grouped_mlp(
+        x,
+        fc1_shard,
+        fc2_shard,
+        probs,
+        group_sizes,
+        key,
+        quantized_fc1_shard,
+        quantized_fc2_shard,
+        config,
+    )

@@ -83,3 +83,10 @@ def test_fsdp_grouped_mlp_over_gpus(gpu_devices, name, mode, kernel_dim, strateg
 
 def test_sharded_moe_over_gpus(gpu_devices):
     test_sharding_grouped.test_sharded_moe_is_the_unsharded_moe_per_device()
+
+
+@pytest.mark.parametrize("name, kernel_dim, features", test_sharding_grouped.KEPT_EXPERT_CASES)
+def test_sharded_moe_with_kept_experts_over_gpus(gpu_devices, name, kernel_dim, features):
+    test_sharding_grouped.test_sharded_moe_with_kept_experts_trains_like_the_plain_one(
+        name, kernel_dim, features
+    )

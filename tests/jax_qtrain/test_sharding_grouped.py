@@ -7,6 +7,7 @@ of the devices' (float32 kernels keep those sums unrounded; integer data keep th
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -330,3 +331,197 @@ def test_grouped_bad_arguments_are_named():
             jax.ShapeDtypeStruct((8, 16, 8), jnp.float32),
             jax.ShapeDtypeStruct((8,), jnp.int32),
         )
+
+
+# --- ShardedMoE with kept quantized experts ---------------------------------------------------
+# (recipe, kernel_dim, hidden = ffn): shards of whole blocks along the split dim on 4 devices.
+KEPT_EXPERT_CASES = [
+    ("mxfp8", "experts", 64),
+    ("fp8", 0, 64),
+    ("nvfp4", 1, 64),
+    ("fp8_block", 0, 512),
+    ("mxfp8", 1, 128),
+]
+
+
+def _kept_and_plain_moe(name, kernel_dim, features, **options):
+    sharding = jqs.WeightSharding(mesh_1d(DEVICES), "fsdp", kernel_dim=kernel_dim)
+
+    def moe(**extra):
+        return jqs.ShardedMoE(
+            features,
+            features,
+            EXPERTS,
+            sharding=sharding,
+            top_k=2,
+            recipe=RECIPES[name],
+            rngs=nnx.Rngs(3),
+            **options,
+            **extra,
+        )
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(DEVICES * 16, features)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(DEVICES * 16, features)), jnp.float32)
+    return moe(quantized_weight=True), moe(), x, dy
+
+
+@pytest.mark.parametrize("name, kernel_dim, features", KEPT_EXPERT_CASES)
+def test_sharded_moe_with_kept_experts_trains_like_the_plain_one(name, kernel_dim, features):
+    """The kept experts are the per-expert quantization of the whole kernels, split like them;
+    y, dx and every parameter gradient, then two jq.nn.Optimizer steps, are the layer's that
+    quantizes its shards in every call, bit for bit."""
+    kept, plain, x, dy = _kept_and_plain_moe(name, kernel_dim, features)
+    for variable, kernel in (
+        (kept.quantized_fc1_kernel, kept.fc1_kernel),
+        (kept.quantized_fc2_kernel, kept.fc2_kernel),
+    ):
+        held = variable.get_value()
+        assert held.layout == jqs.SplitKernelLayout(kept.sharding, stacked=True)
+        whole = jq.quantize_weight(kernel[...], RECIPES[name])
+        assert_bits_equal(jax.tree.leaves(held), jax.tree.leaves(whole), "kept = whole")
+        data = held.tensor.rowwise_data
+        split_dim = {"experts": 0, 0: 1, 1: 2}[kernel_dim]
+        assert data.sharding.spec[split_dim] == "fsdp"
+    assert_bits_equal(
+        jax.tree.leaves(module_value_and_grads(kept, x, dy)),
+        jax.tree.leaves(module_value_and_grads(plain, x, dy)),
+        "y, grads, dx",
+    )
+
+    def train(model):
+        optimizer = jq.nn.Optimizer(model, optax.sgd(2.0**-4), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        return [step(model, optimizer, x) for _ in range(2)]
+
+    assert_bits_equal(train(kept), train(plain), "losses")
+    fc1 = kept.fc1_kernel[...]
+    held = kept.quantized_fc1_kernel.get_value()  # rebuilt by the optimizer, still split
+    assert held.layout == jqs.SplitKernelLayout(kept.sharding, stacked=True)
+    assert_bits_equal(
+        jax.tree.leaves(held), jax.tree.leaves(jq.quantize_weight(fc1, RECIPES[name]))
+    )
+
+
+def test_kept_experts_split_over_experts_carry_their_own_scales():
+    kept, _, _, _ = _kept_and_plain_moe("fp8", "experts", 64)
+    scale_inv = kept.quantized_fc1_kernel.get_value().tensor.rowwise_scale_inv
+    assert scale_inv.shape == (EXPERTS,)
+    assert scale_inv.sharding.spec == P("fsdp")  # each device its own experts' scales
+    kept, _, _, _ = _kept_and_plain_moe("fp8", 0, 64)
+    scale_inv = kept.quantized_fc1_kernel.get_value().tensor.rowwise_scale_inv
+    assert scale_inv.sharding.is_fully_replicated  # amax max-reduced over the split
+
+
+def test_kept_experts_bad_configurations_are_named():
+    mesh = mesh_1d(DEVICES)
+    with pytest.raises(ValueError, match="needs recipe="):
+        jqs.ShardedMoE(
+            64,
+            64,
+            EXPERTS,
+            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
+            quantized_weight=True,
+            rngs=nnx.Rngs(0),
+        )
+    with pytest.raises(ValueError, match="quantize_then_gather"):
+        jqs.ShardedMoE(
+            64,
+            64,
+            EXPERTS,
+            sharding=jqs.WeightSharding(mesh, "fsdp", strategy="gather_then_quantize"),
+            recipe=RECIPES["mxfp8"],
+            quantized_weight=True,
+            rngs=nnx.Rngs(0),
+        )
+    with pytest.raises(ValueError, match="not supported with expert_parallel"):
+        jqs.ShardedMoE(
+            64,
+            64,
+            EXPERTS,
+            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
+            recipe=RECIPES["mxfp8"],
+            quantized_weight=True,
+            expert_parallel=True,
+            rngs=nnx.Rngs(0),
+        )
+    with pytest.raises(TypeError, match="quantized_weight must be a bool"):
+        jqs.ShardedMoE(
+            64,
+            64,
+            EXPERTS,
+            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
+            quantized_weight=1,
+            rngs=nnx.Rngs(0),
+        )
+    with pytest.raises(ValueError, match="kernel_dim must be 0"):
+        jqs.SplitKernelLayout(jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"))
+
+
+def test_fsdp_grouped_mlp_checks_kept_shards():
+    recipe = RECIPES["mxfp8"]
+    rng = np.random.default_rng(5)
+    x = _integers(rng, (DEVICES * TOKENS, 64))
+    fc1 = _integers(rng, (EXPERTS, 64, 64), 1 / 16)
+    fc2 = _integers(rng, (EXPERTS, 32, 64), 1 / 16)
+    sizes = _group_sizes(rng)
+    layout = jqs.SplitKernelLayout(
+        jqs.WeightSharding(mesh_1d(DEVICES), "fsdp", kernel_dim="experts"), stacked=True
+    )
+    kept_fc1 = jq.quantize_weight(fc1, recipe, layout=layout).tensor
+    kept_fc2 = jq.quantize_weight(fc2, recipe, layout=layout).tensor
+
+    def run(kept_fc2_shard_of, **options):
+        fc1_leaves, fc1_specs = layout.operands(kept_fc1)
+        fc2_leaves, fc2_specs = layout.operands(kept_fc2)
+
+        def body(x, fc1, fc2, sizes, fc1_leaves, fc2_leaves):
+            return jqs.fsdp_grouped_mlp(
+                x,
+                fc1,
+                fc2,
+                sizes[0],
+                axis_name="fsdp",
+                recipe=recipe,
+                quantized_fc1_shard=layout.local(kept_fc1, fc1_leaves),
+                quantized_fc2_shard=kept_fc2_shard_of(layout.local(kept_fc2, fc2_leaves)),
+                **options,
+            )
+
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh_1d(DEVICES),
+                in_specs=(P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), fc1_specs, fc2_specs),
+                out_specs=P("fsdp"),
+            )
+        )(x, fc1, fc2, sizes, fc1_leaves, fc2_leaves)
+
+    with pytest.raises(ValueError, match="go together"):
+        run(lambda kept: None)
+    with pytest.raises(ValueError, match="quantized_fc2_shard must quantize fc2_shard"):
+        run(
+            lambda kept: jq.quantize_per_expert(
+                jnp.ones((2, 64, 32)), recipe, rowwise=True, columnwise=True
+            )
+        )
+    with pytest.raises(ValueError, match="needs strategy='quantize_then_gather'"):
+        run(lambda kept: kept, strategy="gather_then_quantize")
+
+
+def test_sharded_moe_reads_its_kept_experts():
+    """The forward reads the kept copies, not the master: with fc1's kept copy made from 2·fc1,
+    y is the plain layer's with fc1 doubled."""
+    kept, plain, x, _ = _kept_and_plain_moe("mxfp8", "experts", 64)
+    doubled = 2 * kept.fc1_kernel[...]
+    held = kept.quantized_fc1_kernel.get_value()
+    kept.quantized_fc1_kernel.set_value(held.refresh(doubled))
+    plain.fc1_kernel[...] = doubled
+    forward = nnx.jit(lambda model, x: model(x))
+    assert_bits_equal((forward(kept, x),), (forward(plain, x),), "y")
