@@ -24,6 +24,7 @@ from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.ops.grouped_dense import grouped_dense
 from jax_qtrain.ops.grouped_mlp import grouped_mlp
 from jax_qtrain.quantize import Usage
+from jax_qtrain.quantized_weight import WeightLayout
 from jax_qtrain.recipes import Recipe
 
 # lecun_normal per expert: fan-in is the expert's in_features, not G·in_features.
@@ -36,13 +37,29 @@ def _check_recipe(recipe) -> None:
         raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}")
 
 
-def _keep_quantized(kernel: jax.Array, recipe: Recipe | None, dtype, quantized_weight: bool):
-    """The kept QuantizedKernel of a (G, in, out) kernel (cast to the compute dtype), or None."""
+def keep_quantized(
+    kernel: jax.Array,
+    recipe: Recipe | None,
+    dtype,
+    quantized_weight: bool,
+    layout: WeightLayout | None = None,
+):
+    """The kept QuantizedKernel of a (G, in, out) kernel (cast to the compute dtype), or None.
+    `layout`: how the copies are split over devices (jax_qtrain.sharding.ShardedMoE)."""
     if not isinstance(quantized_weight, bool):
         raise TypeError(f"quantized_weight must be a bool, got {quantized_weight!r}")
     if not quantized_weight:
         return None
-    return QuantizedKernel.of(kernel if dtype is None else kernel.astype(dtype), recipe)
+    kernel = kernel if dtype is None else kernel.astype(dtype)
+    return QuantizedKernel.of(kernel, recipe, layout=layout)
+
+
+def refresh_mlp_kernels(mlp: nnx.Module, add_usages: Iterable[Usage] = ()) -> None:
+    """Rebuild an expert MLP's kept `quantized_fc{1,2}_kernel` from `fc{1,2}_kernel`."""
+    for name in ("fc1", "fc2"):
+        variable = getattr(mlp, f"quantized_{name}_kernel")
+        if variable is not None:
+            variable.refresh(getattr(mlp, f"{name}_kernel")[...], add_usages=add_usages)
 
 
 def _kept_value(variable: QuantizedKernel | None, kernel: jax.Array):
@@ -109,7 +126,7 @@ class GroupedLinear(nnx.Module):
         self.param_dtype = param_dtype
         self.recipe = recipe
         self.save_original_input = save_original_input
-        self.quantized_kernel = _keep_quantized(self.kernel[...], recipe, dtype, quantized_weight)
+        self.quantized_kernel = keep_quantized(self.kernel[...], recipe, dtype, quantized_weight)
 
     def __call__(
         self, x: jax.Array, group_sizes: jax.Array, *, key: jax.Array | None = None
@@ -190,8 +207,8 @@ class GroupedMLP(nnx.Module):
         self.recipe = recipe
         self.save_original_input = save_original_input
         fc1, fc2 = self.fc1_kernel[...], self.fc2_kernel[...]
-        self.quantized_fc1_kernel = _keep_quantized(fc1, recipe, dtype, quantized_weight)
-        self.quantized_fc2_kernel = _keep_quantized(fc2, recipe, dtype, quantized_weight)
+        self.quantized_fc1_kernel = keep_quantized(fc1, recipe, dtype, quantized_weight)
+        self.quantized_fc2_kernel = keep_quantized(fc2, recipe, dtype, quantized_weight)
 
     def __call__(
         self,
@@ -222,9 +239,4 @@ class GroupedMLP(nnx.Module):
 
     def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
         """Rebuild the kept quantized copies from fc1 and fc2 (nn.QuantizedWeightLayer)."""
-        for variable, kernel in (
-            (self.quantized_fc1_kernel, self.fc1_kernel),
-            (self.quantized_fc2_kernel, self.fc2_kernel),
-        ):
-            if variable is not None:
-                variable.refresh(kernel[...], add_usages=add_usages)
+        refresh_mlp_kernels(self, add_usages)

@@ -13,10 +13,9 @@ from flax.nnx.nn import dtypes
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jax_qtrain.nn.grouped import default_expert_kernel_init
+from jax_qtrain.nn.grouped import default_expert_kernel_init, keep_quantized, refresh_mlp_kernels
 from jax_qtrain.nn.linear import Linear
 from jax_qtrain.nn.moe import default_router_init, permute_by_expert, route_top_k
-from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.quantize import Usage
 from jax_qtrain.recipes import Recipe
@@ -268,24 +267,17 @@ class ShardedMoE(nnx.Module):
         self.dtype = dtype
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.tokens_per_expert = nnx.Intermediate(jnp.zeros((num_experts,), jnp.int32))
-        kept = {}
-        if quantized_weight:
-            # Quantized from the kernels in the compute dtype, as nn.GroupedMLP keeps them.
-            layout = SplitKernelLayout(sharding, stacked=True)
-            for name, kernel in (("fc1", self.fc1_kernel[...]), ("fc2", self.fc2_kernel[...])):
-                kernel = kernel if dtype is None else kernel.astype(dtype)
-                kept[name] = QuantizedKernel.of(kernel, recipe, layout=layout)
-        self.quantized_fc1_kernel = kept.get("fc1")
-        self.quantized_fc2_kernel = kept.get("fc2")
+        layout = SplitKernelLayout(sharding, stacked=True) if quantized_weight else None
+        self.quantized_fc1_kernel = keep_quantized(
+            self.fc1_kernel[...], recipe, dtype, quantized_weight, layout
+        )
+        self.quantized_fc2_kernel = keep_quantized(
+            self.fc2_kernel[...], recipe, dtype, quantized_weight, layout
+        )
 
     def refresh_quantized_weight(self, add_usages: Iterable[Usage] = ()) -> None:
         """Rebuild the kept quantized copies from fc1 and fc2 (nn.QuantizedWeightLayer)."""
-        for variable, kernel in (
-            (self.quantized_fc1_kernel, self.fc1_kernel),
-            (self.quantized_fc2_kernel, self.fc2_kernel),
-        ):
-            if variable is not None:
-                variable.refresh(kernel[...], add_usages=add_usages)
+        refresh_mlp_kernels(self, add_usages)
 
     def _kept_experts(self) -> dict:
         """{"fc1": kept tensor, "fc2": kept tensor} of the kept quantized experts, or {}."""
