@@ -421,47 +421,25 @@ def test_kept_experts_split_over_experts_carry_their_own_scales():
 
 def test_kept_experts_bad_configurations_are_named():
     mesh = mesh_1d(DEVICES)
+    by_experts = jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts")
+
+    def moe(sharding=by_experts, **options):
+        return jqs.ShardedMoE(64, 64, EXPERTS, sharding=sharding, rngs=nnx.Rngs(0), **options)
+
     with pytest.raises(ValueError, match="needs recipe="):
-        jqs.ShardedMoE(
-            64,
-            64,
-            EXPERTS,
-            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
-            quantized_weight=True,
-            rngs=nnx.Rngs(0),
-        )
+        moe(quantized_weight=True)
     with pytest.raises(ValueError, match="quantize_then_gather"):
-        jqs.ShardedMoE(
-            64,
-            64,
-            EXPERTS,
-            sharding=jqs.WeightSharding(mesh, "fsdp", strategy="gather_then_quantize"),
+        moe(
+            jqs.WeightSharding(mesh, "fsdp", strategy="gather_then_quantize"),
             recipe=RECIPES["mxfp8"],
             quantized_weight=True,
-            rngs=nnx.Rngs(0),
         )
     with pytest.raises(ValueError, match="not supported with expert_parallel"):
-        jqs.ShardedMoE(
-            64,
-            64,
-            EXPERTS,
-            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
-            recipe=RECIPES["mxfp8"],
-            quantized_weight=True,
-            expert_parallel=True,
-            rngs=nnx.Rngs(0),
-        )
+        moe(recipe=RECIPES["mxfp8"], quantized_weight=True, expert_parallel=True)
     with pytest.raises(TypeError, match="quantized_weight must be a bool"):
-        jqs.ShardedMoE(
-            64,
-            64,
-            EXPERTS,
-            sharding=jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"),
-            quantized_weight=1,
-            rngs=nnx.Rngs(0),
-        )
+        moe(quantized_weight=1)
     with pytest.raises(ValueError, match="kernel_dim must be 0"):
-        jqs.SplitKernelLayout(jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts"))
+        jqs.SplitKernelLayout(by_experts)
 
 
 def test_fsdp_grouped_mlp_checks_kept_shards():
