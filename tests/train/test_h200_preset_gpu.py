@@ -19,7 +19,9 @@ from jax_qtrain.train.trainer import read_metrics, train
 
 STEPS = 40
 
-pytestmark = pytest.mark.gpu
+# `slow` makes tests/train/conftest.py start it first, so under xdist its five trainings (a few
+# minutes on the H200, compiles included) overlap the rest of the GPU suite.
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_h200_preset_trains_every_recipe(tmp_path, corpus):
