@@ -492,6 +492,66 @@ def forward_suite(
     return best_bf16
 
 
+def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend: str):
+    """MXFP8 and NVFP4 operands (already quantized: activations per group, each expert's weight
+    per expert) through `jax_qtrain.grouped_matmul`, which on the GPU dequantizes them exactly to
+    bf16 and runs the Pallas 16-bit kernel: issue 5's "≥ 0.95× XLA's dense bf16 GEMM" (the
+    "XLA dense bf16" row of the same run). Peer for the MX format: `jax.nn.scaled_dot_general`
+    (XLA's own MXFP8 dot, quantizing its bf16 operands itself) on the dense (M, K)·(K, N)."""
+    if bench.over_budget():
+        return
+    import jax_qtrain as jq  # the library's public op; the suites above call the kernels directly
+    from jax_qtrain.ops.grouped_quantize import token_alignment
+
+    flops = 2 * m * k * n
+    sets = random_operands(
+        jax.random.key(zlib.crc32(f"{shape}/quantized".encode())), g, m, k, n, sizes
+    )
+    for name, recipe in (("mxfp8", jq.MXFP8BlockScaling()), ("nvfp4", jq.NVFP4BlockScaling())):
+
+        @jax.jit
+        def quantized_operands(lhs, rhs, sizes, recipe=recipe):
+            layout = jq.group_layout(sizes, lhs.shape[0], token_alignment(recipe))
+            qlhs = jq.grouped_quantize(lhs, recipe, "input", layout, rowwise=True)
+            qrhs = jq.quantize_per_expert(rhs, recipe, rowwise=True, columnwise=False)
+            return qlhs, qrhs
+
+        arg_sets = [(*quantized_operands(x["lhs"], x["rhs"], x["sizes"]), x["sizes"]) for x in sets]
+        ref = jax.jit(
+            lambda a, b, s: jq.grouped_matmul(
+                a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend="reference"
+            )
+        )(*arg_sets[0])
+        measure(
+            bench,
+            shape=shape,
+            op="fwd",
+            impl=f"jax_qtrain {name} (exact bf16 + pallas)",
+            flops=flops,
+            fn=lambda a, b, s: jq.grouped_matmul(
+                a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=backend
+            ),
+            arg_sets=arg_sets,
+            ref=ref,
+        )
+        del arg_sets, ref
+    if not hasattr(jax.nn, "scaled_dot_general"):
+        return
+    # The same M×K×N as one dense GEMM: lhs (M, K) and one expert's weight as (K, N).
+    dense = [(x["lhs"], jnp.swapaxes(x["rhs"][0], 0, 1)) for x in sets]
+    measure(
+        bench,
+        shape=shape,
+        op="dense",
+        impl="XLA scaled_dot_general mxfp8",
+        flops=flops,
+        fn=lambda a, b: jax.nn.scaled_dot_general(
+            a, b, (((1,), (0,)), ((), ())), preferred_element_type=BF16
+        ),
+        arg_sets=dense,
+    )
+
+
 def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_cfgs, fp8_cfgs):
     if bench.over_budget():
         return
@@ -686,6 +746,9 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
         torch_peers(bench, "G8 balanced", sets, g, m, k, n, 2 * m * k * n)
         del sets
         xla_dense_peers(bench, "G8 balanced", m, k, n)
+    quantized_operand_suite(
+        bench, "G8 balanced", g, m, k, n, sizes, "reference" if small else "auto"
+    )
     wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad, fp8_wgrad)
 
     g, m, k, n, sizes = shapes["G64 small experts"]
