@@ -1,0 +1,41 @@
+"""The benchmarks run end to end on tiny shapes (their numbers mean nothing on a CPU; the H200
+runs them for real: benchmarks/h200.sh). Catches a benchmark broken by an API change before a
+device call is spent on it."""
+
+import importlib
+import json
+
+import pytest
+
+from benchmarks.run import benchmark_modules
+
+
+@pytest.mark.parametrize("name", benchmark_modules())
+def test_every_benchmark_module_imports_and_has_main(name):
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert callable(module.main)
+
+
+@pytest.mark.slow
+def test_moe_and_grouped_quantize_benchmarks_run_small(tmp_path):
+    from benchmarks import bench_grouped_quantize, bench_moe
+
+    text = bench_moe.main(
+        str(tmp_path), small=True, config_names=["4 experts"], routings=("balanced",)
+    )
+    rows = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert [r["recipe"] for r in rows] == [
+        "bf16 (lax.ragged_dot)",
+        "bf16 (jax_qtrain)",
+        "fp8",
+        "fp8-block",
+        "mxfp8",
+        "nvfp4",
+    ]
+    assert all(r["fwd_bwd_ms"] > 0 for r in rows) and "| 4 experts" in text
+    with pytest.raises(ValueError, match="unknown configs"):
+        bench_moe.main(str(tmp_path), small=True, config_names=["8 experts"])
+
+    bench_grouped_quantize.main(str(tmp_path), small=True, recipe_names=("fp8",))
+    rows = json.loads((tmp_path / "bench_grouped_quantize.json").read_text())
+    assert {r["case"] for r in rows} == {"copy floor: XLA x + 1", "fp8 grouped", "fp8 whole tensor"}
