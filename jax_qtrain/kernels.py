@@ -140,12 +140,8 @@ def _mxfp8_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: di
 
 def _nvfp4_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
     # 1×16 blocks (with or without the Hadamard transform), or 16×16 weight blocks (without).
-    two_d = spec.block_shape == (16, 16)
-    return (
-        _kernel_input(dtype)
-        and (spec.block_shape == (1, 16) or two_d)
-        and not (two_d and spec.hadamard_columnwise)
-    )
+    weight_blocks = spec.block_shape == (16, 16) and not spec.hadamard_columnwise
+    return _kernel_input(dtype) and (spec.block_shape == (1, 16) or weight_blocks)
 
 
 def _nvfp4_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:

@@ -325,12 +325,18 @@ def check_kept_weight(
             f"{argument} was quantized as {quantized.spec.describe()}, but the recipe "
             f"{type(recipe).__name__} quantizes weights as {recipe.spec('weight').describe()}"
         )
+    check_training_usages(quantized, recipe, argument=argument)
+    return quantized.tensor
+
+
+def check_training_usages(held: Any, recipe: Recipe, *, argument: str) -> None:
+    """ValueError unless a kept weight (or its tensor, or a shard of it) `held` holds every copy
+    a training step reads under `recipe` (`needed_weight_usages`)."""
     needed = needed_weight_usages(recipe, training=True)
-    missing = [u for u in needed if not quantized.has_usage(u)]
+    missing = [u for u in needed if not held.has_usage(u)]
     if missing:
         raise ValueError(
-            f"{argument} holds only {list(quantized.usages)}, but this op reads {list(needed)} "
+            f"{argument} holds only {list(held.usages)}, but this op reads {list(needed)} "
             f"(fprop the columnwise copies, dgrad the rowwise ones); refresh it with "
             f"add_usages={tuple(missing)}"
         )
-    return quantized.tensor

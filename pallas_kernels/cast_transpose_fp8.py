@@ -110,22 +110,16 @@ def cast_transpose_fp8(
         out_types.append(jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.uint8))
     if columnwise:
         out_types.append(jax.ShapeDtypeStruct((padded_cols, padded_rows), jnp.uint8))
-    kernel = functools.partial(
-        _kernel,
-        config=config,
-        cols=padded_cols,
-        fp8_dtype=fp8_dtype,
-        rowwise=rowwise,
-        columnwise=columnwise,
-        in_dtype=jnp.dtype(scaled.dtype),
-    )
     outs = qc.run_tiles(
-        kernel,
+        _kernel,
         qc.pad_to(scaled, padded_rows, padded_cols),
         out_types=out_types,
         config=config,
         outputs=data_outputs,
         interpret=interpret,
+        fp8_dtype=fp8_dtype,
+        rowwise=rowwise,
+        columnwise=columnwise,
     )
     rowwise_data = qc.crop_codes(outs.pop(0), rows, cols, fp8_dtype) if rowwise else None
     columnwise_data = qc.crop_codes(outs.pop(0), cols, rows, fp8_dtype) if columnwise else None

@@ -26,6 +26,7 @@ flush-to-zero, exactly like the references.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -451,13 +452,18 @@ def resolve_config(config, config_type: type) -> TileConfig:
     return config
 
 
-def run_tiles(kernel, xp, *inputs, out_types, config: TileConfig, outputs, interpret: bool):
+def run_tiles(
+    kernel, xp, *inputs, out_types, config: TileConfig, outputs, interpret: bool, **options
+):
     """Launch a `for_each_tile` kernel on a tile-padded x (its first input; `inputs` follow)
-    with the scratch, grid and compiler parameters of `config`. Returns the outputs as a list."""
+    with the scratch, grid and compiler parameters of `config`. The kernel body is called with
+    `config`, `cols` (x's padded width), `in_dtype` (x's dtype) and `options` as keywords.
+    Returns the outputs as a list."""
     rows, cols = xp.shape
+    body = functools.partial(kernel, config=config, cols=cols, in_dtype=xp.dtype, **options)
     return list(
         plgpu.kernel(
-            kernel,
+            body,
             out_type=tuple(out_types),
             scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
             interpret=interpret_params(interpret),

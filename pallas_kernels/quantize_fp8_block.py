@@ -240,24 +240,18 @@ def quantize_fp8_block(
             jax.ShapeDtypeStruct((pc, pr), jnp.uint8),
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
         ]
-    kernel = functools.partial(
-        _kernel,
-        config=config,
-        cols=pc,
-        in_dtype=jnp.dtype(x.dtype),
-        fp8_dtype=fp8_dtype,
-        two_d=two_d,
-        rowwise=rowwise,
-        columnwise=columnwise,
-        scale_rule=scale_rule,
-    )
     outs = qc.run_tiles(
-        kernel,
+        _kernel,
         xp,
         out_types=out_types,
         config=config,
         outputs=qc.data_outputs(rowwise, columnwise),
         interpret=interpret,
+        fp8_dtype=fp8_dtype,
+        two_d=two_d,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale_rule=scale_rule,
     )
     # Block-padded extents of each copy (layouts.md).
     r_rows = qc.round_up(rows, BLOCK) if two_d else rows

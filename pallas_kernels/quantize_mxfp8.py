@@ -201,22 +201,16 @@ def quantize_mxfp8(
             jax.ShapeDtypeStruct((padded_cols, padded_rows), jnp.uint8),
             jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.uint8),
         ]
-    kernel = functools.partial(
-        _kernel,
-        config=config,
-        cols=padded_cols,
-        fp8_dtype=fp8_dtype,
-        rowwise=rowwise,
-        columnwise=columnwise,
-        in_dtype=jnp.dtype(x.dtype),
-    )
     outs = qc.run_tiles(
-        kernel,
+        _kernel,
         xp,
         out_types=out_types,
         config=config,
         outputs=qc.data_outputs(rowwise, columnwise),
         interpret=interpret,
+        fp8_dtype=fp8_dtype,
+        rowwise=rowwise,
+        columnwise=columnwise,
     )
     rows32, cols32 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     result = {}

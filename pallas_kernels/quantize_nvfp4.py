@@ -478,20 +478,9 @@ def quantize_nvfp4(
             jax.ShapeDtypeStruct((padded_cols, padded_rows // 2), jnp.uint8),
             jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.float8_e4m3fn),
         ]
-    kernel = functools.partial(
-        _kernel,
-        config=config,
-        cols=padded_cols,
-        in_dtype=jnp.dtype(x.dtype),
-        rowwise=rowwise,
-        columnwise=columnwise,
-        two_d=two_d,
-        hadamard=hadamard_columnwise,
-        stochastic=stochastic_rounding,
-    )
     block_amaxes = block_amax_per_line(xp) if two_d else ()
     outs = qc.run_tiles(
-        kernel,
+        _kernel,
         xp,
         jnp.stack(scalars),
         jnp.stack(seeds),
@@ -500,6 +489,11 @@ def quantize_nvfp4(
         config=config,
         outputs=qc.data_outputs(rowwise, columnwise, elements_per_byte=2),
         interpret=interpret,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        two_d=two_d,
+        hadamard=hadamard_columnwise,
+        stochastic=stochastic_rounding,
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.

@@ -305,7 +305,11 @@ def _group_seeds(key: jax.Array, num_groups: int, usage: str) -> jax.Array:
 
 
 def _quantize_fp8_groups(
-    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str], backend
+    aligned: jax.Array,
+    spec: QuantizerSpec,
+    layout: GroupLayout,
+    usages: list[str],
+    backend: Backend,
 ) -> dict:
     """FP8 per-tensor scaling of every group: group g's rows times its scale, cast to FP8; the
     columnwise codes are the rowwise ones transposed (a group's amax, hence its scale, is the

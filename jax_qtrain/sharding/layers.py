@@ -280,12 +280,13 @@ class ShardedMoE(nnx.Module):
         refresh_mlp_kernels(self, add_usages)
 
     def _kept_experts(self) -> dict:
-        """{"fc1": kept tensor, "fc2": kept tensor} of the kept quantized experts, or {}."""
+        """{"fc1": QuantizedWeight, "fc2": QuantizedWeight} of the kept experts (each carries its
+        SplitKernelLayout), or {}."""
         if self.quantized_fc1_kernel is None:
             return {}
         return {
-            "fc1": self.quantized_fc1_kernel.get_value().tensor,
-            "fc2": self.quantized_fc2_kernel.get_value().tensor,
+            "fc1": self.quantized_fc1_kernel.get_value(),
+            "fc2": self.quantized_fc2_kernel.get_value(),
         }
 
     def _per_device(self, tokens, router_kernel, fc1_shard, fc2_shard, kept_leaves):
@@ -306,8 +307,8 @@ class ShardedMoE(nnx.Module):
             (jnp.take(tokens, order // top_k, axis=0), fc1_shard, fc2_shard), dtype=self.dtype
         )
         kept = {
-            name: SplitKernelLayout(sharding, stacked=True).local(tensor, kept_leaves[name])
-            for name, tensor in self._kept_experts().items()
+            name: weight.layout.local(weight.tensor, kept_leaves[name])
+            for name, weight in self._kept_experts().items()
         }
         if kept:  # the kernels in the dtype the kept copies were made from
             fc1, fc2 = fc1.astype(kept["fc1"].dtype), fc2.astype(kept["fc2"].dtype)
@@ -368,10 +369,9 @@ class ShardedMoE(nnx.Module):
         replicated, experts = PartitionSpec(), sharding.kernel_spec(3)
         specs = (sharding.batch_spec(), replicated, experts, experts)
         operands = (tokens, self.router.kernel[...], self.fc1_kernel[...], self.fc2_kernel[...])
-        layout = SplitKernelLayout(sharding, stacked=True)
         kept_leaves, kept_specs = {}, {}
-        for name, tensor in self._kept_experts().items():
-            kept_leaves[name], kept_specs[name] = layout.operands(tensor)
+        for name, weight in self._kept_experts().items():
+            kept_leaves[name], kept_specs[name] = weight.layout.operands(weight.tensor)
         kept_leaves = {
             name: {
                 leaf: laid_out(v, kept_specs[name][leaf], sharding.mesh) for leaf, v in d.items()

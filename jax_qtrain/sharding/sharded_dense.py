@@ -49,7 +49,7 @@ from jax_qtrain.ops.dense import (
 )
 from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
-from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
+from jax_qtrain.quantized_weight import QuantizedWeight, check_training_usages
 from jax_qtrain.recipes import Recipe
 
 from . import reductions
@@ -387,13 +387,7 @@ def check_kept_shard(
                 f"dtype {kept.dtype}{' per expert' if stacked else ''}, {kernel_argument} "
                 f"{tuple(kernel_shard.shape)} {kernel_shard.dtype}"
             )
-    needed = needed_weight_usages(recipe, training=True)
-    missing = [u for u in needed if not kept.has_usage(u)]
-    if missing:
-        raise ValueError(
-            f"{argument} holds only {list(kept.usages)}, but this op reads "
-            f"{list(needed)}; refresh the kept weight with add_usages={tuple(missing)}"
-        )
+    check_training_usages(kept, recipe, argument=argument)
 
 
 def fsdp_dense(

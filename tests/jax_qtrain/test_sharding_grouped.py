@@ -440,6 +440,8 @@ def test_kept_experts_bad_configurations_are_named():
         moe(quantized_weight=1)
     with pytest.raises(ValueError, match="kernel_dim must be 0"):
         jqs.SplitKernelLayout(by_experts)
+    with pytest.raises(TypeError, match="stacked must be a bool"):
+        jqs.SplitKernelLayout(by_experts, stacked="yes")
 
 
 def test_fsdp_grouped_mlp_checks_kept_shards():
