@@ -4,7 +4,7 @@ Trains the `h200` preset (d_model 512, 4 layers, 8 experts top-2, 64 × 512-byte
 once per recipe for `steps` steps and returns the comparison table (final losses, relative gap
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
-    python -m benchmarks.bench_train [--small] [--out DIR]      # or via benchmarks.run
+    python -m benchmarks.bench_train [--small] [--recipes R ...] [--out DIR]   # or benchmarks.run
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.timing import device_description
@@ -22,16 +23,23 @@ from jax_qtrain.train.compare import markdown_table
 H200_STEPS = 300  # five runs must fit the device time of one session
 
 
-def main(out_dir: str | None = None, small: bool = False) -> str:
+def main(
+    out_dir: str | None = None, small: bool = False, recipes: Sequence[str] = RECIPE_NAMES
+) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
     else:
         config = PRESETS["h200"].replace(
             steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
         )
+    unknown = sorted(set(recipes) - set(RECIPE_NAMES))
+    if unknown or not recipes:
+        raise ValueError(
+            f"recipes must be a non-empty subset of {RECIPE_NAMES}, got {list(recipes)}"
+        )
     base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="bench_train-"))
     runs = base / "bench_train"
-    rows = compare(config, RECIPE_NAMES, runs, progress=True)
+    rows = compare(config, list(recipes), runs, progress=True)
     model = config.model
     text = (
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
@@ -48,5 +56,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
     args = parser.parse_args()
-    main(args.out, args.small)
+    main(args.out, args.small, args.recipes)

@@ -2,6 +2,7 @@
 # One H200 device call per stage; everything it measures lands in $OUT (at most 8 files come back).
 #   bash benchmarks/h200.sh tests   every `gpu` test in one pytest run (-n $WORKERS), -v log
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
+#   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all)
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -32,7 +33,15 @@ elif [[ $STAGE == bench ]]; then
   timeout "${BENCH_BUDGET:-540}" python3 -m benchmarks.run --out "$scratch" \
     --only ${BENCHES:-bench_moe bench_grouped_quantize bench_dense bench_quantize} 2>&1 | tee "$OUT/bench.log" | tail -40
   cp "$scratch"/*.md "$OUT"/ 2>/dev/null
-  tar -czf "$OUT/bench_raw.tar.gz" -C "$scratch" .
+  # Training checkpoints (hundreds of MB at the h200 preset) stay behind: the archive must come back.
+  tar -czf "$OUT/bench_raw.tar.gz" --exclude=checkpoints -C "$scratch" .
+elif [[ $STAGE == train ]]; then
+  scratch=$(mktemp -d)
+  timeout "${BENCH_BUDGET:-540}" python3 -m benchmarks.bench_train --out "$scratch" \
+    ${RECIPES:+--recipes $RECIPES} 2>&1 | tr '\r' '\n' | grep -v 'step/s' > "$OUT/bench_train.log"
+  tail -20 "$OUT/bench_train.log"
+  cp "$scratch"/bench_train.md "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
 elif [[ $STAGE == sharding ]]; then
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
     tests/jax_qtrain/test_sharding_gpu.py > "$OUT/gpu_sharding_tests.log" 2>&1
@@ -41,5 +50,5 @@ elif [[ $STAGE == sharding ]]; then
   timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.sharding_strategies \
     --out "$OUT/sharding_strategies.md" 2>&1 | tail -12
 else
-  echo "unknown stage '$STAGE' (expected tests, bench or sharding)" >&2; exit 2
+  echo "unknown stage '$STAGE' (expected tests, bench, train or sharding)" >&2; exit 2
 fi

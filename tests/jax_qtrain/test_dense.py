@@ -271,10 +271,16 @@ def test_jit_grad_vmap(name, mode):
     for i in range(3):
         single = grad(x[i], w, b)
         for got, want in zip(batched, single, strict=True):
-            # Batched and single GEMMs sum in different orders. On the H200 the FP8 GEMMs must
-            # not use cuBLASLt's fast accumulation for this to hold (ops/gemm.py): with it the
-            # two differed by 4e-4 of the norm (measured 2026-11-29).
-            np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=2e-5, atol=2e-5)
+            got, want = np.asarray(got[i]), np.asarray(want)
+            if name == "fp8" and jax.default_backend() == "gpu":
+                # XLA's autotuner picks the batched and the single FP8 GEMM's cuBLASLt algorithm
+                # on its own, from timings: on the H200 they agreed to 2e-5 in one run of the suite
+                # (2026-11-29) and differed by up to 4.4e-3 (values near 10) in another (11-30).
+                # Both are the same math summed differently; a wrong operand or scale is O(1).
+                assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+            else:
+                # Batched and single GEMMs sum in different orders.
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_checkpoint_policies_select_named_residuals():

@@ -18,6 +18,7 @@ from jax_qtrain.train import PRESETS, RECIPE_NAMES
 from jax_qtrain.train.trainer import read_metrics, train
 
 STEPS = 40
+WARMUP_STEPS = 10  # the preset's 100 would not fit; TrainConfig wants warmup < steps
 
 # `slow` makes tests/train/conftest.py start it first, so under xdist its five trainings (a few
 # minutes on the H200, compiles included) overlap the rest of the GPU suite.
@@ -28,7 +29,11 @@ def test_h200_preset_trains_every_recipe(tmp_path, corpus):
     # One test for all recipes: xdist hands tests to workers one by one, and a shared fixture
     # would train every recipe again in each worker.
     config = PRESETS["h200"].replace(
-        steps=STEPS, eval_every=STEPS, checkpoint_every=STEPS, eval_windows=64
+        steps=STEPS,
+        warmup_steps=WARMUP_STEPS,
+        eval_every=STEPS,
+        checkpoint_every=STEPS,
+        eval_windows=64,
     )
     tails = {}
     for name in RECIPE_NAMES:
@@ -41,7 +46,7 @@ def test_h200_preset_trains_every_recipe(tmp_path, corpus):
         tails[name] = sum(losses[-5:]) / 5
         assert tails[name] < 0.85 * losses[0], (name, losses[0], losses[-5:])
         assert all(r["tokens_per_s"] > 0 for r in records), name
-    # After 40 steps (still in warm-up) the curves are close; a broken quantized path (wrong
+    # After 40 steps the curves are close; a broken quantized path (wrong
     # scales, a transposed operand) stays near ln 256 or diverges. Bound 10% (NVFP4 15%).
     for name, tail in tails.items():
         bound = 0.15 if name == "nvfp4" else 0.10
