@@ -23,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.float32_division import divide
+from pallas_kernels.manual_axes import varying_like
 from pallas_kernels.quantize_nvfp4 import global_encode_scale
 
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -96,7 +97,7 @@ def _run(body, out_shape, out_dtype, codes, operands, code_cols, config, interpr
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return plgpu.kernel(
+    launch = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=(
@@ -107,7 +108,8 @@ def _run(body, out_shape, out_dtype, codes, operands, code_cols, config, interpr
         interpret=qc.interpret_params(interpret),
         compiler_params=qc.compiler_params(),
         **qc.tile_grid(rows, cols, config),
-    )(codes, *operands)
+    )
+    return varying_like(launch(codes, *operands), codes, *operands)
 
 
 def _codes(codes_smem, start: int, width: int) -> jax.Array:

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels.manual_axes import varying_like
 
 # Registers kept by the TMA warpgroup; the two consumers share the rest.
 _PRODUCER_REGISTERS = 40
@@ -256,7 +257,7 @@ def ragged_rows_call(
         interpret=common.interpret_params(interpret),
         kernel_name=name,
     )
-    return kernel(group_sizes, *operands)
+    return varying_like(kernel(group_sizes, *operands), group_sizes, *operands)
 
 
 def wgmma_zeros(shape: tuple[int, int]) -> jax.Array:

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels.manual_axes import varying_like
 
 SMEM_BYTES = common.SMEM_BYTES
 _PRODUCER_REGISTERS = 40
@@ -494,4 +495,4 @@ def _wgrad_call(
         interpret=common.interpret_params(interpret),
         kernel_name="grouped_matmul_wgrad",
     )
-    return kernel(group_sizes, *operands)
+    return varying_like(kernel(group_sizes, *operands), group_sizes, *operands)

@@ -36,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.manual_axes import varying_like
+
 # One warpgroup per tile; the row-per-thread layout maps its 128 threads onto 128 rows.
 LINES_PER_WARPGROUP = 128
 TILE = 128
@@ -461,16 +463,15 @@ def run_tiles(
     Returns the outputs as a list."""
     rows, cols = xp.shape
     body = functools.partial(kernel, config=config, cols=cols, in_dtype=xp.dtype, **options)
-    return list(
-        plgpu.kernel(
-            body,
-            out_type=tuple(out_types),
-            scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
-            interpret=interpret_params(interpret),
-            compiler_params=kernel_params(config, cols),
-            **tile_grid(rows, cols, config),
-        )(xp, *inputs)
+    launch = plgpu.kernel(
+        body,
+        out_type=tuple(out_types),
+        scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
+        interpret=interpret_params(interpret),
+        compiler_params=kernel_params(config, cols),
+        **tile_grid(rows, cols, config),
     )
+    return list(varying_like(launch(xp, *inputs), xp, *inputs))
 
 
 def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:

@@ -43,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.float32_division import divide
+from pallas_kernels.manual_axes import varying_like
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -577,5 +578,6 @@ def nvfp4_amax(
         compiler_params=qc.kernel_params(config, padded_cols),
         **grid,
     )(xp)
+    partial = varying_like(partial, xp)
     amax = lax.bitcast_convert_type(jnp.max(partial, axis=(0, 1)), jnp.float32)
     return amax[0], amax[1]
