@@ -7,7 +7,7 @@
 #                                      the two gather strategies timed over NCCL
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false JQ_EAGER_FAILURES=1
 OUT=${OUT:-h200_out}
 STAGE=${1:-tests}
 mkdir -p "$OUT"

@@ -66,3 +66,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With JQ_EAGER_FAILURES=1 (benchmarks/h200.sh), each failure's traceback is printed when it
+    happens: a device stage cut at its time limit never reaches pytest's closing summary."""
+    in_xdist_worker = "PYTEST_XDIST_WORKER" in os.environ  # the controller prints it once
+    if report.failed and os.environ.get("JQ_EAGER_FAILURES") and not in_xdist_worker:
+        import sys
+
+        text = report.longreprtext
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{text[-4000:]}\n")
