@@ -5,6 +5,8 @@
 #   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all)
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL
+#   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
+#                                      train stage runs on GPU 1 (one call instead of two)
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false JQ_EAGER_FAILURES=1
@@ -43,12 +45,16 @@ elif [[ $STAGE == train ]]; then
   cp "$scratch"/bench_train.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
 elif [[ $STAGE == sharding ]]; then
-  timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
+  timeout "${TEST_BUDGET:-400}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
     tests/jax_qtrain/test_sharding_gpu.py > "$OUT/gpu_sharding_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
   tail -5 "$OUT/gpu_sharding_tests.log"
-  timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.sharding_strategies \
+  timeout "${BENCH_BUDGET:-150}" python3 -m benchmarks.sharding_strategies \
     --out "$OUT/sharding_strategies.md" 2>&1 | tail -12
+elif [[ $STAGE == split ]]; then
+  CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
+  CUDA_VISIBLE_DEVICES=1 bash "$0" train
+  wait
 else
-  echo "unknown stage '$STAGE' (expected tests, bench, train or sharding)" >&2; exit 2
+  echo "unknown stage '$STAGE' (expected tests, bench, train, sharding or split)" >&2; exit 2
 fi
