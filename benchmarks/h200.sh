@@ -50,7 +50,7 @@ elif [[ $STAGE == sharding ]]; then
   echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
   tail -5 "$OUT/gpu_sharding_tests.log"
   timeout "${BENCH_BUDGET:-150}" python3 -m benchmarks.sharding_strategies \
-    --out "$OUT/sharding_strategies.md" 2>&1 | tail -12
+    --out "$OUT/sharding_strategies.md" 2>&1 | tee "$OUT/sharding_strategies.log" | tail -12
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   CUDA_VISIBLE_DEVICES=1 bash "$0" train

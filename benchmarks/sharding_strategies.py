@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import traceback
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -111,9 +112,15 @@ def timing_markdown(iters: int = 10) -> str:
                 )
                 return vjp(dy)
 
-            seconds = median_seconds(step, [(x_s, kernel_s, dy_s)], warmup=2, iters=iters)
+            try:
+                seconds = median_seconds(step, [(x_s, kernel_s, dy_s)], warmup=2, iters=iters)
+            except Exception as error:  # a failing cell is a table entry, not the end of the run
+                traceback.print_exc()
+                cells.append(f"failed: {type(error).__name__}")
+                continue
             cells.append(f"{seconds * 1e3:.1f}")
         lines.append(f"| {recipe_name} | {' | '.join(cells)} |")
+        print(lines[-1], flush=True)  # a run cut at its time limit keeps the rows it finished
     return "\n".join(lines) + "\n"
 
 
