@@ -47,9 +47,16 @@ def one(q, i):
     return jax.tree.map(lambda leaf: leaf[i], q)
 
 
-@pytest.mark.parametrize("m, k, n", [(32, 64, 32), (32, 32, 64), (64, 256, 128)])
+# (m, k, n, bound on the relative error). Measured on 2026-11-29 (gemm_accumulation.md): at
+# K = 64, HIGHEST 3.1e-9 plain and vmapped, DEFAULT 7.9e-5 vmapped; at K = 4096 HIGHEST 1.3e-4
+# (FP8 tensor-core sums keep fewer bits than float32 between promotions), DEFAULT 8.5e-4 plain
+# and 1.3e-3 vmapped. (32, 32, 64) is test_jit_grad_vmap's dgrad.
+SHAPES = [(32, 64, 32, 1e-6), (32, 32, 64, 1e-6), (1024, 4096, 1024, 4e-4)]
+
+
+@pytest.mark.parametrize("m, k, n, bound", SHAPES)
 @pytest.mark.parametrize("a_format", ["e4m3", "e5m2"])
-def test_fp8_gemm_at_highest_sums_like_float32_plain_and_vmapped(m, k, n, a_format):
+def test_fp8_gemm_at_highest_sums_like_float32_plain_and_vmapped(m, k, n, bound, a_format):
     qa, qb = operands(m, k, n, a_format)
     gemm = lambda a, b: matmul_nt(a, "rowwise", b, "rowwise", rows=m, cols=n)
     plain = np.stack(
@@ -57,7 +64,6 @@ def test_fp8_gemm_at_highest_sums_like_float32_plain_and_vmapped(m, k, n, a_form
     )
     vmapped = np.asarray(jax.jit(jax.vmap(gemm))(qa, qb), np.float64)
     exact = exact_products(qa, qb)
-    # float32 sums of at most 256 products: ~1e-7 of the norm. Fast accumulation: ~1e-4.
     for name, got in (("plain", plain), ("vmapped", vmapped)):
         error = np.linalg.norm(got - exact) / np.linalg.norm(exact)
-        assert error < 1e-6, f"{name} program: relative error {error:.2e}"
+        assert error < bound, f"{name} program: relative error {error:.2e}"
