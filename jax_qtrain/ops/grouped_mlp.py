@@ -240,7 +240,6 @@ def grouped_mlp(
 
     Returns: (M, N) in the promoted dtype; rows past the groups are 0.
     """
-    _validate(x, fc1, fc2, group_sizes, probs, activation)
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
@@ -255,6 +254,19 @@ def grouped_mlp(
                 (quantized_fc2, fc2, "quantized_fc2"),
             )
         )
+    return grouped_mlp_reading(
+        kept, x, fc1, fc2, group_sizes, probs, activation, recipe, save_original_input, key
+    )
+
+
+def grouped_mlp_reading(
+    kept, x, fc1, fc2, group_sizes, probs, activation, recipe, save_original_input, key
+) -> jax.Array:
+    """`grouped_mlp` reading `kept`, the (fc1, fc2) per-expert QuantizedTensors to use instead of
+    quantizing the kernels (either may be None), which the caller has checked against the
+    kernels and `recipe` (resolved): `check_kept_weight` here, `check_kept_shard` for one
+    device's experts under expert parallelism (sharding/expert_parallel.py)."""
+    _validate(x, fc1, fc2, group_sizes, probs, activation)
     hidden = jnp.promote_types(x.dtype, fc1.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])

@@ -33,10 +33,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qtrain.ops.grouped_mlp import grouped_mlp
+from jax_qtrain.ops.context import resolve_recipe
+from jax_qtrain.ops.grouped_mlp import grouped_mlp_reading
+from jax_qtrain.quantize import QuantizedTensor
 from jax_qtrain.recipes import Recipe
 
-from .sharded_dense import bound_axis_size
+from .config import QUANTIZE_THEN_GATHER
+from .sharded_dense import bound_axis_size, check_kept_shard
 
 
 def _check(x, expert_ids, probs, fc1_shard, fc2_shard) -> None:
@@ -58,6 +61,31 @@ def _check(x, expert_ids, probs, fc1_shard, fc2_shard) -> None:
         raise ValueError(f"fc1_shard's K ({fc1_shard.shape[1]}) must equal x's ({x.shape[1]})")
 
 
+def _checked_kept_shards(recipe, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard):
+    """(fc1, fc2) kept QuantizedTensors of this device's experts, checked, or (None, None)."""
+    if (quantized_fc1_shard is None) != (quantized_fc2_shard is None):
+        raise ValueError(
+            "quantized_fc1_shard and quantized_fc2_shard go together: pass both kept shards "
+            "or neither"
+        )
+    if quantized_fc1_shard is None:
+        return None, None
+    for argument, kept, kernel_argument, shard in (
+        ("quantized_fc1_shard", quantized_fc1_shard, "fc1_shard", fc1_shard),
+        ("quantized_fc2_shard", quantized_fc2_shard, "fc2_shard", fc2_shard),
+    ):
+        # Expert parallelism never gathers: any strategy that keeps shards as they are will do.
+        check_kept_shard(
+            kept,
+            shard,
+            recipe,
+            QUANTIZE_THEN_GATHER,
+            argument=argument,
+            kernel_argument=kernel_argument,
+        )
+    return quantized_fc1_shard, quantized_fc2_shard
+
+
 def expert_parallel_mlp(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -69,6 +97,8 @@ def expert_parallel_mlp(
     axis_name: str,
     recipe: Recipe | None = None,
     save_original_input: bool = False,
+    quantized_fc1_shard: QuantizedTensor | None = None,
+    quantized_fc2_shard: QuantizedTensor | None = None,
 ) -> jax.Array:
     """The fused expert MLP with experts spread over `axis_name` (module docstring).
 
@@ -81,11 +111,21 @@ def expert_parallel_mlp(
         (device d holds experts d·E/P ... (d+1)·E/P - 1).
       fc2_shard: (E/P, F, N).
       activation, recipe, save_original_input: as `jax_qtrain.grouped_mlp`.
+      quantized_fc1_shard, quantized_fc2_shard: this device's experts' kept quantized copies
+        (`ShardedMoE(quantized_weight=True)`; both or neither), read instead of quantizing the
+        shards. Each expert is quantized on its own, so they are exactly the local experts'
+        part of the whole stack's quantization; nothing about them travels.
 
     Returns:
       (R, N) in the order of x's rows.
     """
     _check(x, expert_ids, probs, fc1_shard, fc2_shard)
+    if not isinstance(save_original_input, bool):
+        raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
+    recipe = resolve_recipe(recipe)
+    kept = _checked_kept_shards(
+        recipe, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard
+    )
     devices = bound_axis_size(axis_name, "axis_name", caller="expert_parallel_mlp")
     local_experts = fc1_shard.shape[0]
     rows = x.shape[0]
@@ -125,15 +165,17 @@ def expert_parallel_mlp(
     local_probs = (
         None if received_probs is None else received_probs.reshape(devices * rows)[local_order]
     )
-    out = grouped_mlp(
+    out = grouped_mlp_reading(
+        kept,
         local_x,
         fc1_shard,
         fc2_shard,
         group_sizes,
         local_probs,
         activation,
-        recipe=recipe,
-        save_original_input=save_original_input,
+        recipe,
+        save_original_input,
+        None,  # no stochastic-rounding key: as grouped_mlp's default
     )
 
     # 4. Back to the source devices, then to the rows' own order.

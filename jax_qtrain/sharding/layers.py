@@ -169,8 +169,9 @@ class ShardedMoE(nnx.Module):
         (`SplitKernelLayout(sharding, stacked=True)`): a call gathers the kept fprop copies'
         bytes instead of quantizing the shards, and backward re-gathers the kept dgrad copies;
         `jax_qtrain.nn.Optimizer` (or `refresh_quantized_weights`) rebuilds them after each
-        update. Needs `recipe`, strategy "quantize_then_gather" and no `expert_parallel`; the
-        results equal the layer without kept copies bit for bit.
+        update. With `expert_parallel` each device reads its own experts' kept copies and
+        nothing is gathered. Needs `recipe` and strategy "quantize_then_gather"; the results
+        equal the layer without kept copies bit for bit.
     """
 
     def __init__(
@@ -198,11 +199,6 @@ class ShardedMoE(nnx.Module):
             raise TypeError(f"sharding must be a WeightSharding, got {type(sharding).__name__}")
         if not isinstance(quantized_weight, bool):
             raise TypeError(f"quantized_weight must be a bool, got {quantized_weight!r}")
-        if quantized_weight and expert_parallel:
-            raise ValueError(
-                "quantized_weight=True is not supported with expert_parallel=True: the experts' "
-                "kept copies are gathered, and expert parallelism never gathers them"
-            )
         if expert_parallel and (
             sharding.kernel_dim != "experts" or sharding.axis not in sharding.batch_axes
         ):
@@ -324,6 +320,8 @@ class ShardedMoE(nnx.Module):
                 axis_name=sharding.axis,
                 recipe=self.recipe,
                 save_original_input=self.save_original_input,
+                quantized_fc1_shard=kept.get("fc1"),
+                quantized_fc2_shard=kept.get("fc2"),
             )
         else:
             expert_out = fsdp_grouped_mlp(

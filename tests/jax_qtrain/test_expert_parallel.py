@@ -101,6 +101,25 @@ def test_bad_arguments_are_named():
         jqs.expert_parallel_mlp(x, ids[:-1], probs, fc1, fc2, axis_name="fsdp")
     with pytest.raises(ValueError, match="fc1_shard"):
         jqs.expert_parallel_mlp(x, ids, probs, fc1[:2], fc2, axis_name="fsdp")
+    kept_fc1 = jq.quantize_weight(fc1, RECIPES["mxfp8"]).tensor
+    with pytest.raises(ValueError, match="go together"):
+        jqs.expert_parallel_mlp(
+            x, ids, probs, fc1, fc2, axis_name="fsdp", quantized_fc1_shard=kept_fc1
+        )
+    with pytest.raises(TypeError, match="quantized_fc1_shard must be a QuantizedTensor"):
+        jqs.expert_parallel_mlp(
+            x,
+            ids,
+            probs,
+            fc1,
+            fc2,
+            axis_name="fsdp",
+            recipe=RECIPES["mxfp8"],
+            quantized_fc1_shard=fc1,
+            quantized_fc2_shard=fc2,
+        )
+    with pytest.raises(TypeError, match="save_original_input must be a bool"):
+        jqs.expert_parallel_mlp(x, ids, probs, fc1, fc2, axis_name="fsdp", save_original_input=1)
 
 
 def test_expert_parallel_moe_layer_is_the_moe_on_the_whole_batch():

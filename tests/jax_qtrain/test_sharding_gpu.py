@@ -90,3 +90,8 @@ def test_sharded_moe_with_kept_experts_over_gpus(gpu_devices, name, kernel_dim, 
     test_sharding_grouped.test_sharded_moe_with_kept_experts_trains_like_the_plain_one(
         name, kernel_dim, features
     )
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_expert_parallel_moe_with_kept_experts_over_gpus(gpu_devices, name):
+    test_sharding_grouped.test_expert_parallel_moe_with_kept_experts_trains_like_the_plain_one(name)

@@ -371,7 +371,18 @@ def test_sharded_moe_with_kept_experts_trains_like_the_plain_one(name, kernel_di
     """The kept experts are the per-expert quantization of the whole kernels, split like them;
     y, dx and every parameter gradient, then two jq.nn.Optimizer steps, are the layer's that
     quantizes its shards in every call, bit for bit."""
-    kept, plain, x, dy = _kept_and_plain_moe(name, kernel_dim, features)
+    check_kept_experts_train_like_plain(name, kernel_dim, features)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_expert_parallel_moe_with_kept_experts_trains_like_the_plain_one(name):
+    """The same with expert parallelism: each device reads its own experts' kept copies (nothing
+    gathered) and the rows travel to them."""
+    check_kept_experts_train_like_plain(name, "experts", 64, expert_parallel=True)
+
+
+def check_kept_experts_train_like_plain(name, kernel_dim, features, **options):
+    kept, plain, x, dy = _kept_and_plain_moe(name, kernel_dim, features, **options)
     for variable, kernel in (
         (kept.quantized_fc1_kernel, kept.fc1_kernel),
         (kept.quantized_fc2_kernel, kept.fc2_kernel),
@@ -434,8 +445,6 @@ def test_kept_experts_bad_configurations_are_named():
             recipe=RECIPES["mxfp8"],
             quantized_weight=True,
         )
-    with pytest.raises(ValueError, match="not supported with expert_parallel"):
-        moe(recipe=RECIPES["mxfp8"], quantized_weight=True, expert_parallel=True)
     with pytest.raises(TypeError, match="quantized_weight must be a bool"):
         moe(quantized_weight=1)
     with pytest.raises(ValueError, match="kernel_dim must be 0"):
@@ -495,10 +504,11 @@ def test_fsdp_grouped_mlp_checks_kept_shards():
         run(lambda kept: kept, strategy="gather_then_quantize")
 
 
-def test_sharded_moe_reads_its_kept_experts():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_sharded_moe_reads_its_kept_experts(expert_parallel):
     """The forward reads the kept copies, not the master: with fc1's kept copy made from 2·fc1,
     y is the plain layer's with fc1 doubled."""
-    kept, plain, x, _ = _kept_and_plain_moe("mxfp8", "experts", 64)
+    kept, plain, x, _ = _kept_and_plain_moe("mxfp8", "experts", 64, expert_parallel=expert_parallel)
     doubled = 2 * kept.fc1_kernel[...]
     held = kept.quantized_fc1_kernel.get_value()
     kept.quantized_fc1_kernel.set_value(held.refresh(doubled))

@@ -125,7 +125,8 @@ def test_sharded_grouped_mlp_traces_with_kernels(name, strategy):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("kept", [False, True], ids=["quantized_each_call", "kept_experts"])
-def test_sharded_moe_traces_with_kernels(name, kept):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["gathered", "expert_parallel"])
+def test_sharded_moe_traces_with_kernels(name, kept, expert_parallel):
     features, experts, tokens = 256, 4, 512
     sharding = jqs.WeightSharding(mesh_1d(DEVICES), "fsdp", kernel_dim="experts")
     moe = jqs.ShardedMoE(
@@ -136,6 +137,7 @@ def test_sharded_moe_traces_with_kernels(name, kept):
         top_k=2,
         recipe=RECIPES[name],
         quantized_weight=kept,
+        expert_parallel=expert_parallel,
         rngs=nnx.Rngs(0),
     )
     rng = np.random.default_rng(0)
