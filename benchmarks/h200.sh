@@ -45,11 +45,11 @@ elif [[ $STAGE == train ]]; then
   cp "$scratch"/bench_train.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
 elif [[ $STAGE == sharding ]]; then
-  timeout "${TEST_BUDGET:-400}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
+  timeout "${TEST_BUDGET:-470}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
     tests/jax_qtrain/test_sharding_gpu.py > "$OUT/gpu_sharding_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
   tail -5 "$OUT/gpu_sharding_tests.log"
-  timeout "${BENCH_BUDGET:-150}" python3 -m benchmarks.sharding_strategies \
+  timeout "${BENCH_BUDGET:-110}" python3 -m benchmarks.sharding_strategies \
     --out "$OUT/sharding_strategies.md" 2>&1 | tee "$OUT/sharding_strategies.log" | tail -12
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
