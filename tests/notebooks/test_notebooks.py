@@ -9,7 +9,12 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
-PLOTS = {"01_formats_explorer": 2, "02_backward_overrides": 1, "03_moe_training": 2}
+PLOTS = {
+    "01_formats_explorer": 2,
+    "02_backward_overrides": 1,
+    "03_moe_training": 2,
+    "04_sharded_weights": 2,
+}
 
 
 def test_there_are_notebooks():
