@@ -42,9 +42,19 @@ def on_gpu() -> bool:
 # rounding and pipelined tiles included).
 _AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
 
+# Stochastic rounding at a position offset (a shard of a larger tensor: `jq.quantize(...,
+# position_offset=)`, the sharded layers' NVFP4 gradients) in the NVFP4 kernel, added 2026-11-30:
+# bit-exact in the interpreter, not yet run on a GPU. Until then "auto" keeps it on the reference.
+_POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU = True
+
 
 def awaiting_gpu_verification(spec: QuantizerSpec) -> bool:
     return (spec.format, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
+
+
+def kernel_takes_position_offset(spec: QuantizerSpec) -> bool:
+    """Whether backend="auto" may run stochastic rounding at a position offset on the kernel."""
+    return spec.format == "nvfp4" and not _POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU
 
 
 def quantize_kernel_applies(spec: QuantizerSpec, shape2d: tuple[int, int], dtype) -> bool:
@@ -88,14 +98,26 @@ def require_quantize_kernel(spec: QuantizerSpec, shape2d: tuple[int, int], dtype
 
 
 def quantize(
-    x2d: jax.Array, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict
+    x2d: jax.Array,
+    spec: QuantizerSpec,
+    *,
+    input_dtype,
+    amaxes: dict,
+    seeds: dict,
+    positions: dict | None = None,
 ) -> dict:
     """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
     in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
+    `positions`: each copy's uint32 (line, col) in a larger tensor, for stochastic rounding
+    (NVFP4 only), or None.
     """
     require_quantize_kernel(spec, tuple(x2d.shape), x2d.dtype)
     run = _QUANTIZE_KERNELS[spec.format][1]
-    return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds)
+    if positions is None:
+        return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds)
+    if spec.format != "nvfp4":
+        raise ValueError(f"positions: only the NVFP4 kernel takes them, not {spec.format}'s")
+    return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds, positions=positions)
 
 
 # --- Pallas quantize kernels (issue 4) ----------------------------------------------------------
@@ -146,8 +168,11 @@ def _nvfp4_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
     return _kernel_input(dtype) and (spec.block_shape == (1, 16) or weight_blocks)
 
 
-def _nvfp4_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:
+def _nvfp4_run(
+    x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict, positions=None
+) -> dict:
     del input_dtype
+    positions = positions or {}
     out = _pallas().quantize_nvfp4(
         x2d,
         block_shape=spec.block_shape,
@@ -159,6 +184,8 @@ def _nvfp4_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: di
         stochastic_rounding=spec.stochastic_rounding,
         rowwise_seed=seeds.get("rowwise"),
         columnwise_seed=seeds.get("columnwise"),
+        rowwise_position=positions.get("rowwise"),
+        columnwise_position=positions.get("columnwise"),
     )
     return _copy_fields(out, amaxes, "scale", global_amax=True)
 

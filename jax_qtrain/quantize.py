@@ -335,7 +335,9 @@ def quantize(
       position_offset: (row, col) of x's first element (2-D view) in the whole tensor that x is
         a shard of. Stochastic rounding draws its random bits from each element's position, so
         with the offset (and the whole tensor's key) a shard is rounded exactly as the whole
-        tensor would be. Only stochastic rounding reads it; it runs the jnp reference.
+        tensor would be. Only stochastic rounding reads it. The NVFP4 kernel takes it under
+        backend="pallas"; "auto" keeps it on the reference until its GPU tests have passed
+        (`kernels.kernel_takes_position_offset`).
     """
     if isinstance(recipe, QuantizerSpec):
         spec = recipe
@@ -360,11 +362,6 @@ def quantize(
             raise TypeError(
                 f"position_offset must be a (row, col) pair of ints or int arrays, got "
                 f"{position_offset!r}"
-            )
-        if backend == "pallas" and spec.stochastic_rounding:
-            raise ValueError(
-                "position_offset with stochastic rounding runs the jnp reference; the Pallas "
-                "kernels draw bits from the local position only (use backend='auto')"
             )
         position_offset = tuple(jnp.asarray(p, jnp.uint32) for p in position_offset)
 
@@ -391,7 +388,7 @@ def _quantize(
     offset_matters = position_offset is not None and spec.stochastic_rounding
     use_kernel = backend == "pallas" or (
         backend == "auto"
-        and not offset_matters
+        and (not offset_matters or kernels.kernel_takes_position_offset(spec))
         and kernels.quantize_kernel_applies(spec, x2d.shape, x2d.dtype)
     )
 
@@ -409,8 +406,15 @@ def _quantize(
     seeds = {u: _copy_seed(key, u) if spec.stochastic_rounding else None for u in usages}
 
     if use_kernel:
-        # The kernels read x once and write both copies; they get the (reduced) amaxes and seeds.
-        fields = kernels.quantize(x2d, spec, input_dtype=x.dtype, amaxes=amaxes, seeds=seeds)
+        # The kernels read x once and write both copies; they get the (reduced) amaxes and
+        # seeds, and for a shard each copy's position (the columnwise copy's lines: x's columns).
+        positions = None
+        if offset_matters:
+            row, col = position_offset
+            positions = {u: (row, col) if u == "rowwise" else (col, row) for u in usages}
+        fields = kernels.quantize(
+            x2d, spec, input_dtype=x.dtype, amaxes=amaxes, seeds=seeds, positions=positions
+        )
     else:
         fields = {}
         for usage in usages:

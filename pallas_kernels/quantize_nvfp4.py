@@ -241,12 +241,14 @@ def _quantize_copy(
     seed,
     hadamard,
     block_amax_gmem=None,
+    position=None,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
     `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array.
     `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
-    1×16 blocks."""
+    1×16 blocks. `position`: uint32 (line, col) of the copy's first element in a larger
+    tensor, added to the positions stochastic rounding hashes (None: 0, 0)."""
     t, s_dec = scalars
     line_amaxes = None
     if block_amax_gmem is not None:
@@ -265,6 +267,8 @@ def _quantize_copy(
             if seed is not None:
                 rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
                 cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
+                if position is not None:  # uint32 adds wrap, as the reference's positions do
+                    rows, cols = rows + position[0], cols + position[1]
                 uniforms = hash_uniforms(rows, cols, seed)
             block_amax_bits = None
             if line_amaxes is not None:
@@ -295,9 +299,13 @@ def _kernel(
     rowwise,
     columnwise,
     two_d,
+    positioned,
     **options,
 ):
     data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
+    # With positions: one more input, each copy's (line, col) offset (4 uint32).
+    positions_gmem = refs[0] if positioned else None
+    refs = refs[1:] if positioned else refs
     # 16×16 blocks: two more inputs, the per-line block amaxes of each copy.
     block_amax_gmems = refs[:2] if two_d else (None, None)
     refs = refs[2:] if two_d else refs
@@ -307,6 +315,7 @@ def _kernel(
         _tile,
         scalars_gmem=scalars_gmem,
         seeds_gmem=seeds_gmem,
+        positions_gmem=positions_gmem,
         scale_gmems=scale_gmems,
         block_amax_gmems=block_amax_gmems,
         copies=[o.columnwise for o in data_outputs],
@@ -326,6 +335,7 @@ def _tile(
     *,
     scalars_gmem,
     seeds_gmem,
+    positions_gmem,
     scale_gmems,
     block_amax_gmems,
     copies,
@@ -339,6 +349,9 @@ def _tile(
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
         seed = seeds_gmem[c] if stochastic else None
+        position = None
+        if positions_gmem is not None:
+            position = (positions_gmem[2 * c], positions_gmem[2 * c + 1])
         if not columnwise:
 
             def load_row_pair(p):
@@ -357,6 +370,7 @@ def _tile(
                 seed,
                 hadamard=False,
                 block_amax_gmem=block_amax_gmems[0],
+                position=position,
             )
         else:
 
@@ -376,6 +390,7 @@ def _tile(
                 seed,
                 hadamard=hadamard,
                 block_amax_gmem=block_amax_gmems[1],
+                position=position,
             )
 
 
@@ -395,6 +410,18 @@ def _check_seed(value, name: str):
     if value.shape != () or value.dtype != jnp.uint32:
         raise TypeError(f"{name} must be a uint32 scalar, got {value.dtype}{value.shape}")
     return value
+
+
+def _check_position(value, name: str) -> jax.Array:
+    """A copy's (line, col) offset as a (2,) uint32 array; None is (0, 0)."""
+    if value is None:
+        return jnp.zeros((2,), jnp.uint32)
+    if not (isinstance(value, tuple | list) and len(value) == 2):
+        raise TypeError(f"{name} must be a (line, col) pair of uint32 scalars, got {value!r}")
+    parts = [jnp.asarray(v) for v in value]
+    if any(p.shape != () or p.dtype != jnp.uint32 for p in parts):
+        raise TypeError(f"{name} must be a (line, col) pair of uint32 scalars, got {value!r}")
+    return jnp.stack(parts)
 
 
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, BLOCK))
@@ -422,6 +449,8 @@ def quantize_nvfp4(
     stochastic_rounding: bool = False,
     rowwise_seed: jax.Array | None = None,
     columnwise_seed: jax.Array | None = None,
+    rowwise_position: tuple[jax.Array, jax.Array] | None = None,
+    columnwise_position: tuple[jax.Array, jax.Array] | None = None,
     config: NVFP4QuantizeConfig | None = None,
     interpret: bool = False,
 ) -> NVFP4Quantized:
@@ -429,7 +458,10 @@ def quantize_nvfp4(
 
     `rowwise_amax` / `columnwise_amax` are each copy's global amax (float32 scalars; the
     columnwise one taken after the Hadamard rotation when `hadamard_columnwise`). With
-    `stochastic_rounding`, each copy needs a uint32 seed. Shapes (layouts.md), K16 / M16
+    `stochastic_rounding`, each copy needs a uint32 seed; `rowwise_position` /
+    `columnwise_position` (uint32 (line, col), stochastic rounding only) place x in a larger
+    tensor, so that a shard draws the bits its elements get in the whole one (the columnwise
+    copy's line is x's column). Shapes (layouts.md), K16 / M16
     rounded up to 16: 1×16 blocks give rowwise data (M, K16/2) uint8 and scales (M, K16/16)
     float8_e4m3fn, columnwise (K, M16/2) and (K, M16/16); 16×16 blocks give (M16, K16/2) and
     (M16/16, K16/16), columnwise (K16, M16/2) and (K16/16, M16/16).
@@ -462,6 +494,13 @@ def quantize_nvfp4(
         scalars[1] = copy_scalars(_check_amax(columnwise_amax, "columnwise_amax"))
         if stochastic_rounding:
             seeds[1] = _check_seed(columnwise_seed, "columnwise_seed")
+    positioned = rowwise_position is not None or columnwise_position is not None
+    if positioned and not stochastic_rounding:
+        raise ValueError("rowwise_position / columnwise_position apply to stochastic_rounding")
+    positions = [
+        _check_position(rowwise_position, "rowwise_position"),
+        _check_position(columnwise_position, "columnwise_position"),
+    ]
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
@@ -485,6 +524,7 @@ def quantize_nvfp4(
         xp,
         jnp.stack(scalars),
         jnp.stack(seeds),
+        *([jnp.concatenate(positions)] if positioned else []),
         *block_amaxes,
         out_types=out_types,
         config=config,
@@ -493,6 +533,7 @@ def quantize_nvfp4(
         rowwise=rowwise,
         columnwise=columnwise,
         two_d=two_d,
+        positioned=positioned,
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
     )

@@ -67,16 +67,19 @@ def ref_mxfp8(x, fp8_dtype):
     return f(x)
 
 
-def ref_nvfp4(x, *, rht, sr, seeds, block=(1, 16)):
+def ref_nvfp4(x, *, rht, sr, seeds, block=(1, 16), positions=(None, None)):
+    """The jnp reference; `positions`: each copy's (line, col) in a larger tensor, or None."""
     spec = QuantizerSpec(
         "nvfp4", jnp.float4_e2m1fn, block, hadamard_columnwise=rht, stochastic_rounding=sr
     )
+    # The reference subtracts an origin from the positions it hashes; a position adds.
+    origins = [None if p is None else (-p[0], -p[1]) for p in positions]
 
     def f(v):
         col = columnwise_source(v, spec)
         row_amax, col_amax = common.amax(v), common.amax(col)
-        rd, rs = nvfp4.quantize(v, spec, global_amax=row_amax, seed=seeds[0])
-        cd, cs = nvfp4.quantize(col, spec, global_amax=col_amax, seed=seeds[1])
+        rd, rs = nvfp4.quantize(v, spec, global_amax=row_amax, seed=seeds[0], origin=origins[0])
+        cd, cs = nvfp4.quantize(col, spec, global_amax=col_amax, seed=seeds[1], origin=origins[1])
         return (rd, rs, cd, cs), (row_amax, col_amax)
 
     return jax.jit(f)(x)
@@ -96,7 +99,7 @@ def run_mxfp8(x, fp8_dtype, **kw):
     )(x)
 
 
-def run_nvfp4(x, *, rht, sr, amaxes, seeds, **kw):
+def run_nvfp4(x, *, rht, sr, amaxes, seeds, positions=(None, None), **kw):
     return jax.jit(
         lambda v: pk.quantize_nvfp4(
             v,
@@ -108,6 +111,8 @@ def run_nvfp4(x, *, rht, sr, amaxes, seeds, **kw):
             stochastic_rounding=sr,
             rowwise_seed=seeds[0],
             columnwise_seed=seeds[1],
+            rowwise_position=positions[0],
+            columnwise_position=positions[1],
             interpret=INTERPRET,
             **kw,
         )
@@ -166,9 +171,11 @@ def check_mxfp8(x, fp8_dtype):
         assert_same_bits(got, want, f"mxfp8 {name}")
 
 
-def check_nvfp4(x, rht, sr, block=(1, 16)):
-    want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=block)
-    got = run_nvfp4(x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, block_shape=block)
+def check_nvfp4(x, rht, sr, block=(1, 16), positions=(None, None)):
+    want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=block, positions=positions)
+    got = run_nvfp4(
+        x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, block_shape=block, positions=positions
+    )
     for g, w, name in zip(got, want, NAMES, strict=True):
         assert_same_bits(g, w, f"nvfp4 {name}")
     kernel_amaxes = jax.jit(
@@ -239,6 +246,24 @@ def test_mxfp8_interpret_edge_blocks():
 )
 def test_nvfp4_interpret(rht, sr, dtype, shape, block):
     check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block)
+
+
+# A shard's copies placed in a larger tensor: the rowwise copy's lines start at row 4096, the
+# columnwise copy's (x's columns) at 2^32 - 16 (uint32 positions wrap, as the reference's do).
+POSITIONS = (
+    (jnp.uint32(4096), jnp.uint32(0)),
+    (jnp.uint32(2**32 - 16), jnp.uint32(4096)),
+)
+
+
+@cpu_only
+def test_nvfp4_stochastic_rounding_positions_interpret():
+    x = sample((144, 160), jnp.float32, 8, block=16)
+    check_nvfp4(x, True, True, positions=POSITIONS)
+    # The positions change the bits drawn (else this test could not tell them apart).
+    moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
+    unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
+    assert not np.array_equal(bits(moved[0]), bits(unmoved[0]))
 
 
 @cpu_only
@@ -373,6 +398,18 @@ def test_wrappers_reject_bad_arguments():
         )
     with pytest.raises(ValueError, match="block_shape must be one of"):
         pk.quantize_fp8_block(x, block_shape=(1, 32))
+    with pytest.raises(ValueError, match="apply to stochastic_rounding"):
+        pk.quantize_nvfp4(
+            x, rowwise_amax=jnp.float32(1), rowwise_position=(jnp.uint32(0), jnp.uint32(0))
+        )
+    with pytest.raises(TypeError, match="rowwise_position must be a"):
+        pk.quantize_nvfp4(
+            x,
+            rowwise_amax=jnp.float32(1),
+            stochastic_rounding=True,
+            rowwise_seed=jnp.uint32(1),
+            rowwise_position=(0, 0),
+        )
     with pytest.raises(ValueError, match="block_shape must be one of"):
         pk.quantize_nvfp4(x, block_shape=(16, 1), rowwise_amax=jnp.float32(1))
     with pytest.raises(ValueError, match="hadamard_columnwise applies to 1×16 blocks only"):
@@ -447,6 +484,21 @@ CROSS_LOWERED = {
             stochastic_rounding=True,
             rowwise_seed=jnp.uint32(1),
             columnwise_seed=jnp.uint32(2),
+        ),
+        jnp.float32,
+    ),
+    "nvfp4 rht+sr row+col at a shard's positions": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            hadamard_columnwise=True,
+            stochastic_rounding=True,
+            rowwise_seed=jnp.uint32(1),
+            columnwise_seed=jnp.uint32(2),
+            rowwise_position=(jnp.uint32(4096), jnp.uint32(0)),
+            columnwise_position=(jnp.uint32(0), jnp.uint32(4096)),
         ),
         jnp.float32,
     ),

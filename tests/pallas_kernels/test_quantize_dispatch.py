@@ -100,3 +100,42 @@ def test_auto_backend_uses_kernels_on_gpu_and_matches_reference(recipe, role):
     backend = "pallas" if awaiting else "auto"
     got = jq.quantize(x, recipe, role, columnwise=True, key=key, backend=backend)
     assert_same(got, want)
+
+
+# --- stochastic rounding of a shard (position_offset) ------------------------------------------
+# A shard 4096 rows and 256 columns into a larger gradient: its random bits must be those of its
+# elements' places in the whole tensor, on the kernel as on the reference.
+SHARD_OFFSET = (4096, 256)
+
+
+def _positioned(backend):
+    x = sample((144, 256), jnp.float32, 5)
+    return jq.quantize(
+        x,
+        jq.NVFP4BlockScaling(),
+        "grad",
+        columnwise=True,
+        key=jax.random.key(9),
+        backend=backend,
+        position_offset=SHARD_OFFSET,
+    )
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU's")
+def test_pallas_backend_rounds_a_shard_like_the_reference_in_interpreter():
+    want = _positioned("reference")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = _positioned("pallas")
+    assert_same(got, want)
+
+
+def test_auto_backend_keeps_shard_rounding_on_the_reference_until_gpu_verified():
+    spec = jq.NVFP4BlockScaling().spec("grad")
+    assert not kernels.kernel_takes_position_offset(spec)
+    assert not kernels.kernel_takes_position_offset(jq.MXFP8BlockScaling().spec("grad"))
+
+
+@pytest.mark.gpu
+def test_pallas_backend_rounds_a_shard_like_the_reference_on_gpu():
+    # When this passes on the H200, kernels._POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU can go.
+    assert_same(_positioned("pallas"), _positioned("reference"))
