@@ -4,7 +4,8 @@
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
 #   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all)
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
-#                                      the two gather strategies timed over NCCL
+#                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
+#                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1 (one call instead of two)
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -46,7 +47,7 @@ elif [[ $STAGE == train ]]; then
   tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
 elif [[ $STAGE == sharding ]]; then
   timeout "${TEST_BUDGET:-470}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
-    tests/jax_qtrain/test_sharding_gpu.py > "$OUT/gpu_sharding_tests.log" 2>&1
+    ${SHARDING_TESTS:-tests/jax_qtrain/test_sharding_gpu.py} > "$OUT/gpu_sharding_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
   tail -5 "$OUT/gpu_sharding_tests.log"
   timeout "${BENCH_BUDGET:-110}" python3 -m benchmarks.sharding_strategies \
