@@ -1,8 +1,8 @@
 """Kernel outputs inside `jax.shard_map` are typed varying over the axes their inputs vary over.
 
 `plgpu.kernel` types its outputs invariant (the same on every device) whatever its inputs. Under
-shard_map JAX acts on those types: `psum` of an invariant value is computed as the value times the
-axis size, and a custom_vjp whose cotangent's type differs from its primal's fails. On the H200
+shard_map JAX acts on those types: a custom_vjp whose cotangent's type differs from its primal's
+fails, and an invariant value may leave the shard_map as replicated (one device's copy). On the H200
 (2026-11-30) the sharded layers that quantize on a kernel failed that way. Tracing is enough to
 see the types (nothing runs, so this is quick on the CPU).
 """
