@@ -3,10 +3,10 @@
 Under shard_map, JAX types every value with the mesh axes it varies over, and uses the types: a
 custom_vjp whose cotangent is typed differently from its primal is an error, and a value typed
 invariant may leave the shard_map as replicated (out_specs without the axis), one device's copy
-standing for all. `plgpu.kernel` types its outputs
-invariant whatever its inputs, so a kernel run on one device's shard of x would hand back codes
-typed as if every device held the same ones. Every launch here therefore types its outputs as
-varying over each axis any of its inputs varies over (a type-only cast: nothing runs).
+standing for all. `plgpu.kernel` types its outputs invariant whatever its inputs, so a kernel run
+on one device's shard of x would hand back codes typed as if every device held the same ones.
+Every launch here therefore types its outputs as varying over each axis any of its inputs varies
+over (a type-only cast: nothing runs).
 """
 
 from __future__ import annotations

@@ -497,10 +497,17 @@ def quantize_nvfp4(
     positioned = rowwise_position is not None or columnwise_position is not None
     if positioned and not stochastic_rounding:
         raise ValueError("rowwise_position / columnwise_position apply to stochastic_rounding")
-    positions = [
-        _check_position(rowwise_position, "rowwise_position"),
-        _check_position(columnwise_position, "columnwise_position"),
-    ]
+    # One extra kernel input only when positioned: the unpositioned launch stays as it was.
+    extra_inputs = []
+    if positioned:
+        extra_inputs.append(
+            jnp.concatenate(
+                [
+                    _check_position(rowwise_position, "rowwise_position"),
+                    _check_position(columnwise_position, "columnwise_position"),
+                ]
+            )
+        )
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
@@ -524,7 +531,7 @@ def quantize_nvfp4(
         xp,
         jnp.stack(scalars),
         jnp.stack(seeds),
-        *([jnp.concatenate(positions)] if positioned else []),
+        *extra_inputs,
         *block_amaxes,
         out_types=out_types,
         config=config,

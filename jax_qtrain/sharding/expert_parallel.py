@@ -39,7 +39,8 @@ from jax_qtrain.quantize import QuantizedTensor
 from jax_qtrain.recipes import Recipe
 
 from .config import QUANTIZE_THEN_GATHER
-from .sharded_dense import bound_axis_size, check_kept_shard
+from .sharded_dense import bound_axis_size
+from .sharded_grouped import check_kept_expert_shards
 
 
 def _check(x, expert_ids, probs, fc1_shard, fc2_shard) -> None:
@@ -59,31 +60,6 @@ def _check(x, expert_ids, probs, fc1_shard, fc2_shard) -> None:
         )
     if fc1_shard.shape[1] != x.shape[1]:
         raise ValueError(f"fc1_shard's K ({fc1_shard.shape[1]}) must equal x's ({x.shape[1]})")
-
-
-def _checked_kept_shards(recipe, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard):
-    """(fc1, fc2) kept QuantizedTensors of this device's experts, checked, or (None, None)."""
-    if (quantized_fc1_shard is None) != (quantized_fc2_shard is None):
-        raise ValueError(
-            "quantized_fc1_shard and quantized_fc2_shard go together: pass both kept shards "
-            "or neither"
-        )
-    if quantized_fc1_shard is None:
-        return None, None
-    for argument, kept, kernel_argument, shard in (
-        ("quantized_fc1_shard", quantized_fc1_shard, "fc1_shard", fc1_shard),
-        ("quantized_fc2_shard", quantized_fc2_shard, "fc2_shard", fc2_shard),
-    ):
-        # Expert parallelism never gathers: any strategy that keeps shards as they are will do.
-        check_kept_shard(
-            kept,
-            shard,
-            recipe,
-            QUANTIZE_THEN_GATHER,
-            argument=argument,
-            kernel_argument=kernel_argument,
-        )
-    return quantized_fc1_shard, quantized_fc2_shard
 
 
 def expert_parallel_mlp(
@@ -123,8 +99,10 @@ def expert_parallel_mlp(
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     recipe = resolve_recipe(recipe)
-    kept = _checked_kept_shards(
-        recipe, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard
+    # Expert parallelism never gathers: the kept shards are read as they are, which is what
+    # the gathering strategy's check asks of them too.
+    check_kept_expert_shards(
+        recipe, QUANTIZE_THEN_GATHER, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard
     )
     devices = bound_axis_size(axis_name, "axis_name", caller="expert_parallel_mlp")
     local_experts = fc1_shard.shape[0]
@@ -166,7 +144,7 @@ def expert_parallel_mlp(
         None if received_probs is None else received_probs.reshape(devices * rows)[local_order]
     )
     out = grouped_mlp_reading(
-        kept,
+        (quantized_fc1_shard, quantized_fc2_shard),
         local_x,
         fc1_shard,
         fc2_shard,

@@ -369,13 +369,11 @@ class ShardedMoE(nnx.Module):
         operands = (tokens, self.router.kernel[...], self.fc1_kernel[...], self.fc2_kernel[...])
         kept_leaves, kept_specs = {}, {}
         for name, weight in self._kept_experts().items():
-            kept_leaves[name], kept_specs[name] = weight.layout.operands(weight.tensor)
-        kept_leaves = {
-            name: {
-                leaf: laid_out(v, kept_specs[name][leaf], sharding.mesh) for leaf, v in d.items()
+            leaves, kept_specs[name] = weight.layout.operands(weight.tensor)
+            kept_leaves[name] = {
+                leaf: laid_out(value, kept_specs[name][leaf], sharding.mesh)
+                for leaf, value in leaves.items()
             }
-            for name, d in kept_leaves.items()
-        }
         y, aux_loss, tokens_per_expert = jax.shard_map(
             self._per_device,
             mesh=sharding.mesh,

@@ -484,6 +484,27 @@ def fsdp_grouped_dense(
     return _fsdp_grouped_dense(x, kernel_shard, bias, group_sizes, key, config)
 
 
+def check_kept_expert_shards(
+    recipe, strategy, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard
+) -> None:
+    """The kept quantized fc1 / fc2 shards of an expert MLP (both or neither), each checked
+    against its kernel shard, the recipe and the strategy (`check_kept_shard`)."""
+    if (quantized_fc1_shard is None) != (quantized_fc2_shard is None):
+        raise ValueError(
+            "quantized_fc1_shard and quantized_fc2_shard go together: pass both kept shards "
+            "or neither"
+        )
+    if quantized_fc1_shard is None:
+        return
+    for argument, kept, kernel_argument, shard in (
+        ("quantized_fc1_shard", quantized_fc1_shard, "fc1_shard", fc1_shard),
+        ("quantized_fc2_shard", quantized_fc2_shard, "fc2_shard", fc2_shard),
+    ):
+        check_kept_shard(
+            kept, shard, recipe, strategy, argument=argument, kernel_argument=kernel_argument
+        )
+
+
 def fsdp_grouped_mlp(
     x: jax.Array,
     fc1_shard: jax.Array,
@@ -533,24 +554,9 @@ def fsdp_grouped_mlp(
         if tuple(probs.shape) != (x.shape[0],):
             raise ValueError(f"probs must have shape ({x.shape[0]},), got {tuple(probs.shape)}")
     recipe = resolve_recipe(recipe)
-    if (quantized_fc1_shard is None) != (quantized_fc2_shard is None):
-        raise ValueError(
-            "quantized_fc1_shard and quantized_fc2_shard go together: pass both kept shards "
-            "or neither"
-        )
-    for argument, kept, kernel_argument, shard in (
-        ("quantized_fc1_shard", quantized_fc1_shard, "fc1_shard", fc1_shard),
-        ("quantized_fc2_shard", quantized_fc2_shard, "fc2_shard", fc2_shard),
-    ):
-        if kept is not None:
-            check_kept_shard(
-                kept,
-                shard,
-                recipe,
-                strategy,
-                argument=argument,
-                kernel_argument=kernel_argument,
-            )
+    check_kept_expert_shards(
+        recipe, strategy, fc1_shard, fc2_shard, quantized_fc1_shard, quantized_fc2_shard
+    )
     config = _config(
         recipe,
         save_original_input,

@@ -39,3 +39,11 @@ def test_moe_and_grouped_quantize_benchmarks_run_small(tmp_path):
     bench_grouped_quantize.main(str(tmp_path), small=True, recipe_names=("fp8",))
     rows = json.loads((tmp_path / "bench_grouped_quantize.json").read_text())
     assert {r["case"] for r in rows} == {"copy floor: XLA x + 1", "fp8 grouped", "fp8 whole tensor"}
+
+
+def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
+    from benchmarks import bench_train
+
+    for recipes in (["fp16"], []):
+        with pytest.raises(ValueError, match="recipes must be a non-empty subset"):
+            bench_train.main(str(tmp_path), small=True, recipes=recipes)

@@ -460,6 +460,22 @@ _AMAX = jnp.float32(3.0)
 _X = {dt: jax.ShapeDtypeStruct((256, 384), dt) for dt in (jnp.bfloat16, jnp.float32)}
 _TILE_256 = dict(tile_m=256, tile_k=256)
 
+
+def _nvfp4_rht_sr(x, **positions):
+    """Both NVFP4 copies, Hadamard on the columnwise one, stochastic rounding (gradients)."""
+    return pk.quantize_nvfp4(
+        x,
+        columnwise=True,
+        rowwise_amax=_AMAX,
+        columnwise_amax=_AMAX,
+        hadamard_columnwise=True,
+        stochastic_rounding=True,
+        rowwise_seed=jnp.uint32(1),
+        columnwise_seed=jnp.uint32(2),
+        **positions,
+    )
+
+
 CROSS_LOWERED = {
     "mxfp8 e4m3 row+col": (lambda x: pk.quantize_mxfp8(x, columnwise=True), jnp.bfloat16),
     "mxfp8 e5m2 col": (
@@ -474,29 +490,10 @@ CROSS_LOWERED = {
         lambda x: pk.quantize_nvfp4(x, columnwise=True, rowwise_amax=_AMAX, columnwise_amax=_AMAX),
         jnp.bfloat16,
     ),
-    "nvfp4 rht+sr row+col": (
-        lambda x: pk.quantize_nvfp4(
-            x,
-            columnwise=True,
-            rowwise_amax=_AMAX,
-            columnwise_amax=_AMAX,
-            hadamard_columnwise=True,
-            stochastic_rounding=True,
-            rowwise_seed=jnp.uint32(1),
-            columnwise_seed=jnp.uint32(2),
-        ),
-        jnp.float32,
-    ),
+    "nvfp4 rht+sr row+col": (_nvfp4_rht_sr, jnp.float32),
     "nvfp4 rht+sr row+col at a shard's positions": (
-        lambda x: pk.quantize_nvfp4(
-            x,
-            columnwise=True,
-            rowwise_amax=_AMAX,
-            columnwise_amax=_AMAX,
-            hadamard_columnwise=True,
-            stochastic_rounding=True,
-            rowwise_seed=jnp.uint32(1),
-            columnwise_seed=jnp.uint32(2),
+        functools.partial(
+            _nvfp4_rht_sr,
             rowwise_position=(jnp.uint32(4096), jnp.uint32(0)),
             columnwise_position=(jnp.uint32(0), jnp.uint32(4096)),
         ),
