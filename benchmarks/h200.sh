@@ -46,7 +46,9 @@ elif [[ $STAGE == train ]]; then
   cp "$scratch"/bench_train.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
 elif [[ $STAGE == sharding ]]; then
-  timeout "${TEST_BUDGET:-470}" python3 -m pytest -m gpu -v -n 0 -p no:cacheprovider -rfE \
+  # Every test uses both GPUs; a few xdist workers share them (the tests are compile-bound).
+  timeout "${TEST_BUDGET:-470}" python3 -m pytest -m gpu -v -n "${SHARDING_WORKERS:-0}" \
+    -p no:cacheprovider -rfE \
     ${SHARDING_TESTS:-tests/jax_qtrain/test_sharding_gpu.py} > "$OUT/gpu_sharding_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_sharding_tests.log"
   tail -5 "$OUT/gpu_sharding_tests.log"
