@@ -21,6 +21,8 @@ each holding the latest call's value; `return_aux_loss=True` returns it too.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,6 +63,34 @@ def permute_by_expert(
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return order, inverse, group_sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_tokens(tokens: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int):
+    """tokens[order // top_k]: each token's row once per chosen expert, in expert order.
+
+    `order` and `inverse` are `permute_by_expert`'s. Same values as `jnp.take`, but its transpose
+    sums each token's k row gradients in slot order, in float32 (a gather by `inverse`, then a
+    sum over k), where `jnp.take`'s would scatter-add them: on GPU XLA picks that order per
+    program (atomics), so two programs computing the same dx differed by up to 128 ulps on the
+    H200 (docs/layers.md, "Deterministic un-permutation").
+    """
+    return jnp.take(tokens, order // top_k, axis=0)
+
+
+def _dispatch_tokens_fwd(tokens, order, inverse, top_k):
+    # Residuals: (inverse (T·k,) int32,).
+    return dispatch_tokens(tokens, order, inverse, top_k), (inverse,)
+
+
+def _dispatch_tokens_bwd(top_k, residuals, row_grads):
+    (inverse,) = residuals
+    per_slot = jnp.take(row_grads, inverse, axis=0).astype(jnp.float32)
+    per_slot = per_slot.reshape(-1, top_k, row_grads.shape[-1])
+    return jnp.sum(per_slot, axis=1).astype(row_grads.dtype), None, None
+
+
+dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
 
 
 def _latest(previous, new):
@@ -160,9 +190,8 @@ class MoE(nnx.Module):
             normalize_top_k=self.normalize_top_k,
         )
         order, inverse, group_sizes = permute_by_expert(top_experts, self.num_experts)
-        token_of_row = order // self.top_k
         expert_out = self.experts(
-            jnp.take(tokens, token_of_row, axis=0),
+            dispatch_tokens(tokens, order, inverse, self.top_k),
             group_sizes,
             jnp.take(top_probs.reshape(-1), order, axis=0),
         )

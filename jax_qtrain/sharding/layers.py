@@ -15,7 +15,12 @@ from jax.sharding import PartitionSpec
 
 from jax_qtrain.nn.grouped import default_expert_kernel_init, keep_quantized, refresh_mlp_kernels
 from jax_qtrain.nn.linear import Linear
-from jax_qtrain.nn.moe import default_router_init, permute_by_expert, route_top_k
+from jax_qtrain.nn.moe import (
+    default_router_init,
+    dispatch_tokens,
+    permute_by_expert,
+    route_top_k,
+)
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.quantize import Usage
 from jax_qtrain.recipes import Recipe
@@ -300,7 +305,7 @@ class ShardedMoE(nnx.Module):
         )
         order, inverse, group_sizes = permute_by_expert(top_experts, num_experts)
         x, fc1, fc2 = dtypes.promote_dtype(
-            (jnp.take(tokens, order // top_k, axis=0), fc1_shard, fc2_shard), dtype=self.dtype
+            (dispatch_tokens(tokens, order, inverse, top_k), fc1_shard, fc2_shard), dtype=self.dtype
         )
         kept = {
             name: weight.layout.local(weight.tensor, kept_leaves[name])
