@@ -42,19 +42,15 @@ def on_gpu() -> bool:
 # rounding and pipelined tiles included).
 _AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
 
-# Stochastic rounding at a position offset (a shard of a larger tensor: `jq.quantize(...,
-# position_offset=)`, the sharded layers' NVFP4 gradients) in the NVFP4 kernel, added 2026-11-30:
-# bit-exact in the interpreter, not yet run on a GPU. Until then "auto" keeps it on the reference.
-_POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU = True
-
-
 def awaiting_gpu_verification(spec: QuantizerSpec) -> bool:
     return (spec.format, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
 
 
 def kernel_takes_position_offset(spec: QuantizerSpec) -> bool:
-    """Whether backend="auto" may run stochastic rounding at a position offset on the kernel."""
-    return spec.format == "nvfp4" and not _POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU
+    """Whether the kernel runs stochastic rounding at a position offset (a shard of a larger
+    tensor: `jq.quantize(..., position_offset=)`, the sharded layers' NVFP4 gradients). NVFP4's
+    does, bit for bit the reference on the H200 since 2026-11-30."""
+    return spec.format == "nvfp4"
 
 
 def quantize_kernel_applies(spec: QuantizerSpec, shape2d: tuple[int, int], dtype) -> bool:

@@ -335,9 +335,9 @@ def quantize(
       position_offset: (row, col) of x's first element (2-D view) in the whole tensor that x is
         a shard of. Stochastic rounding draws its random bits from each element's position, so
         with the offset (and the whole tensor's key) a shard is rounded exactly as the whole
-        tensor would be. Only stochastic rounding reads it. The NVFP4 kernel takes it under
-        backend="pallas"; "auto" keeps it on the reference until its GPU tests have passed
-        (`kernels.kernel_takes_position_offset`).
+        tensor would be. Only stochastic rounding reads it. The NVFP4 kernel takes it
+        (`kernels.kernel_takes_position_offset`); a format whose kernel does not stays on the
+        reference under backend="auto".
     """
     if isinstance(recipe, QuantizerSpec):
         spec = recipe

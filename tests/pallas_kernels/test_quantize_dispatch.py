@@ -129,13 +129,12 @@ def test_pallas_backend_rounds_a_shard_like_the_reference_in_interpreter():
     assert_same(got, want)
 
 
-def test_auto_backend_keeps_shard_rounding_on_the_reference_until_gpu_verified():
-    spec = jq.NVFP4BlockScaling().spec("grad")
-    assert not kernels.kernel_takes_position_offset(spec)
+def test_only_nvfp4_kernel_takes_a_position_offset():
+    assert kernels.kernel_takes_position_offset(jq.NVFP4BlockScaling().spec("grad"))
     assert not kernels.kernel_takes_position_offset(jq.MXFP8BlockScaling().spec("grad"))
 
 
 @pytest.mark.gpu
-def test_pallas_backend_rounds_a_shard_like_the_reference_on_gpu():
-    # When this passes on the H200, kernels._POSITIONED_STOCHASTIC_ROUNDING_AWAITS_GPU can go.
-    assert_same(_positioned("pallas"), _positioned("reference"))
+@pytest.mark.parametrize("backend", ["pallas", "auto"])
+def test_kernel_rounds_a_shard_like_the_reference_on_gpu(backend):
+    assert_same(_positioned(backend), _positioned("reference"))
