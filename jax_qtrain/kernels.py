@@ -42,6 +42,7 @@ def on_gpu() -> bool:
 # rounding and pipelined tiles included).
 _AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
 
+
 def awaiting_gpu_verification(spec: QuantizerSpec) -> bool:
     return (spec.format, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
 

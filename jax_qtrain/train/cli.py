@@ -45,6 +45,14 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration overrides")
     for flag, field, kind, help_text in _OVERRIDES:
         group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--scan-layers",
+        dest="scan_layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the blocks as one lax.scan (default; a much smaller compiled step) or, with "
+        "--no-scan-layers, as a Python loop",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -54,7 +62,7 @@ def _config_from_args(args: argparse.Namespace, base: TrainConfig | None = None)
         base = PRESETS[args.preset or "cpu"]
     elif args.preset is not None and PRESETS[args.preset].model != base.model:
         raise ValueError(f"--preset {args.preset} is not the preset the run started with")
-    names = [field for _, field, _, _ in _OVERRIDES] + ["recipe"]
+    names = [field for _, field, _, _ in _OVERRIDES] + ["scan_layers", "recipe"]
     overrides = {name: getattr(args, name, None) for name in names}
     return base.replace(**{k: v for k, v in overrides.items() if v is not None})
 

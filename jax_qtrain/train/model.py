@@ -45,6 +45,9 @@ class ModelConfig:
     expert_hidden: int = 128
     compute_dtype: str = "bfloat16"
     vocab_size: int = VOCAB_SIZE
+    # Run the blocks as one `lax.scan` over their stacked parameters (one copy of each layer's
+    # kernels and GEMMs in the compiled step, not num_layers; same parameters and values).
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -164,13 +167,41 @@ class Transformer(nnx.Module):
         seq = tokens.shape[1]
         x = self.embed(tokens) + self.positions[...][:seq]
         x = x.astype(self.config.dtype)
-        aux_loss = jnp.zeros((), jnp.float32)
-        for block in self.blocks:
-            x, block_aux = block(x)
-            aux_loss = aux_loss + block_aux
+        if self.config.scan_layers and len(self.blocks) > 1:
+            x, aux_loss = self._scanned_blocks(x)
+        else:
+            aux_loss = jnp.zeros((), jnp.float32)
+            for block in self.blocks:
+                x, block_aux = block(x)
+                aux_loss = aux_loss + block_aux
         h = self.final_norm(x.astype(jnp.float32))
         logits = h @ self.embed.embedding[...].T
         return logits, aux_loss
+
+    def _scanned_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The blocks as one `lax.scan` over their states stacked on a leading layer axis.
+
+        The parameters stay one module per layer (checkpoints and `model.blocks[i]` unchanged);
+        the stack is built in the call, and its gradient is sliced back per layer. What a block
+        sows (the MoE's `nnx.Intermediate` statistics) comes out stacked and is written back to
+        each block, as the loop would have left it.
+        """
+        graphdef, first_state = nnx.split(self.blocks[0])
+        states = [first_state] + [nnx.split(block)[1] for block in self.blocks[1:]]
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+        def layer(x, state):
+            block = nnx.merge(graphdef, state)
+            x, aux_loss = block(x)
+            return x, (aux_loss, nnx.state(block, nnx.Intermediate))
+
+        x, (aux_losses, intermediates) = jax.lax.scan(layer, x, stacked)
+        for i, block in enumerate(self.blocks):
+            nnx.update(block, jax.tree.map(lambda leaf, i=i: leaf[i], intermediates))
+        aux_loss = jnp.zeros((), jnp.float32)
+        for i in range(len(self.blocks)):  # summed in the loop's order
+            aux_loss = aux_loss + aux_losses[i]
+        return x, aux_loss
 
 
 def count_parameters(model: nnx.Module) -> int:

@@ -3,6 +3,7 @@ nothing written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jax_qtrain.__main__ import main
+from jax_qtrain.train import cli
 from jax_qtrain.train.config import PRESETS
 from jax_qtrain.train.trainer import CONFIG_FILE
 from tests.train.conftest import TINY_OPTIONS
@@ -138,3 +140,14 @@ def test_console_script_reports_errors_on_stderr(tmp_path):
     assert result.returncode == 2
     assert result.stdout == ""
     assert "jax-qtrain: error: no training run in" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "options, scan_layers", [([], True), (["--scan-layers"], True), (["--no-scan-layers"], False)]
+)
+def test_scan_layers_option(options, scan_layers):
+    parser = argparse.ArgumentParser()
+    cli._add_config_options(parser)
+    config = cli._config_from_args(parser.parse_args(["--preset", "h200", *options]))
+    assert config.model.scan_layers is scan_layers
+    assert config.model.num_layers == PRESETS["h200"].model.num_layers

@@ -2,12 +2,13 @@
 
 The CPU suite trains the default preset; this is the larger model of `jax-qtrain train --preset
 h200` (d_model 512, 8 experts top-2, 64 × 512-byte windows a step) with the kernels the GPU
-dispatches to, for a few dozen steps per recipe, with one decoder layer instead of the
-preset's four: every layer has the same shapes, so one exercises every kernel and GEMM shape the
-preset does, and the four-layer compiles (74 s for bf16 to 257 s for NVFP4 on the H200, the
-layers being a Python loop) would not fit the suite's device call. Asserted: every loss finite,
-the first one about ln 256 (an untrained model predicts bytes about uniformly), the loss
-falling, and the quantized recipes within reach of bf16 after the same steps.
+dispatches to, for a few dozen steps per recipe, with two decoder layers instead of the
+preset's four: every layer has the same shapes, so two exercise every kernel and GEMM shape the
+preset does, inside the scan over the layers (`ModelConfig.scan_layers`), and compile faster (the
+four unscanned layers compiled in 74 s for bf16 to 257 s for NVFP4 on the H200, too long for
+the suite's device call). Asserted: every loss finite, the first one about ln 256 (an untrained
+model predicts bytes about uniformly), the loss falling, and the quantized recipes within reach
+of bf16 after the same steps.
 `benchmarks/bench_train.py` runs the preset for its full comparison (loss gaps, step times).
 """
 
@@ -21,7 +22,7 @@ from jax_qtrain.train import PRESETS, RECIPE_NAMES
 from jax_qtrain.train.trainer import read_metrics, train
 
 STEPS = 40
-NUM_LAYERS = 1
+NUM_LAYERS = 2
 WARMUP_STEPS = 10  # the preset's 100 would not fit; TrainConfig wants warmup < steps
 
 # `slow` makes tests/train/conftest.py start it first, so under xdist its five trainings (a few

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,8 +60,9 @@ def _loss(model: Transformer, tokens: jax.Array) -> jax.Array:
     return jnp.mean(logits**2) + aux_loss
 
 
-def test_projections_and_experts_quantize_under_autocast():
-    model = Transformer(TINY, nnx.Rngs(0))
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_projections_and_experts_quantize_under_autocast(scan_layers):
+    model = Transformer(dataclasses.replace(TINY, scan_layers=scan_layers), nnx.Rngs(0))
     graphdef, state = nnx.split(model)
 
     def loss_of_state(state, tokens):
@@ -71,11 +74,69 @@ def test_projections_and_experts_quantize_under_autocast():
         quantized = jq.saved_residuals(loss_of_state, state, tokens)
         quantized_loss = jax.jit(loss_of_state)(state, tokens)
     assert not any(r.name.startswith("qtrain/") for r in plain)
-    names = [r.name for r in quantized]
-    # qkv and out per layer (dense), the experts' FC1 per layer (grouped MLP).
-    assert names.count("qtrain/input") >= 2 * TINY.num_layers
-    assert names.count("qtrain/fc1_input") >= TINY.num_layers
+    fp8 = [r for r in quantized if r.dtype == jnp.float8_e4m3fn]
+    assert not [r for r in plain if r.dtype == jnp.float8_e4m3fn]
+    if scan_layers:
+        # The scan saves its body's residuals stacked over the layers, reported by JAX as
+        # "output of scan" (the names stay inside the body, where remat policies read them).
+        assert len(fp8) >= 3 and {r.shape[0] for r in fp8} == {TINY.num_layers}
+    else:
+        names = [r.name for r in quantized]
+        # qkv and out per layer (dense), the experts' FC1 per layer (grouped MLP).
+        assert names.count("qtrain/input") >= 2 * TINY.num_layers
+        assert names.count("qtrain/fc1_input") >= TINY.num_layers
+        assert len(fp8) >= 3 * TINY.num_layers
     assert float(quantized_loss) != float(jax.jit(loss_of_state)(state, tokens))
+
+
+def _loss_grads_and_statistics(config: ModelConfig, recipe) -> tuple:
+    model = Transformer(config, nnx.Rngs(0))
+
+    def loss(model):
+        logits, aux_loss = model(_tokens(4))
+        return jnp.mean(logits**2) + aux_loss
+
+    with jq.autocast(recipe):
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+    return value, grads, nnx.state(model, nnx.Intermediate)
+
+
+@pytest.mark.parametrize("recipe", [None, jq.MXFP8BlockScaling()], ids=["bf16", "mxfp8"])
+def test_scanned_layers_compute_the_loop(recipe):
+    """One lax.scan over the stacked blocks computes the Python loop over them. With float32
+    activations: the loss is the same bits, the gradients agree to float32 summation order (XLA
+    sums the tied embedding's two uses in another order), and each layer's sown MoE statistics
+    come back to its own block. With bfloat16 activations only the loss is compared (to 2e-3):
+    XLA:CPU skips a bfloat16 rounding between unrolled layers that the scan's carry keeps, and
+    through the quantizers one rounding moves the gradients by percents."""
+    three = dataclasses.replace(TINY, num_layers=3)
+    for scan_layers in (True, False):
+        model = Transformer(dataclasses.replace(three, scan_layers=scan_layers), nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda s, g=graphdef: nnx.merge(g, s)(_tokens()))(state)
+        assert (" scan[" in str(jaxpr)) == scan_layers
+    results = {
+        (dtype, scan): _loss_grads_and_statistics(
+            dataclasses.replace(three, compute_dtype=dtype, scan_layers=scan), recipe
+        )
+        for dtype in ("float32", "bfloat16")
+        for scan in (False, True)
+    }
+    loop, scan = results["float32", False], results["float32", True]
+    np.testing.assert_array_equal(scan[0], loop[0])
+    assert jax.tree.structure(scan) == jax.tree.structure(loop)
+    for got, want in zip(jax.tree.leaves(scan), jax.tree.leaves(loop), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+        if want.dtype == jnp.int32:  # tokens per expert: the same routing, layer by layer
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    blocks = scan[2]["blocks"].values()
+    counts = [np.asarray(b["feed_forward"]["tokens_per_expert"][...]) for b in blocks]
+    assert len(counts) == 3 and not all(np.array_equal(counts[0], c) for c in counts[1:])
+    np.testing.assert_allclose(
+        results["bfloat16", True][0], results["bfloat16", False][0], rtol=2e-3
+    )
 
 
 @pytest.mark.parametrize(
