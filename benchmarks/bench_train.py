@@ -4,9 +4,11 @@ Trains the `h200` preset (d_model 512, 4 layers, 8 experts top-2, 64 × 512-byte
 once per recipe for `steps` steps and returns the comparison table (final losses, relative gap
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
-    python -m benchmarks.bench_train [--small] [--recipes R ...] [--out DIR]   # or benchmarks.run
+    python -m benchmarks.bench_train [--small] [--recipes R ...] [--no-scan-layers] [--out DIR]
 
-`--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere).
+`--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
+`--no-scan-layers` runs the decoder blocks as a Python loop (compile and step times against the
+default scan).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ H200_STEPS = 300  # five runs must fit the device time of one session
 
 
 def main(
-    out_dir: str | None = None, small: bool = False, recipes: Sequence[str] = RECIPE_NAMES
+    out_dir: str | None = None,
+    small: bool = False,
+    recipes: Sequence[str] = RECIPE_NAMES,
+    scan_layers: bool = True,
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
@@ -32,6 +37,7 @@ def main(
         config = PRESETS["h200"].replace(
             steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
         )
+    config = config.replace(scan_layers=scan_layers)
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(
@@ -43,7 +49,8 @@ def main(
     model = config.model
     text = (
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
-        f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers, "
+        f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers "
+        f"({'one scan' if model.scan_layers else 'a Python loop'}), "
         f"{model.num_experts} experts top-{model.experts_per_token}, {device_description()}\n\n"
         + markdown_table(rows)
     )
@@ -57,5 +64,6 @@ if __name__ == "__main__":
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
-    main(args.out, args.small, args.recipes)
+    main(args.out, args.small, args.recipes, args.scan_layers)

@@ -2,7 +2,8 @@
 # One H200 device call per stage; everything it measures lands in $OUT (at most 8 files come back).
 #   bash benchmarks/h200.sh tests   every `gpu` test in one pytest run (-n $WORKERS), -v log
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
-#   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all)
+#   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all;
+#                                   TRAIN_ARGS=--no-scan-layers for the unscanned blocks)
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
@@ -41,7 +42,7 @@ elif [[ $STAGE == bench ]]; then
 elif [[ $STAGE == train ]]; then
   scratch=$(mktemp -d)
   timeout "${BENCH_BUDGET:-540}" python3 -m benchmarks.bench_train --out "$scratch" \
-    ${RECIPES:+--recipes $RECIPES} 2>&1 | tr '\r' '\n' | grep -v 'step/s' > "$OUT/bench_train.log"
+    ${RECIPES:+--recipes $RECIPES} ${TRAIN_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v 'step/s' > "$OUT/bench_train.log"
   tail -20 "$OUT/bench_train.log"
   cp "$scratch"/bench_train.md "$OUT"/ 2>/dev/null
   tar -czf "$OUT/bench_train_runs.tar.gz" --exclude=checkpoints -C "$scratch" .
