@@ -4,11 +4,11 @@ Trains the `h200` preset (d_model 512, 4 layers, 8 experts top-2, 64 × 512-byte
 once per recipe for `steps` steps and returns the comparison table (final losses, relative gap
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
-    python -m benchmarks.bench_train [--small] [--recipes R ...] [--no-scan-layers] [--out DIR]
+    python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers] [--out DIR]
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
-`--no-scan-layers` runs the decoder blocks as a Python loop (compile and step times against the
-default scan).
+`--scan-layers` runs the decoder blocks as one `lax.scan` (compile and step times against the
+default Python loop).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(
     out_dir: str | None = None,
     small: bool = False,
     recipes: Sequence[str] = RECIPE_NAMES,
-    scan_layers: bool = True,
+    scan_layers: bool = False,
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
@@ -64,6 +64,6 @@ if __name__ == "__main__":
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
     main(args.out, args.small, args.recipes, args.scan_layers)

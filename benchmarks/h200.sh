@@ -3,7 +3,7 @@
 #   bash benchmarks/h200.sh tests   every `gpu` test in one pytest run (-n $WORKERS), -v log
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
 #   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all;
-#                                   TRAIN_ARGS=--no-scan-layers for the unscanned blocks)
+#                                   TRAIN_ARGS=--scan-layers for the scanned blocks)
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")

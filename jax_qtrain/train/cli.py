@@ -50,8 +50,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         dest="scan_layers",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the blocks as one lax.scan (default; a much smaller compiled step) or, with "
-        "--no-scan-layers, as a Python loop",
+        help="run the blocks as one lax.scan (a much smaller compiled step) instead of a "
+        "Python loop (the default, --no-scan-layers)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -45,9 +45,10 @@ class ModelConfig:
     expert_hidden: int = 128
     compute_dtype: str = "bfloat16"
     vocab_size: int = VOCAB_SIZE
-    # Run the blocks as one `lax.scan` over their stacked parameters (one copy of each layer's
-    # kernels and GEMMs in the compiled step, not num_layers; same parameters and values).
-    scan_layers: bool = True
+    # Run the blocks as one `lax.scan` over their stacked parameters: one copy of each layer's
+    # kernels and GEMMs in the compiled step, not num_layers (same parameters and values). Off
+    # by default until its GPU step time is measured: on the CPU it costs 5-30% per step.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.d_model % self.num_heads:

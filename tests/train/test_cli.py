@@ -143,7 +143,7 @@ def test_console_script_reports_errors_on_stderr(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "options, scan_layers", [([], True), (["--scan-layers"], True), (["--no-scan-layers"], False)]
+    "options, scan_layers", [([], False), (["--scan-layers"], True), (["--no-scan-layers"], False)]
 )
 def test_scan_layers_option(options, scan_layers):
     parser = argparse.ArgumentParser()

@@ -3,10 +3,11 @@
 The CPU suite trains the default preset; this is the larger model of `jax-qtrain train --preset
 h200` (d_model 512, 8 experts top-2, 64 × 512-byte windows a step) with the kernels the GPU
 dispatches to, for a few dozen steps per recipe, with two decoder layers instead of the
-preset's four: every layer has the same shapes, so two exercise every kernel and GEMM shape the
-preset does, inside the scan over the layers (`ModelConfig.scan_layers`), and compile faster (the
-four unscanned layers compiled in 74 s for bf16 to 257 s for NVFP4 on the H200, too long for
-the suite's device call). Asserted: every loss finite, the first one about ln 256 (an untrained
+preset's four (every layer has the same shapes, so two exercise every kernel and GEMM shape the
+preset does; the four-layer compiles took 74 s for bf16 to 257 s for NVFP4 on the H200, too long
+for the suite's device call), run as one `lax.scan` (`ModelConfig.scan_layers`, off by default:
+so the scan's path through the kernels is checked on the GPU too; `bench_train` runs the loop).
+Asserted: every loss finite, the first one about ln 256 (an untrained
 model predicts bytes about uniformly), the loss falling, and the quantized recipes within reach
 of bf16 after the same steps.
 `benchmarks/bench_train.py` runs the preset for its full comparison (loss gaps, step times).
@@ -35,6 +36,7 @@ def test_h200_preset_trains_every_recipe(tmp_path, corpus):
     # would train every recipe again in each worker.
     config = PRESETS["h200"].replace(
         num_layers=NUM_LAYERS,
+        scan_layers=True,
         steps=STEPS,
         warmup_steps=WARMUP_STEPS,
         eval_every=STEPS,
