@@ -72,7 +72,7 @@ def dispatch_tokens(tokens: jax.Array, order: jax.Array, inverse: jax.Array, top
     `order` and `inverse` are `permute_by_expert`'s. Same values as `jnp.take`, but its transpose
     sums each token's k row gradients in slot order, in float32 (a gather by `inverse`, then a
     sum over k), where `jnp.take`'s would scatter-add them: on GPU XLA picks that order per
-    program (atomics), so two programs computing the same dx differed by up to 128 ulps on the
+    program (not index order), so two programs computing one dx differed by up to 128 ulps on the
     H200 (docs/layers.md, "Deterministic un-permutation").
     """
     return jnp.take(tokens, order // top_k, axis=0)
