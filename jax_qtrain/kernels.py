@@ -112,7 +112,7 @@ def quantize(
     run = _QUANTIZE_KERNELS[spec.format][1]
     if positions is None:
         return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds)
-    if spec.format != "nvfp4":
+    if not kernel_takes_position_offset(spec):
         raise ValueError(f"positions: only the NVFP4 kernel takes them, not {spec.format}'s")
     return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds, positions=positions)
 

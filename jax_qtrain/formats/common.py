@@ -96,7 +96,7 @@ CANONICAL_FP8_NAN = 0x7F  # what CUDA's __nv_cvt_float_to_fp8 (and Hopper's cvt.
 # one implementation, shared with the kernels, which must give the same bits.
 def divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """IEEE float32 numerator / denominator (`pallas_kernels.float32_division`), for per-block
-    and per-tensor scales, computed once: its ~60 integer operations are cheap elementwise ops
+    and per-tensor scales, computed once: its ~55 integer operations are cheap elementwise ops
     to XLA, which fused them into every consumer of the broadcast scale and so ran them once
     per element (NVFP4 training on the CPU: 283 ms a step instead of 89). An optimization
     barrier makes the consumers read the stored quotients; the bits are the same."""

@@ -65,22 +65,37 @@ def permute_by_expert(
     return order, inverse, group_sizes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def dispatch_tokens(tokens: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int):
     """tokens[order // top_k]: each token's row once per chosen expert, in expert order.
 
-    `order` and `inverse` are `permute_by_expert`'s. Same values as `jnp.take`, but its transpose
-    sums each token's k row gradients in slot order, in float32 (a gather by `inverse`, then a
-    sum over k), where `jnp.take`'s would scatter-add them: on GPU XLA picks that order per
-    program (not index order), so two programs computing one dx differed by up to 128 ulps on the
-    H200 (docs/layers.md, "Deterministic un-permutation").
+    `tokens` (T, H); `order` and `inverse` (T·k,) int, `permute_by_expert`'s. Same values as
+    `jnp.take`, but its transpose sums each token's k row gradients in slot order, in float32
+    (a gather by `inverse`, then a sum over k), where `jnp.take`'s would scatter-add them: on
+    GPU XLA picks that order per program (not index order), so two programs computing one dx
+    differed by up to 128 ulps on the H200 (docs/layers.md, "Deterministic un-permutation").
     """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be (tokens, features), got shape {tuple(tokens.shape)}")
+    assignments = (tokens.shape[0] * top_k,)
+    for name, indices in (("order", order), ("inverse", inverse)):
+        if tuple(indices.shape) != assignments or not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be an int array of shape {assignments} (tokens × top_k), got "
+                f"{indices.dtype}{list(indices.shape)}"
+            )
+    return _dispatch_tokens(tokens, order, inverse, top_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_tokens(tokens, order, inverse, top_k):
     return jnp.take(tokens, order // top_k, axis=0)
 
 
 def _dispatch_tokens_fwd(tokens, order, inverse, top_k):
-    # Residuals: (inverse (T·k,) int32,).
-    return dispatch_tokens(tokens, order, inverse, top_k), (inverse,)
+    # Residuals: (inverse (T·k,) int,).
+    return jnp.take(tokens, order // top_k, axis=0), (inverse,)
 
 
 def _dispatch_tokens_bwd(top_k, residuals, row_grads):
@@ -90,7 +105,7 @@ def _dispatch_tokens_bwd(top_k, residuals, row_grads):
     return jnp.sum(per_slot, axis=1).astype(row_grads.dtype), None, None
 
 
-dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
+_dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
 
 
 def _latest(previous, new):

@@ -63,6 +63,8 @@ class ModelConfig:
                 f"got {self.experts_per_token}"
             )
         jnp.dtype(self.compute_dtype)  # raises on an unknown dtype name
+        if not isinstance(self.scan_layers, bool):
+            raise TypeError(f"scan_layers must be a bool, got {self.scan_layers!r}")
 
     @property
     def head_dim(self) -> int:
@@ -187,8 +189,8 @@ class Transformer(nnx.Module):
         sows (the MoE's `nnx.Intermediate` statistics) comes out stacked and is written back to
         each block, as the loop would have left it.
         """
-        graphdef, first_state = nnx.split(self.blocks[0])
-        states = [first_state] + [nnx.split(block)[1] for block in self.blocks[1:]]
+        graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
+        states = [nnx.state(block) for block in self.blocks]
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
         def layer(x, state):

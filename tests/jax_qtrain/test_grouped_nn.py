@@ -144,6 +144,22 @@ def test_dispatch_sums_each_tokens_row_gradients_without_a_scatter(dtype):
     assert "scatter" not in str(backward), backward
 
 
+def test_dispatch_rejects_bad_arguments():
+    order, inverse, _ = permute_by_expert(jnp.zeros((4, 2), jnp.int32), 3)
+    tokens = jnp.zeros((4, 8))
+    cases = [
+        ((tokens, order, inverse, 0), "top_k must be a positive int"),
+        ((tokens, order, inverse, 2.0), "top_k must be a positive int"),
+        ((tokens[0], order, inverse, 2), "tokens must be"),
+        ((tokens, order[:6], inverse, 2), r"order must be an int array of shape \(8,\)"),
+        ((tokens, order, inverse.astype(jnp.float32), 2), "inverse must be an int array"),
+        ((tokens, order, inverse, 3), r"order must be an int array of shape \(12,\)"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dispatch_tokens(*arguments)
+
+
 def test_moe_with_a_recipe_trains():
     model = jq.nn.MoE(
         32, 64, 4, top_k=2, recipe=RECIPES["mxfp8"], dtype=jnp.bfloat16, rngs=nnx.Rngs(0)

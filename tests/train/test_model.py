@@ -146,6 +146,7 @@ def test_scanned_layers_compute_the_loop(recipe):
         ({"feed_forward": "conv"}, "feed_forward must be one of"),
         ({"experts_per_token": 5}, "experts_per_token"),
         ({"compute_dtype": "float7"}, "float7"),
+        ({"scan_layers": "yes"}, "scan_layers must be a bool"),
     ],
 )
 def test_bad_model_config(changes, message):
