@@ -41,6 +41,7 @@ class TileSchedule:
     max_concurrent_steps: int
     epi_tile_n: int
     epilogue_buffers: int  # 1 or 2 SMEM staging buffers per consumer
+    swizzled_epilogue: bool  # whole row tiles through the swizzled staging view
     grid_minor_dim: int  # 0: walk row tiles fastest, 1: column tiles fastest
     grid_tile_width: int
     num_sms: int
@@ -125,6 +126,8 @@ def ragged_rows_call(
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
     stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
+    epilogue_shape = (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n)
+    swizzled_transforms = common.smem_transforms(epi_tile_n, out_dtype)
     num_row_visits = pl.cdiv(num_rows, tile_m) + num_groups
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
     num_prefetches = len(parts.prefetches)
@@ -160,7 +163,13 @@ def ragged_rows_call(
             pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(
                 *parts.allocation_refs(operand_refs)
             ),
-            out_smem=plgpu.SMEM((_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n), out_dtype),
+            # Two views of one staging area: whole row tiles go through the swizzled view
+            # (conflict-free register stores, one TMA copy); a tile shared with another
+            # group goes through the plain view, whose rows TMA can copy from any offset.
+            out_smem=plgpu.RefUnion(
+                plgpu.SMEM(epilogue_shape, out_dtype),
+                plgpu.SMEM(epilogue_shape, out_dtype, transforms=swizzled_transforms),
+            ),
             prefetch_smem=[
                 plgpu.SMEM((_NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
             ],
@@ -168,6 +177,7 @@ def ragged_rows_call(
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem, prefetch_smem, prefetch_barriers):
+            plain_out_smem, swizzled_out_smem = out_smem
             wg = lax.axis_index("wg")
 
             def prefetch_slices(row_tile, col_tile, consumer):
@@ -184,18 +194,36 @@ def ragged_rows_call(
                     slices.append((window, prefetch_smem[i].at[consumer], barrier))
                 return slices
 
+            def store_chunk(chunk_values, slot: int, chunk_gmem, ctx: TileContext) -> None:
+                whole_tile = (ctx.row_tile.num_rows == tile_m) & schedule.swizzled_epilogue
+
+                @pl.when(whole_tile)
+                def _store_whole_tile():
+                    swizzled = swizzled_out_smem.at[ctx.consumer, slot]
+                    swizzled[...] = chunk_values.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(swizzled, chunk_gmem)
+
+                @pl.when(jnp.logical_not(whole_tile))
+                def _store_rows_of_group():
+                    common.store_row_range(
+                        chunk_values,
+                        plain_out_smem.at[ctx.consumer, slot],
+                        chunk_gmem,
+                        ctx.row_tile,
+                        tile_m,
+                    )
+
             def store_tile(values: jax.Array, ctx: TileContext) -> None:
                 col0 = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n
                 rows = out_gmem.at[pl.ds(ctx.row_tile.block_start, tile_m)]
                 for chunk in range(num_epi_chunks):
-                    slot = chunk % num_buffers
                     plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
-                    common.store_row_range(
+                    store_chunk(
                         values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n],
-                        out_smem.at[ctx.consumer, slot],
+                        chunk % num_buffers,
                         rows.at[:, pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)],
-                        ctx.row_tile,
-                        tile_m,
+                        ctx,
                     )
 
             @plgpu.nd_loop((num_row_visits * num_col_tiles,), collective_axes="sm")

@@ -61,6 +61,9 @@ class GroupedMatmulConfig:
       flight (its SMEM stage is released a step later). For block FP8, 1 promotes the
       previous step's partial product while the current step's wgmma runs.
     epilogue_buffers: SMEM staging buffers per consumer for the output stores (1 or 2).
+    swizzled_epilogue: stage whole row tiles in a swizzled buffer (conflict-free stores from
+      the wgmma registers); False stages every tile in the plain buffer that tiles shared by
+      two groups need (kept to measure the difference).
     The epilogue buffers' rows (epi_tile_n x output itemsize) must span a multiple of
     128 bytes: partial row tiles are stored from arbitrary rows of the buffer, and TMA
     needs 128-byte aligned shared-memory addresses.
@@ -76,6 +79,7 @@ class GroupedMatmulConfig:
     num_sms: int | None = None
     wgmma_in_flight: int = 0
     epilogue_buffers: int = 2
+    swizzled_epilogue: bool = True
 
     def __post_init__(self):
         if self.tile_m not in (64, 128, 192, 256):
@@ -112,6 +116,8 @@ class GroupedMatmulConfig:
             raise ValueError("wgmma_in_flight=1 needs max_concurrent_steps >= 2")
         if self.epilogue_buffers not in (1, 2):
             raise ValueError(f"epilogue_buffers must be 1 or 2, got {self.epilogue_buffers}")
+        if not isinstance(self.swizzled_epilogue, bool):
+            raise TypeError(f"swizzled_epilogue must be a bool, got {self.swizzled_epilogue!r}")
 
     def check_out_dtype(self, out_dtype: jnp.dtype) -> None:
         row_bytes = self.epi_tile_n * jnp.dtype(out_dtype).itemsize
@@ -128,6 +134,7 @@ class GroupedMatmulConfig:
             max_concurrent_steps=self.max_concurrent_steps,
             epi_tile_n=self.epi_tile_n,
             epilogue_buffers=self.epilogue_buffers,
+            swizzled_epilogue=self.swizzled_epilogue,
             grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width,
             num_sms=self.num_sms or common.num_sms_default(),

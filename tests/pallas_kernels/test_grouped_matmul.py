@@ -246,13 +246,19 @@ def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
     assert_close(out, ref, rel=1e-5)
 
 
-@pytest.mark.parametrize(("wgmma_in_flight", "epilogue_buffers"), [(1, 1), (1, 2), (0, 1)])
-def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers):
+@pytest.mark.parametrize(
+    ("wgmma_in_flight", "epilogue_buffers", "swizzled_epilogue"),
+    [(1, 1, True), (1, 2, True), (0, 1, True), (0, 2, False)],
+)
+def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers, swizzled_epilogue):
+    # Row tile 1 (rows 64..127) is whole inside group 2, the others are shared or partial:
+    # both epilogue staging paths run unless swizzled_epilogue=False sends all to the plain one.
     config = dataclasses.replace(
         TINY_FWD,
         max_concurrent_steps=3,
         wgmma_in_flight=wgmma_in_flight,
         epilogue_buffers=epilogue_buffers,
+        swizzled_epilogue=swizzled_epilogue,
     )
     sizes = jnp.asarray([37, 0, 90], jnp.int32)
     k_lhs, k_rhs = keys(2, seed=9)
@@ -522,6 +528,11 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
 def test_bad_configs_raise(factory, needle):
     with pytest.raises(ValueError, match=needle):
         factory()
+
+
+def test_swizzled_epilogue_must_be_a_bool():
+    with pytest.raises(TypeError, match="swizzled_epilogue"):
+        GroupedMatmulConfig(swizzled_epilogue=1)
 
 
 def test_epilogue_rows_must_span_128_bytes():
