@@ -7,15 +7,17 @@
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
+#   bash benchmarks/h200.sh ab      the grouped GEMM's epilogue paths timed in alternation
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
-#                                      train stage runs on GPU 1 (one call instead of two)
+#                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false JQ_EAGER_FAILURES=1
 OUT=${OUT:-h200_out}
 STAGE=${1:-tests}
 mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+# (ab runs beside train in the split stage: its device line would be the 9th file of $OUT.)
+[[ $STAGE == ab ]] || { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } > "$OUT/gpu_$STAGE.txt" 2>&1
 
@@ -55,10 +57,12 @@ elif [[ $STAGE == sharding ]]; then
   tail -5 "$OUT/gpu_sharding_tests.log"
   timeout "${BENCH_BUDGET:-110}" python3 -m benchmarks.sharding_strategies \
     --out "$OUT/sharding_strategies.md" 2>&1 | tee "$OUT/sharding_strategies.log" | tail -12
+elif [[ $STAGE == ab ]]; then
+  timeout "${AB_BUDGET:-150}" python3 -m benchmarks.grouped_epilogue_ab --out "$OUT" 2>&1 | tail -30
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
-  CUDA_VISIBLE_DEVICES=1 bash "$0" train
+  { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
   wait
 else
-  echo "unknown stage '$STAGE' (expected tests, bench, train, sharding or split)" >&2; exit 2
+  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, sharding or split)" >&2; exit 2
 fi

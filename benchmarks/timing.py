@@ -29,6 +29,43 @@ def median_seconds(
     return statistics.median(times)
 
 
+def interleaved_seconds(
+    candidates: dict[str, tuple[Callable, Sequence[tuple]]],
+    *,
+    rounds: int = 15,
+    calls_per_batch: int = 20,
+    warmup_seconds: float = 1.0,
+) -> dict[str, float]:
+    """Median per-call seconds of each candidate, timed in alternation.
+
+    Each round times one batch of ``calls_per_batch`` back-to-back calls of every candidate
+    (rotating which goes first), so clock and power drift during the run hits all of them
+    alike; comparing kernels timed minutes apart mixed that drift into the difference
+    (docs/benchmarks.md). The GPU is kept busy for ``warmup_seconds`` first.
+    """
+    for fn, argument_sets in candidates.values():
+        for args in argument_sets:
+            jax.block_until_ready(fn(*args))
+    names = list(candidates)
+    deadline = time.perf_counter() + warmup_seconds
+    while time.perf_counter() < deadline:
+        for name in names:
+            fn, argument_sets = candidates[name]
+            jax.block_until_ready(fn(*argument_sets[0]))
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, argument_sets = candidates[name]
+            start = time.perf_counter()
+            out = None
+            for i in range(calls_per_batch):
+                out = fn(*argument_sets[i % len(argument_sets)])
+            jax.block_until_ready(out)
+            per_call[name].append((time.perf_counter() - start) / calls_per_batch)
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
 def device_description() -> str:
     device = jax.devices()[0]
     return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"

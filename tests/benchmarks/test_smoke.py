@@ -47,3 +47,15 @@ def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
     for recipes in (["fp16"], []):
         with pytest.raises(ValueError, match="recipes must be a non-empty subset"):
             bench_train.main(str(tmp_path), small=True, recipes=recipes)
+
+
+@pytest.mark.slow
+def test_grouped_epilogue_ab_runs_small(tmp_path):
+    from benchmarks import grouped_epilogue_ab
+
+    text = grouped_epilogue_ab.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "grouped_epilogue_ab.json").read_text())
+    variants = {(r["case"], r["variant"]) for r in rows}
+    assert ("G8 balanced fwd bf16", "bf16 plain") in variants
+    assert ("dense 256^3", "fp8 block swizzled") in variants
+    assert all(r["ms"] > 0 for r in rows) and "| dense 256^3 |" in text

@@ -1,0 +1,164 @@
+"""The grouped GEMM's two epilogue staging paths, timed in alternation (issue 5).
+
+Whole row tiles leave the forward/dgrad kernels through a swizzled SMEM view by default
+(`GroupedMatmulConfig.swizzled_epilogue=True`); `False` sends them through the plain view that
+tiles shared by two groups always use. The first H200 run that compared them timed each config
+once, seconds apart, and the same plain config came out 10% slower than a day earlier, so
+clock drift was as large as the effect. Here every pair (and XLA's dense bf16 GEMM of the same
+size, as a yardstick for the run's clocks) is timed batch by batch in alternation
+(`benchmarks.timing.interleaved_seconds`).
+
+    python -m benchmarks.grouped_epilogue_ab [--out DIR] [--small]
+
+writes DIR/grouped_epilogue_ab.json and .md. `--small` runs tiny shapes in the Pallas
+interpreter (a smoke test; the numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_grouped_matmul import E4M3, fwd_config, random_operands
+from benchmarks.timing import device_description, interleaved_seconds, report
+from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import grouped_matmul, grouped_matmul_fp8_block
+
+# (case, G, M, K, N, group sizes): the issue's balanced shape, and a skewed split whose
+# group boundaries fall inside row tiles (those tiles take the plain path either way).
+SHAPES = {
+    "G8 balanced": (8, 16384, 4096, 4096, [2048] * 8),
+    "G8 skewed": (8, 16384, 4096, 4096, [6000, 3100, 2050, 1500, 1100, 1000, 900, 734]),
+}
+# The fastest configs of the earlier sweeps (docs/benchmarks.md).
+BF16_CONFIG = fwd_config(128, 128, 64, 3, 64, in_flight=0, buffers=2)
+FP8_CONFIG = fwd_config(128, 128, 128, 4, 64)
+BLOCK_CONFIG = fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2)
+DENSE_SIZE = 8192
+
+
+def _pair(config):
+    return {
+        "swizzled": config,
+        "plain": dataclasses.replace(config, swizzled_epilogue=False),
+    }
+
+
+def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> str:
+    shapes, dense_size, interpret = SHAPES, DENSE_SIZE, False
+    bf16_config, fp8_config, block_config = BF16_CONFIG, FP8_CONFIG, BLOCK_CONFIG
+    if small:
+        shapes = {"G8 balanced": (2, 256, 256, 256, [128, 128])}
+        dense_size, interpret, rounds = 256, True, 2
+        tiny = dict(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=2, grid_tile_width=1)
+        bf16_config = dataclasses.replace(bf16_config, **tiny)
+        fp8_config = dataclasses.replace(fp8_config, **tiny)
+        block_config = dataclasses.replace(block_config, **{**tiny, "tile_n": 128})
+
+    rows = []
+
+    def run_case(case: str, flops: float, candidates: dict) -> None:
+        seconds = interleaved_seconds(
+            candidates,
+            rounds=rounds,
+            calls_per_batch=1 if small else 20,
+            warmup_seconds=0.0 if small else 1.0,
+        )
+        for name, value in seconds.items():
+            rows.append(dict(case=case, variant=name, ms=value * 1e3, tflops=flops / value / 1e12))
+            print(f"{case:34s} {name:22s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
+
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        flops = 2 * m * k * n
+        sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
+        dense_sets = [(x["lhs"], x["rhs"][0].T) for x in sets]
+        xla_dense = (jax.jit(lambda a, b: a @ b), dense_sets)
+        candidates = {
+            f"bf16 {name}": (
+                jax.jit(
+                    lambda a, b, s, c=c: grouped_matmul(a, b, s, config=c, interpret=interpret)
+                ),
+                [(x["lhs"], x["rhs"], x["sizes"]) for x in sets],
+            )
+            for name, c in _pair(bf16_config).items()
+        }
+        run_case(f"{shape} fwd bf16", flops, {**candidates, "XLA dense bf16": xla_dense})
+        candidates = {
+            f"fp8 rowwise {name}": (
+                jax.jit(
+                    lambda a, b, s, sa, sb, c=c: grouped_matmul(
+                        a, b, s, lhs_scale=sa, rhs_scale=sb, config=c, interpret=interpret
+                    )
+                ),
+                [
+                    (x["lhs8"], x["rhs8"], x["sizes"], x["lhs_row_scale"], x["rhs_col_scale"])
+                    for x in sets
+                ],
+            )
+            for name, c in _pair(fp8_config).items()
+        }
+        run_case(f"{shape} fwd fp8 rowwise", flops, {**candidates, "XLA dense bf16": xla_dense})
+        block_sets = [
+            (
+                x["lhs8"],
+                jnp.ones((m, k // 128), jnp.float32),
+                x["rhs8"],
+                jnp.ones((g, n // 128, k // 128), jnp.float32),
+                x["sizes"],
+            )
+            for x in sets
+        ]
+        candidates = {
+            f"fp8 block {name}": (
+                jax.jit(
+                    lambda a, sa, b, sb, s, c=c: grouped_matmul_fp8_block(
+                        a, sa, b, sb, s, config=c, interpret=interpret
+                    )
+                ),
+                block_sets,
+            )
+            for name, c in _pair(block_config).items()
+        }
+        run_case(f"{shape} fwd fp8 block", flops, {**candidates, "XLA dense bf16": xla_dense})
+        del sets, dense_sets, block_sets, candidates, xla_dense
+
+    size = dense_size
+    keys = jax.random.split(jax.random.key(8), 2)
+    a8 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(E4M3)
+    b8 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(E4M3)
+    a_scale = jnp.ones((size, size // 128), jnp.float32)
+    b_scale = jnp.ones((size // 128, size // 128), jnp.float32)
+    a16, b16 = a8.astype(jnp.bfloat16), b8.astype(jnp.bfloat16)
+    candidates = {
+        f"fp8 block {name}": (
+            jax.jit(
+                lambda a, sa, b, sb, c=c: dense_matmul_fp8_block(
+                    a, sa, b, sb, config=c, interpret=interpret
+                )
+            ),
+            [(a8, a_scale, b8, b_scale)],
+        )
+        for name, c in _pair(block_config).items()
+    }
+    candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [(a16, b16)])
+    run_case(f"dense {size}^3", 2 * size**3, candidates)
+
+    lines = [
+        f"Device: {device_description()}; {rounds} alternating rounds per case.",
+        "",
+        "| case | variant | ms | TFLOP/s |",
+        "|---|---|---:|---:|",
+        *(f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} |" for r in rows),
+    ]
+    return report(out_dir, "grouped_epilogue_ab", rows, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    main(args.out, small=args.small)
