@@ -9,7 +9,8 @@ Peers run in the same process: lax.ragged_dot / ragged_dot_general (bf16), XLA d
 bf16 and fp8 GEMMs of the same total size (ceilings), torch._grouped_mm and
 torch._scaled_grouped_mm where torch has them.
 
-    PYTHONPATH=. python3 benchmarks/bench_grouped_matmul.py OUT_DIR [BUDGET_SECONDS]
+    PYTHONPATH=. python3 benchmarks/bench_grouped_matmul.py OUT_DIR [BUDGET_SECONDS] [--small]
+        [--sections=g8,quantized,wgrad,g64,dense_block,skewed]
 
 writes OUT_DIR/bench_grouped_matmul.jsonl (one line per measurement, as they happen)
 and OUT_DIR/bench_grouped_matmul.md (the table). Work past the time budget is skipped
@@ -18,12 +19,14 @@ and listed as such.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
+import unittest.mock
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict
@@ -535,18 +538,27 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
                 a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend="reference"
             )
         )(*arg_sets[0])
-        measure(
-            bench,
-            shape=shape,
-            op="fwd",
-            impl=f"jax_qtrain {name} (exact bf16 + pallas)",
-            flops=flops,
-            fn=lambda a, b, s: jq.grouped_matmul(
-                a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=backend
-            ),
-            arg_sets=arg_sets,
-            ref=ref,
-        )
+        # The library's path (dequantize kernels, then the 16-bit kernel), and the same with the
+        # dequantize kernels declined so that XLA dequantizes (the path before stop 17).
+        for label, xla_dequantize in (("dequantize kernels", False), ("XLA dequantize", True)):
+            declined = (
+                unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
+                if xla_dequantize
+                else contextlib.nullcontext()
+            )
+            with declined:
+                measure(
+                    bench,
+                    shape=shape,
+                    op="fwd",
+                    impl=f"jax_qtrain {name} ({label} + pallas bf16)",
+                    flops=flops,
+                    fn=lambda a, b, s: jq.grouped_matmul(
+                        a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=backend
+                    ),
+                    arg_sets=arg_sets,
+                    ref=ref,
+                )
         del arg_sets, ref
     if not hasattr(jax.nn, "scaled_dot_general"):
         return
@@ -697,7 +709,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = False) -> str:
+SECTIONS = ("g8", "quantized", "wgrad", "g64", "dense_block", "skewed")
+
+
+def main(
+    out_dir: str | None = None,
+    budget_s: float = 200.0,
+    small: bool = False,
+    sections: tuple[str, ...] = SECTIONS,
+) -> str:
+    """Runs the named sections (all by default) in SECTIONS order; "quantized" also times the
+    best bf16 config and XLA's dense GEMMs as its peers when "g8" is not run."""
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ValueError(f"sections must be a non-empty subset of {list(SECTIONS)}, got {unknown}")
     global INTERPRET
     # Leave GPU memory for torch's peers (read when the backend starts, below).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
@@ -753,31 +778,70 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
 
     # The targets' shape first: every config of the sweeps, with the peers.
     g, m, k, n, sizes = shapes["G8 balanced"]
-    forward_suite(bench, "G8 balanced", "fwd", g, m, k, n, sizes, True, bf16_fwd, fp8_fwd, block)
-    if not bench.over_budget():
-        sets = random_operands(jax.random.key(1), g, m, k, n, sizes)
-        torch_peers(bench, "G8 balanced", sets, g, m, k, n, 2 * m * k * n)
-        del sets
+    if "g8" in sections:
+        forward_suite(
+            bench, "G8 balanced", "fwd", g, m, k, n, sizes, True, bf16_fwd, fp8_fwd, block
+        )
+        if not bench.over_budget():
+            sets = random_operands(jax.random.key(1), g, m, k, n, sizes)
+            torch_peers(bench, "G8 balanced", sets, g, m, k, n, 2 * m * k * n)
+            del sets
+    if "quantized" in sections:
+        if "g8" not in sections:  # the 16-bit kernel the quantized path runs, as its peer
+            forward_suite(
+                bench, "G8 balanced", "fwd", g, m, k, n, sizes, False, bf16_fwd[:1], [], []
+            )
+        quantized_operand_suite(
+            bench, "G8 balanced", g, m, k, n, sizes, "reference" if small else "auto"
+        )
+    if {"g8", "quantized"} & set(sections) and not bench.over_budget():
         xla_dense_peers(bench, "G8 balanced", m, k, n)
-    quantized_operand_suite(
-        bench, "G8 balanced", g, m, k, n, sizes, "reference" if small else "auto"
-    )
-    wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad, fp8_wgrad)
+    if "wgrad" in sections:
+        wgrad_suite(bench, "G8 balanced", g, m, k, n, sizes, True, bf16_wgrad, fp8_wgrad)
 
     g, m, k, n, sizes = shapes["G64 small experts"]
-    forward_suite(bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow, narrow8, [])
-    forward_suite(
-        bench, "G64 small experts", "dgrad", g, m, n, k, sizes, True, bf16_fwd[:1], fp8_fwd[:1], []
-    )
-    wgrad_suite(bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
+    if "g64" in sections:
+        forward_suite(
+            bench, "G64 small experts", "fwd", g, m, k, n, sizes, True, narrow, narrow8, []
+        )
+        forward_suite(
+            bench,
+            "G64 small experts",
+            "dgrad",
+            g,
+            m,
+            n,
+            k,
+            sizes,
+            True,
+            bf16_fwd[:1],
+            fp8_fwd[:1],
+            [],
+        )
+        wgrad_suite(
+            bench, "G64 small experts", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1]
+        )
 
-    dense_block_suite(bench, dense_size, block[:2], True)
+    if "dense_block" in sections:
+        dense_block_suite(bench, dense_size, block[:2], True)
 
     g, m, k, n, sizes = shapes["G8 skewed"]
-    forward_suite(
-        bench, "G8 skewed", "fwd", g, m, k, n, sizes, True, bf16_fwd[:1], fp8_fwd[:1], block[:1]
-    )
-    wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
+    if "skewed" in sections:
+        forward_suite(
+            bench,
+            "G8 skewed",
+            "fwd",
+            g,
+            m,
+            k,
+            n,
+            sizes,
+            True,
+            bf16_fwd[:1],
+            fp8_fwd[:1],
+            block[:1],
+        )
+        wgrad_suite(bench, "G8 skewed", g, m, k, n, sizes, True, bf16_wgrad[:1], fp8_wgrad[:1])
 
     text = markdown(bench.rows)
     (out / "bench_grouped_matmul.md").write_text(text)
@@ -786,9 +850,11 @@ def main(out_dir: str | None = None, budget_s: float = 200.0, small: bool = Fals
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--small"]
+    args = [a for a in sys.argv[1:] if a != "--small" and not a.startswith("--sections=")]
+    chosen = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--sections=")]
     main(
         args[0] if args else None,
         float(args[1]) if len(args) > 1 else 200.0,
         small="--small" in sys.argv,
+        sections=tuple(chosen[0].split(",")) if chosen else SECTIONS,
     )

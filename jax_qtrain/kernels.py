@@ -18,6 +18,7 @@ results equal the references' up to float32 rounding, not bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import jax
@@ -309,6 +310,37 @@ def grouped_half_gemm(lhs, rhs, group_sizes, *, rhs_layout: str):
     return _pallas().grouped_matmul(
         lhs, rhs, group_sizes, out_dtype=jnp.float32, rhs_layout=rhs_layout
     )
+
+
+def dequantize_bf16(spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array):
+    """bfloat16 values of stored MXFP8 or NVFP4 copies on the Pallas dequantize kernels, or None
+    where none covers them: data (..., R, C') and scale_inv (..., R/r, C/c) as stored, leading
+    axes (the experts) batched into one launch. NVFP4 without its per-tensor factor S_dec.
+
+    These are the operands the grouped GEMMs read (ops/grouped_gemm.py): the same bits as the
+    reference's `(codes · scales).astype(bfloat16)` (e4m3·2^k and e2m1·e4m3 are exact in
+    bfloat16), written in one pass instead of XLA's fusions."""
+    if spec.format == "mxfp8" and tuple(spec.block_shape) == (1, 32):
+        values_per_byte, scale_cols, kernel = 1, 32, _pallas().dequantize_mxfp8
+    elif spec.format == "nvfp4" and tuple(spec.block_shape) in ((1, 16), (16, 16)):
+        values_per_byte, scale_cols = 2, 16
+        kernel = functools.partial(_pallas().dequantize_nvfp4, global_amax=None)
+    else:
+        return None
+    block_rows = spec.block_shape[0]
+    rows, cols = data.shape[-2], data.shape[-1] * values_per_byte
+    if data.ndim < 2 or rows % block_rows or cols % scale_cols:
+        return None
+    if scale_inv.shape != (*data.shape[:-2], rows // block_rows, cols // scale_cols):
+        return None
+    # The kernels take one scale per row of values: a 16×16 block's scale serves 16 rows.
+    scale_rows = jnp.repeat(scale_inv, block_rows, axis=-2) if block_rows > 1 else scale_inv
+    values = kernel(
+        data.reshape(-1, data.shape[-1]),
+        scale_rows.reshape(-1, scale_rows.shape[-1]),
+        out_dtype=jnp.bfloat16,
+    )
+    return values.reshape(*data.shape[:-2], rows, cols)
 
 
 def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale):

@@ -227,14 +227,18 @@ def _nvfp4_body(codes_smem, out_smem, scale_gmem, s_dec_gmem, *, m0, k0, config,
 def dequantize_nvfp4(
     data: jax.Array,
     scale: jax.Array,
-    global_amax: jax.Array,
+    global_amax: jax.Array | None,
     *,
     out_dtype=jnp.float32,
     config: DequantizeConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Values of an NVFP4 copy with 1×16 blocks: data (R, C/2) packed uint8, scale (R, C/16)
-    float8_e4m3fn, and the copy's float32 global amax. Returns (R, C)."""
+    float8_e4m3fn, and the copy's float32 global amax. Returns (R, C).
+
+    ``global_amax=None`` leaves out the per-tensor factor S_dec (the values are then
+    e2m1 · e4m3 products, exact in bfloat16): what a GEMM that applies S_dec to its output reads.
+    """
     _check_2d(data, "data", (jnp.uint8,))
     _check_2d(scale, "scale", (jnp.float8_e4m3fn,))
     rows, half_cols = data.shape
@@ -244,12 +248,18 @@ def dequantize_nvfp4(
             f"scale must have shape (R, C/16) = ({rows}, {cols // 16}) for packed data of "
             f"shape {data.shape} (C = {cols} a multiple of 16), got {scale.shape}"
         )
-    global_amax = jnp.asarray(global_amax)
-    if global_amax.shape != () or not jnp.issubdtype(global_amax.dtype, jnp.floating):
-        raise TypeError(f"global_amax must be a float scalar, got {global_amax.dtype}")
+    if global_amax is None:
+        s_dec = jnp.ones((1,), jnp.float32)
+    else:
+        global_amax = jnp.asarray(global_amax)
+        if global_amax.shape != () or not jnp.issubdtype(global_amax.dtype, jnp.floating):
+            raise TypeError(
+                f"global_amax must be a float scalar or None, got {global_amax.dtype}"
+                f"{list(global_amax.shape)}"
+            )
+        s_dec = divide(jnp.float32(1.0), global_encode_scale(global_amax)).reshape(1)
     out_dtype = _check_out_dtype(out_dtype)
     config = _check_config(config)
-    s_dec = divide(jnp.float32(1.0), global_encode_scale(global_amax)).reshape(1)
     pr, pc = config.padded_shape(rows, cols)
     scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)
     out = _run(

@@ -22,9 +22,10 @@ The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the s
 `jax_qtrain.kernels.gemm_backend`) they replace the reference for per-tensor FP8 (fprop, dgrad,
 wgrad), block FP8 with 1×128 activations and 128×128 weights (fprop, dgrad) and 16-bit
 high-precision GEMMs. The other quantized GEMMs (MXFP8, NVFP4, block FP8's wgrad) run the 16-bit
-kernels on the reference's exactly-dequantized bfloat16 operands, which XLA dequantizes first
-(kernels that dequantize tile by tile in registers are not built yet); only FP8 block with
-float32 scales stays on ragged_dot. Kernel results equal the reference's up to float32 rounding.
+kernels on the reference's exactly-dequantized bfloat16 operands, which the Pallas dequantize
+kernels write in one pass (`kernels.dequantize_bf16`; kernels that dequantize tile by tile in
+registers are not built yet); only FP8 block with float32 scales stays on ragged_dot. Kernel
+results equal the reference's up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -97,14 +98,31 @@ def _exact_operand(
     return (values if not spec.power_2_scale else values.astype(jnp.bfloat16)), None
 
 
+def _kernel_exact_operand(
+    spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array, amax: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None] | None:
+    """_exact_operand's MXFP8 / NVFP4 values from the Pallas dequantize kernels (the same bits,
+    one pass; leading expert axes allowed), or None where they do not apply."""
+    if not pallas_dispatch.gemm_kernels_enabled():
+        return None
+    values = pallas_dispatch.dequantize_bf16(spec, data, scale_inv)
+    if values is None:
+        return None
+    return values, (nvfp4.global_decode_scale(amax) if spec.format == "nvfp4" else None)
+
+
 def _activation_operand(q: GroupedQuantizedTensor, usage: Usage):
-    return _exact_operand(q.spec, *q.copy(usage))
+    fields = q.copy(usage)
+    return _kernel_exact_operand(q.spec, *fields) or _exact_operand(q.spec, *fields)
 
 
 def _expert_operand(q: QuantizedTensor, usage: Usage):
     if not q.has_usage(usage):
         raise ValueError(f"usage={usage!r}: the experts' weights hold only {list(q.usages)}")
-    fields = (getattr(q, f"{usage}_{part}") for part in ("data", "scale_inv", "amax"))
+    fields = tuple(getattr(q, f"{usage}_{part}") for part in ("data", "scale_inv", "amax"))
+    on_kernel = _kernel_exact_operand(q.spec, *fields)  # all experts in one launch
+    if on_kernel is not None:
+        return on_kernel
     return jax.vmap(lambda d, s, a: _exact_operand(q.spec, d, s, a))(*fields)
 
 

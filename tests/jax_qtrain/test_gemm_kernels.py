@@ -17,6 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_qtrain as jq
 from jax_qtrain import kernels
+from tests.jax_qtrain.adversarial import adversarial_matrix
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
@@ -117,14 +118,15 @@ GROUPED_KERNELS = {
         jq.Float8BlockScaling(),
         ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm", "grouped_wgrad_gemm"],
     ),
-    # no native kernel: the 16-bit ones on the exactly-dequantized bf16 operands
+    # no native kernel: the 16-bit ones on bf16 operands from the dequantize kernels (x and W
+    # for fprop, dy and W for dgrad, x and dy for wgrad)
     "mxfp8": (
         jq.MXFP8BlockScaling(),
-        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"],
+        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"] + ["dequantize_bf16"] * 6,
     ),
     "nvfp4": (
         jq.NVFP4BlockScaling(),
-        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"],
+        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"] + ["dequantize_bf16"] * 6,
     ),
 }
 
@@ -177,3 +179,58 @@ def test_public_grouped_matmul_pallas_option():
         got = jq.grouped_matmul(x, w, sizes, out_dtype=jnp.float32, backend="pallas")
     assert_close((got,), (want,))
     assert not np.asarray(got)[170:].any()
+
+
+def _dequantize_case(rows: int, cols: int, experts: int, seed: int):
+    """kernels.dequantize_bf16 against the reference's exact operands (ops/grouped_gemm.py), bit
+    for bit: MXFP8 and NVFP4 activations (2-D) and experts' weights (3-D, NVFP4 in 16×16 blocks),
+    both copies, from adversarial values (zeros, ±Inf / NaN blocks, maxima near powers of two)."""
+    from jax_qtrain.ops import grouped_gemm
+    from jax_qtrain.ops.grouped_quantize import token_alignment
+
+    x = jnp.asarray(adversarial_matrix(rows, cols, seed, block=32), jnp.bfloat16)
+    stacked = jnp.stack([jnp.roll(x, 17 * e, axis=0) for e in range(experts)])
+    for recipe in (jq.MXFP8BlockScaling(), jq.NVFP4BlockScaling()):
+        sizes = jnp.asarray([rows - 40, 40], jnp.int32)  # padded apart to the token block
+        layout = jq.group_layout(sizes, rows, token_alignment(recipe))
+        activations = jq.grouped_quantize(x, recipe, "input", layout, rowwise=True, columnwise=True)
+        weights = jq.quantize_per_expert(stacked, recipe, rowwise=True, columnwise=True)
+        for usage in ("rowwise", "columnwise"):
+            for spec, (data, scale_inv, amax) in (
+                (activations.spec, activations.copy(usage)),
+                (
+                    weights.spec,
+                    tuple(getattr(weights, f"{usage}_{p}") for p in ("data", "scale_inv", "amax")),
+                ),
+            ):
+                if data.ndim == 3:
+                    want = jax.vmap(
+                        functools.partial(
+                            lambda sp, d, s, a: grouped_gemm._exact_operand(sp, d, s, a)[0], spec
+                        )
+                    )(data, scale_inv, amax)
+                else:
+                    want = grouped_gemm._exact_operand(spec, data, scale_inv, amax)[0]
+                with kernel_gemms():
+                    got = jax.jit(kernels.dequantize_bf16, static_argnums=0)(spec, data, scale_inv)
+                assert got is not None and got.dtype == jnp.bfloat16, spec.describe()
+                np.testing.assert_array_equal(
+                    np.asarray(got).view(np.uint16),
+                    np.asarray(want).view(np.uint16),
+                    err_msg=f"{spec.describe()} {usage} {data.shape}",
+                )
+
+
+def test_dequantize_kernels_give_the_exact_operands():
+    _dequantize_case(128, 128, 2, seed=3)
+
+
+@pytest.mark.gpu
+def test_dequantize_kernels_give_the_exact_operands_gpu():
+    _dequantize_case(1024, 768, 3, seed=4)
+
+
+def test_dequantize_bf16_declines_what_no_kernel_covers():
+    x = jax.random.normal(jax.random.key(5), (128, 128), jnp.bfloat16)
+    q = jq.quantize(x, jq.Float8BlockScaling(), "input", rowwise=True, columnwise=False)
+    assert kernels.dequantize_bf16(q.spec, q.rowwise_data, q.rowwise_scale_inv) is None
