@@ -29,18 +29,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "jax_qtrain_tests_cache")
     )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-# Without a size limit JAX reads and writes cache entries with no lock, so a worker can read an
-# entry another is still writing. On 2026-11-30 a CI worker segfaulted while deserializing a
-# cached executable and the test passed when re-run alone: such a read is the suspected cause
-# (not proven). With a limit JAX takes a file lock around every read and write (the limit is far
-# above the ~0.3 GB the suite writes). filelock is a test dependency (and torch's, on the GPU
-# machine); without it the cache stays unlocked, as before.
-try:
-    import filelock  # noqa: F401
-
-    jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
-except ImportError:
-    pass
 
 
 def _has_gpu() -> bool:
