@@ -31,10 +31,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 # (2026-11-30: one CI run lost an xdist worker to a segfault inside JAX's deserialization of a
 # cached executable; the test passed re-run. Setting jax_compilation_cache_max_size, which makes
-# JAX lock every cache read and write, took the suite from 14 to 30 min (an eviction scan of the
-# whole cache per write; the host was ~15% slower too) and was reverted. Truncated entries raise
-# in zlib rather than crash, so a torn read is not the likely cause. Unexplained; see the
-# stop-17 note if it recurs.)
+# JAX lock every cache read and write (and scan the whole cache per write), cost ~5% of the
+# suite's time (31.0 against 29.6 min from a cold cache on the same host) and was reverted, as
+# truncated entries raise in zlib rather than crash: a torn read is not the likely cause.
+# Unexplained; see the stop-17 note if it recurs.)
 
 
 def _has_gpu() -> bool:
