@@ -327,9 +327,11 @@ def dequantize_bf16(spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array):
         kernel = functools.partial(_pallas().dequantize_nvfp4, global_amax=None)
     else:
         return None
+    if data.ndim < 2:
+        return None
     block_rows = spec.block_shape[0]
     rows, cols = data.shape[-2], data.shape[-1] * values_per_byte
-    if data.ndim < 2 or rows % block_rows or cols % scale_cols:
+    if rows % block_rows or cols % scale_cols:
         return None
     if scale_inv.shape != (*data.shape[:-2], rows // block_rows, cols // scale_cols):
         return None

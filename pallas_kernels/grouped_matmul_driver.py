@@ -195,7 +195,19 @@ def ragged_rows_call(
                 return slices
 
             def store_chunk(chunk_values, slot: int, chunk_gmem, ctx: TileContext) -> None:
-                whole_tile = (ctx.row_tile.num_rows == tile_m) & schedule.swizzled_epilogue
+                def store_rows_of_group():
+                    common.store_row_range(
+                        chunk_values,
+                        plain_out_smem.at[ctx.consumer, slot],
+                        chunk_gmem,
+                        ctx.row_tile,
+                        tile_m,
+                    )
+
+                if not schedule.swizzled_epilogue:
+                    store_rows_of_group()
+                    return
+                whole_tile = ctx.row_tile.num_rows == tile_m
 
                 @pl.when(whole_tile)
                 def _store_whole_tile():
@@ -204,15 +216,7 @@ def ragged_rows_call(
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(swizzled, chunk_gmem)
 
-                @pl.when(jnp.logical_not(whole_tile))
-                def _store_rows_of_group():
-                    common.store_row_range(
-                        chunk_values,
-                        plain_out_smem.at[ctx.consumer, slot],
-                        chunk_gmem,
-                        ctx.row_tile,
-                        tile_m,
-                    )
+                pl.when(jnp.logical_not(whole_tile))(store_rows_of_group)
 
             def store_tile(values: jax.Array, ctx: TileContext) -> None:
                 col0 = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n

@@ -113,7 +113,8 @@ def _kernel_exact_operand(
 
 def _activation_operand(q: GroupedQuantizedTensor, usage: Usage):
     fields = q.copy(usage)
-    return _kernel_exact_operand(q.spec, *fields) or _exact_operand(q.spec, *fields)
+    on_kernel = _kernel_exact_operand(q.spec, *fields)
+    return on_kernel if on_kernel is not None else _exact_operand(q.spec, *fields)
 
 
 def _expert_operand(q: QuantizedTensor, usage: Usage):

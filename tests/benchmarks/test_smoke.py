@@ -59,3 +59,11 @@ def test_grouped_epilogue_ab_runs_small(tmp_path):
     assert ("G8 balanced fwd bf16", "bf16 plain") in variants
     assert ("dense 256^3", "fp8 block swizzled") in variants
     assert all(r["ms"] > 0 for r in rows) and "| dense 256^3 |" in text
+
+
+def test_grouped_matmul_benchmark_names_bad_sections(tmp_path):
+    from benchmarks import bench_grouped_matmul
+
+    for sections in (("g8", "fp4"), ()):
+        with pytest.raises(ValueError, match="sections must be a non-empty subset"):
+            bench_grouped_matmul.main(str(tmp_path), small=True, sections=sections)

@@ -445,6 +445,10 @@ def test_wrappers_reject_bad_arguments():
         pk.dequantize_mxfp8(x.astype(E4M3), jnp.zeros((128, 4), jnp.uint8), out_dtype=jnp.float16)
     with pytest.raises(TypeError, match="scale must have dtype"):
         pk.dequantize_nvfp4(jnp.zeros((128, 64), jnp.uint8), jnp.zeros((128, 8)), 1.0)
+    with pytest.raises(TypeError, match="global_amax must be a float scalar or None"):
+        pk.dequantize_nvfp4(
+            jnp.zeros((128, 64), jnp.uint8), jnp.zeros((128, 8), jnp.float8_e4m3fn), jnp.ones(2)
+        )
 
 
 # --- CPU: cross-lowering for the H200 ------------------------------------------------------------
