@@ -7,7 +7,7 @@
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
-#   bash benchmarks/h200.sh ab      the grouped GEMM's epilogue paths timed in alternation
+#   bash benchmarks/h200.sh ab      grouped GEMM variants timed in alternation (AB_VARIANTS=schedule|epilogue)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -58,7 +58,7 @@ elif [[ $STAGE == sharding ]]; then
   timeout "${BENCH_BUDGET:-110}" python3 -m benchmarks.sharding_strategies \
     --out "$OUT/sharding_strategies.md" 2>&1 | tee "$OUT/sharding_strategies.log" | tail -12
 elif [[ $STAGE == ab ]]; then
-  timeout "${AB_BUDGET:-150}" python3 -m benchmarks.grouped_epilogue_ab --out "$OUT" 2>&1 | tail -30
+  timeout "${AB_BUDGET:-150}" python3 -m benchmarks.grouped_ab --out "$OUT" --variants "${AB_VARIANTS:-schedule}" 2>&1 | tail -30
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }

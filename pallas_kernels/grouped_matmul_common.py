@@ -16,8 +16,10 @@ Each (pseudo-)group is cut into row tiles of ``tile_m`` rows aligned to multiple
 ``tile_m`` in the global row index; a tile that straddles a group boundary is visited
 once per group and each visit stores only its own rows. A group with rows touches
 ``cdiv(end, tile_m) - start // tile_m`` tiles, so the ``G + 1`` (pseudo-)groups need
-at most ``cdiv(M, tile_m) + G`` tile visits: that static count is the row extent of
-the persistent grid, and visits past the real total are skipped.
+at most ``cdiv(M, tile_m) + G`` tile visits. Visits are numbered group by group, so
+the visits of real groups come first and the tail's last; the kernels read both
+counts from ``group_sizes`` on the device (:func:`visit_counts`) and loop over
+exactly those.
 """
 
 from __future__ import annotations
@@ -121,6 +123,21 @@ def group_bounds(group_sizes_gmem, num_groups: int, num_rows: int):
     return starts, ends
 
 
+def _group_visits(start: jax.Array, end: jax.Array, tile_m: int) -> jax.Array:
+    """Row tiles a (pseudo-)group with rows ``[start, end)`` touches (0 when empty)."""
+    tile = jnp.int32(tile_m)
+    touched = lax.div(end + tile - 1, tile) - lax.div(start, tile)
+    return jnp.where(end > start, touched, jnp.int32(0))
+
+
+def visit_counts(starts, ends, tile_m: int) -> tuple[jax.Array, jax.Array]:
+    """(visits of the real groups, visits of the zero-filled tail), as traced int32."""
+    group_visits = jnp.int32(0)
+    for start, end in zip(starts[:-1], ends[:-1], strict=True):
+        group_visits = group_visits + _group_visits(start, end, tile_m)
+    return group_visits, _group_visits(starts[-1], ends[-1], tile_m)
+
+
 def row_tile_for_visit(visit: jax.Array, starts, ends, tile_m: int) -> RowTile:
     """Maps a row-tile visit index to its (pseudo-)group, tile and row range."""
     tile = jnp.int32(tile_m)
@@ -129,7 +146,7 @@ def row_tile_for_visit(visit: jax.Array, starts, ends, tile_m: int) -> RowTile:
     first_visit = zero
     for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
         first_block = lax.div(start, tile)
-        num_tiles = jnp.where(end > start, lax.div(end + tile - 1, tile) - first_block, zero)
+        num_tiles = _group_visits(start, end, tile_m)
         hit = (visit >= first_visit) & (visit < first_visit + num_tiles)
         group = jnp.where(hit, jnp.int32(i), group)
         block = jnp.where(hit, first_block + (visit - first_visit), block)

@@ -3,9 +3,21 @@
 One CTA per SM runs three warpgroups: a TMA producer and two wgmma consumers. The
 CTA tile is ``tile_m x (2 * tile_n)``: both consumers share the ``tile_m`` lhs rows and
 each owns ``tile_n`` output columns, so both see the same group boundaries and the
-same row mask. Tiles are walked in a planar-snake order (for L2 reuse of the rhs
-tile of a group) over a static grid of ``cdiv(M, tile_m) + G`` row-tile visits by
-``cdiv(N, 2 * tile_n)`` column tiles (see grouped_matmul_common for the schedule).
+same row mask. Each CTA loops over *work items*, (row-tile visit, column item) pairs,
+in a planar-snake order (for L2 reuse of the rhs tile of a group). Only visits of real
+groups are items (their count is read from ``group_sizes`` on the device, see
+grouped_matmul_common for the schedule); the tail rows past the last group are
+zero-filled by the consumers in a second loop, without the producer.
+
+Two options change how the items run:
+
+* ``cluster_n=2``: CTAs run in clusters of two along N. Both CTAs of a cluster take the
+  same row tile and adjacent column tiles, and the lhs tile of every K step is loaded
+  once and multicast to both (TMA multicast), halving the lhs traffic from L2.
+* ``persistent_pipeline``: the TMA pipeline keeps running from one item to the next
+  (``pipeline_state``): the producer loads the next item's first K steps while the
+  consumers finish the current one and store its outputs, instead of starting each
+  item with an empty pipeline.
 
 A format plugs in through :class:`RowKernelParts`: which tiles to stream through the
 pipeline, what one K step does, and how the f32 tile is finished (scales).
@@ -45,6 +57,8 @@ class TileSchedule:
     grid_minor_dim: int  # 0: walk row tiles fastest, 1: column tiles fastest
     grid_tile_width: int
     num_sms: int
+    persistent_pipeline: bool = False  # keep the TMA pipeline running across items
+    cluster_n: int = 1  # CTAs per cluster along N (2: the lhs tile is multicast)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +100,8 @@ class RowKernelParts:
     """What a format contributes to the ragged-row driver.
 
     in_specs -> BlockSpecs streamed per K step; index maps see only the K step, so
-        pipeline_refs slices the tile's rows/columns out of the operands.
+        pipeline_refs slices the tile's rows/columns out of the operands. in_specs[0]
+        must stream the lhs rows: with clusters it is the operand the CTAs share.
     pipeline_refs(refs, ctx) -> the GMEM windows those specs read, in order.
     allocation_refs(refs) -> refs of the same shapes, for sizing SMEM once.
     run_tile(refs, ctx, run_pipeline) -> f32 (tile_m, tile_n) tile of this consumer,
@@ -122,14 +137,36 @@ def ragged_rows_call(
     epi_tile_n = schedule.epi_tile_n
     num_epi_chunks = tile_n // epi_tile_n
     num_buffers = schedule.epilogue_buffers
+    cluster_n = schedule.cluster_n
     # With two buffers that alternate, a chunk only waits for the store before last;
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
     stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
     epilogue_shape = (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n)
     swizzled_transforms = common.smem_transforms(epi_tile_n, out_dtype)
-    num_row_visits = pl.cdiv(num_rows, tile_m) + num_groups
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
+    if num_col_tiles % cluster_n:
+        raise ValueError(
+            f"{num_col_tiles} column tiles cannot be split over clusters of cluster_n="
+            f"{cluster_n} CTAs (the wrapper pads the columns to whole clusters)"
+        )
+    num_col_items = num_col_tiles // cluster_n
+    in_specs = tuple(parts.in_specs)
+    if cluster_n > 1:
+        # Both CTAs of a cluster read the same lhs rows: one multicast load feeds both.
+        in_specs = (dataclasses.replace(in_specs[0], collective_axes=("cluster",)), *in_specs[1:])
+    pipeline_depth = min(schedule.max_concurrent_steps, parts.num_k_steps)
+    if schedule.persistent_pipeline:
+        if parts.num_k_steps % pipeline_depth:
+            raise ValueError(
+                f"config: persistent_pipeline needs the {parts.num_k_steps} K steps to be a "
+                f"multiple of max_concurrent_steps={schedule.max_concurrent_steps}"
+            )
+        if any(getattr(spec, "delay_release", 0) for spec in in_specs):
+            raise ValueError(
+                "config: persistent_pipeline cannot keep a wgmma in flight across steps "
+                "(wgmma_in_flight must be 0)"
+            )
     num_prefetches = len(parts.prefetches)
     prefetch_types = []
     for prefetch in parts.prefetches:
@@ -143,17 +180,20 @@ def ragged_rows_call(
     def body(group_sizes_gmem, *refs):
         operand_refs, out_gmem = refs[:-1], refs[-1]
         starts, ends = common.group_bounds(group_sizes_gmem, num_groups, num_rows)
+        num_group_visits, num_tail_visits = common.visit_counts(starts, ends, tile_m)
+        cta = lax.axis_index("cluster") if cluster_n > 1 else jnp.int32(0)
 
-        def make_pipeline(step_fn, compute_context):
+        def make_pipeline(step_fn, compute_context, pipeline_state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 step_fn,
                 grid=(parts.num_k_steps,),
                 memory_registers=_PRODUCER_REGISTERS,
-                in_specs=tuple(parts.in_specs),
+                in_specs=in_specs,
                 wg_axis="wg",
                 num_compute_wgs=_NUM_CONSUMERS,
                 max_concurrent_steps=schedule.max_concurrent_steps,
                 compute_context=compute_context,
+                pipeline_state=pipeline_state,
             )
 
         ignore = lambda *_, **__: None
@@ -230,18 +270,37 @@ def ragged_rows_call(
                         ctx,
                     )
 
-            @plgpu.nd_loop((num_row_visits * num_col_tiles,), collective_axes="sm")
-            def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            def pipeline_state(loop_info: plgpu.NDLoopInfo):
+                """START on this CTA's first item, STOP on its last, STEADY between.
+
+                A CTA with a single item runs it as START: the producer then skips the
+                final wait for the consumers' releases, which nothing follows anyway.
+                """
+                if not schedule.persistent_pipeline:
+                    return None
+                step, last = loop_info.local_index, loop_info.num_local_steps - 1
+                return jnp.where(
+                    step == 0,
+                    jnp.int32(plgpu.PipelinePipeline.START),
+                    jnp.where(
+                        step == last,
+                        jnp.int32(plgpu.PipelinePipeline.STOP),
+                        jnp.int32(plgpu.PipelinePipeline.STEADY),
+                    ),
+                )
+
+            # Items: (visit of a real group, column item); every such visit has rows.
+            @plgpu.nd_loop((num_group_visits * num_col_items,), collective_axes="sm")
+            def _item_loop(loop_info: plgpu.NDLoopInfo):
                 (linear,) = loop_info.index
-                visit, col_tile = plgpu.planar_snake(
+                visit, col_item = plgpu.planar_snake(
                     linear,
-                    (num_row_visits, num_col_tiles),
+                    (num_group_visits, num_col_items),
                     schedule.grid_minor_dim,
                     schedule.grid_tile_width,
                 )
                 row_tile = common.row_tile_for_visit(visit, starts, ends, tile_m)
-                is_tail = row_tile.group == num_groups
-
+                col_tile = col_item * cluster_n + cta
                 slices = prefetch_slices(row_tile, col_tile, wg)
                 ctx = TileContext(
                     row_tile=row_tile,
@@ -262,14 +321,24 @@ def ragged_rows_call(
                     del idxs
                     return parts.step(operand_refs, ctx, smem_refs, carry)
 
-                @pl.when(row_tile.has_rows & jnp.logical_not(is_tail))
-                def _matmul_tile():
-                    make_pipeline(step_fn, compute_context)(
-                        *parts.pipeline_refs(operand_refs, ctx),
-                        allocations=pipeline_allocs,
-                    )
+                make_pipeline(step_fn, compute_context, pipeline_state(loop_info))(
+                    *parts.pipeline_refs(operand_refs, ctx),
+                    allocations=pipeline_allocs,
+                )
 
-                @pl.when(row_tile.has_rows & is_tail & (wg < _NUM_CONSUMERS))
+            # The rows past the last group: zeros, stored by the consumers alone.
+            @plgpu.nd_loop((num_tail_visits * num_col_items,), collective_axes="sm")
+            def _tail_loop(loop_info: plgpu.NDLoopInfo):
+                (linear,) = loop_info.index
+                visit = num_group_visits + lax.div(linear, jnp.int32(num_col_items))
+                col_tile = lax.rem(linear, jnp.int32(num_col_items)) * cluster_n + cta
+                ctx = TileContext(
+                    row_tile=common.row_tile_for_visit(visit, starts, ends, tile_m),
+                    col_tile=col_tile,
+                    consumer=wg,
+                )
+
+                @pl.when(wg < _NUM_CONSUMERS)
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
                         jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
@@ -278,16 +347,20 @@ def ragged_rows_call(
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    cluster_args = {}
+    if cluster_n > 1:
+        cluster_args = dict(cluster=(cluster_n,), cluster_names=("cluster",))
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
-        grid=(schedule.num_sms,),
+        grid=(schedule.num_sms // cluster_n,),
         grid_names=("sm",),
         num_threads=_NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=common.interpret_params(interpret),
         kernel_name=name,
+        **cluster_args,
     )
     return varying_like(kernel(group_sizes, *operands), group_sizes, *operands)
 

@@ -64,6 +64,14 @@ class GroupedMatmulConfig:
     swizzled_epilogue: stage whole row tiles in a swizzled buffer (conflict-free stores from
       the wgmma registers); False stages every tile in the plain buffer that tiles shared by
       two groups need (kept to measure the difference).
+    persistent_pipeline: keep the TMA pipeline running from one output tile to the next, so
+      the producer loads the next tile's first K steps during the current tile's last steps
+      and epilogue. Needs the K steps to be a multiple of max_concurrent_steps and no wgmma
+      kept in flight through the pipeline (wgmma_in_flight=0, except for block FP8, whose
+      overlap does not delay the release of a stage).
+    cluster_n: 1, or 2 for clusters of two CTAs along N that share each lhs tile (one TMA
+      multicast load feeds both); the columns are padded to an even number of CTA tiles
+      (an rhs copy when they are not) and num_sms must be even.
     The epilogue buffers' rows (epi_tile_n x output itemsize) must span a multiple of
     128 bytes: partial row tiles are stored from arbitrary rows of the buffer, and TMA
     needs 128-byte aligned shared-memory addresses.
@@ -80,6 +88,8 @@ class GroupedMatmulConfig:
     wgmma_in_flight: int = 0
     epilogue_buffers: int = 2
     swizzled_epilogue: bool = True
+    persistent_pipeline: bool = False
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128, 192, 256):
@@ -118,6 +128,14 @@ class GroupedMatmulConfig:
             raise ValueError(f"epilogue_buffers must be 1 or 2, got {self.epilogue_buffers}")
         if not isinstance(self.swizzled_epilogue, bool):
             raise TypeError(f"swizzled_epilogue must be a bool, got {self.swizzled_epilogue!r}")
+        if not isinstance(self.persistent_pipeline, bool):
+            raise TypeError(f"persistent_pipeline must be a bool, got {self.persistent_pipeline!r}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n!r}")
+        if self.num_sms is not None and self.num_sms % self.cluster_n:
+            raise ValueError(
+                f"num_sms={self.num_sms} must be a multiple of cluster_n={self.cluster_n}"
+            )
 
     def check_out_dtype(self, out_dtype: jnp.dtype) -> None:
         row_bytes = self.epi_tile_n * jnp.dtype(out_dtype).itemsize
@@ -127,7 +145,17 @@ class GroupedMatmulConfig:
                 f"{row_bytes}-byte epilogue rows; they must span a multiple of 128 bytes"
             )
 
+    def padded_cols(self, num_cols: int, multiple: int = 8) -> int:
+        """Output columns the kernel computes: at least one CTA tile, a multiple of
+        ``multiple`` (TMA), and whole clusters of CTA tiles."""
+        cta_cols = 2 * self.tile_n
+        cols = common.round_up(max(num_cols, cta_cols), multiple)
+        if pl.cdiv(cols, cta_cols) % self.cluster_n:
+            cols = common.round_up(cols, cta_cols * self.cluster_n)
+        return cols
+
     def schedule(self) -> driver.TileSchedule:
+        num_sms = self.num_sms or common.num_sms_default()
         return driver.TileSchedule(
             tile_m=self.tile_m,
             tile_n=self.tile_n,
@@ -137,7 +165,10 @@ class GroupedMatmulConfig:
             swizzled_epilogue=self.swizzled_epilogue,
             grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width,
-            num_sms=self.num_sms or common.num_sms_default(),
+            # Whole clusters: an odd SM count leaves one SM idle.
+            num_sms=num_sms - num_sms % self.cluster_n,
+            persistent_pipeline=self.persistent_pipeline,
+            cluster_n=self.cluster_n,
         )
 
 
@@ -303,12 +334,10 @@ def grouped_matmul(
     rows_p = common.round_up(max(num_rows, tile_m), 8)
     k_p = common.round_up(k, common.swizzle_elems(tile_k, lhs.dtype))
     if rhs_layout == "nk":
-        cols_p = common.round_up(max(num_cols, 2 * tile_n), 8)
+        cols_p = config.padded_cols(num_cols)
         rhs_p = _pad_axis(_pad_axis(rhs, 1, cols_p), 2, k_p)
     else:
-        cols_p = common.round_up(
-            max(num_cols, 2 * tile_n), common.swizzle_elems(2 * tile_n, rhs.dtype)
-        )
+        cols_p = config.padded_cols(num_cols, common.swizzle_elems(2 * tile_n, rhs.dtype))
         rhs_p = _pad_axis(_pad_axis(rhs, 2, cols_p), 1, k_p)
     lhs_p = _pad_axis(_pad_axis(lhs, 0, rows_p), 1, k_p)
     operands = [lhs_p, rhs_p]
@@ -526,7 +555,7 @@ def grouped_matmul_fp8_block(
 
     # Rows and columns padded to multiples of 8 (and one tile) for TMA; K is whole.
     rows_p = common.round_up(max(num_rows, tile_m), 8)
-    cols_p = common.round_up(max(num_cols, 2 * tile_n), 8)
+    cols_p = config.padded_cols(num_cols)
     lhs_p = _pad_axis(lhs, 0, rows_p)
     rhs_p = _pad_axis(rhs, 1, cols_p)
     num_k_blocks = k // 128

@@ -50,15 +50,20 @@ def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
 
 
 @pytest.mark.slow
-def test_grouped_epilogue_ab_runs_small(tmp_path):
-    from benchmarks import grouped_epilogue_ab
+def test_grouped_ab_runs_small(tmp_path):
+    # The schedule set: the persistent pipeline and 2-CTA clusters in the interpreter, each
+    # checked bit for bit against the first variant before it is timed.
+    from benchmarks import grouped_ab
 
-    text = grouped_epilogue_ab.main(str(tmp_path), small=True)
-    rows = json.loads((tmp_path / "grouped_epilogue_ab.json").read_text())
+    text = grouped_ab.main(str(tmp_path), small=True, variants="schedule")
+    rows = json.loads((tmp_path / "grouped_ab_schedule.json").read_text())
     variants = {(r["case"], r["variant"]) for r in rows}
-    assert ("G8 balanced fwd bf16", "bf16 plain") in variants
-    assert ("dense 256^3", "fp8 block swizzled") in variants
+    assert ("G8 balanced fwd bf16", "bf16 cluster 2 + persistent") in variants
+    assert ("dense 256^3", "fp8 block persistent") in variants
     assert all(r["ms"] > 0 for r in rows) and "| dense 256^3 |" in text
+    assert all(r["same_bits"] for r in rows if not r["variant"].startswith("XLA"))
+    with pytest.raises(ValueError, match="variants must be one of"):
+        grouped_ab.main(str(tmp_path), small=True, variants="tiles")
 
 
 def test_grouped_matmul_benchmark_names_bad_sections(tmp_path):
@@ -67,3 +72,24 @@ def test_grouped_matmul_benchmark_names_bad_sections(tmp_path):
     for sections in (("g8", "fp4"), ()):
         with pytest.raises(ValueError, match="sections must be a non-empty subset"):
             bench_grouped_matmul.main(str(tmp_path), small=True, sections=sections)
+
+
+@pytest.mark.slow
+def test_quantize_ab_runs_small(tmp_path):
+    # MXFP8 variants in the interpreter: each checked bit for bit against the default config
+    # (on NaN / Inf / tiny blocks too) before it is timed.
+    from benchmarks import quantize_ab
+
+    text = quantize_ab.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "quantize_ab.json").read_text())
+    assert {r["variant"] for r in rows} == {
+        *quantize_ab.VARIANTS,
+        quantize_ab.SKELETON,
+        quantize_ab.XLA_COPY,
+    }
+    assert all(
+        r["bits"] == "identical"
+        for r in rows
+        if r["config"] and r["variant"] != quantize_ab.BASELINE
+    )
+    assert all(r["us"] > 0 for r in rows) and "| split_copies |" in text

@@ -268,6 +268,78 @@ def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers, sw
     assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
 
 
+SCHEDULES = {
+    "persistent": dict(persistent_pipeline=True),
+    "cluster": dict(cluster_n=2),
+    "cluster_persistent": dict(cluster_n=2, persistent_pipeline=True),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize(
+    ("rows", "num_cols", "sizes"),
+    [
+        # 3 column tiles of 128: clusters pad to 4; 5 row visits + the tail over 2 "SMs".
+        (160, 300, [37, 0, 90]),
+        # One item in all: one CTA runs a single pipeline (started, never stopped).
+        (64, 100, [64]),
+    ],
+)
+def test_schedules_match_reference(schedule, rows, num_cols, sizes):
+    config = dataclasses.replace(TINY_FWD_FP8, **SCHEDULES[schedule])
+    sizes = jnp.asarray(sizes, jnp.int32)
+    k = keys(4, seed=19)
+    lhs = random_fp8(k[0], (rows, 256), E4M3)
+    rhs = random_fp8(k[1], (sizes.shape[0], num_cols, 256), E5M2)
+    lhs_scale = jax.random.uniform(k[2], (rows,), jnp.float32, 0.5, 2.0)
+    rhs_scale = jax.random.uniform(k[3], (sizes.shape[0], num_cols), jnp.float32, 0.5, 2.0)
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=jnp.float32,
+        config=config,
+        interpret=True,
+    )
+    ref = ref_ragged_rows(
+        f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[..., None], sizes
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["persistent", "cluster_persistent"])
+def test_block_fp8_schedules_match_reference(schedule):
+    config = dataclasses.replace(TINY_BLOCK, wgmma_in_flight=1, **SCHEDULES[schedule])
+    sizes = jnp.asarray([37, 0, 90], jnp.int32)
+    k = keys(4, seed=20)
+    lhs = random_fp8(k[0], (160, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[1], (160, 2), jnp.float32, 0.5, 2.0)
+    rhs = random_fp8(k[2], (3, 200, 256), E4M3)
+    rhs_scale = jax.random.uniform(k[3], (3, 2, 2), jnp.float32, 0.5, 2.0)
+    out = grouped_matmul_fp8_block(
+        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
+    )
+    lhs_dq = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+    ref = ref_ragged_rows(lhs_dq, dequant_fp8_block(rhs, rhs_scale, 128, 128), sizes)
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_persistent_pipeline_needs_whole_rounds_of_stages_and_no_wgmma_in_flight():
+    lhs = jnp.zeros((64, 192), BF16)  # 3 K steps of 64
+    rhs = jnp.zeros((1, 128, 192), BF16)
+    sizes = jnp.asarray([64], jnp.int32)
+    config = dataclasses.replace(TINY_FWD, persistent_pipeline=True)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=config, interpret=True)
+    config = dataclasses.replace(
+        TINY_FWD, max_concurrent_steps=3, wgmma_in_flight=1, persistent_pipeline=True
+    )
+    with pytest.raises(ValueError, match="wgmma_in_flight"):
+        grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=config, interpret=True)
+
+
 def test_dense_entry_points():
     k = keys(6, seed=5)
     lhs = jax.random.normal(k[0], (96, 128), jnp.float32).astype(BF16)
@@ -523,11 +595,18 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             "max_concurrent_steps",
         ),
         (lambda: GroupedMatmulConfig(epilogue_buffers=3), "epilogue_buffers"),
+        (lambda: GroupedMatmulConfig(cluster_n=4), "cluster_n"),
+        (lambda: GroupedMatmulConfig(cluster_n=2, num_sms=131), "num_sms"),
     ],
 )
 def test_bad_configs_raise(factory, needle):
     with pytest.raises(ValueError, match=needle):
         factory()
+
+
+def test_persistent_pipeline_must_be_a_bool():
+    with pytest.raises(TypeError, match="persistent_pipeline"):
+        GroupedMatmulConfig(persistent_pipeline=1)
 
 
 def test_swizzled_epilogue_must_be_a_bool():
@@ -684,6 +763,50 @@ CROSS_LOWERING_CASES = {
     "odd_shapes_fp8_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),
         (S((500, 1000), E4M3), S((380, 1000), E5M2), S((5,), jnp.int32)),
+    ),
+    "bf16_fwd_cluster_persistent": (
+        lambda a, b, g: grouped_matmul(
+            a,
+            b,
+            g,
+            config=GroupedMatmulConfig(
+                tile_m=128,
+                tile_n=128,
+                tile_k=64,
+                max_concurrent_steps=4,
+                epi_tile_n=64,
+                epilogue_buffers=1,
+                persistent_pipeline=True,
+                cluster_n=2,
+            ),
+        ),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "fp8_block_fwd_cluster_persistent": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            config=GroupedMatmulConfig(
+                tile_m=64,
+                tile_n=128,
+                tile_k=128,
+                max_concurrent_steps=4,
+                epi_tile_n=64,
+                wgmma_in_flight=1,
+                persistent_pipeline=True,
+                cluster_n=2,
+            ),
+        ),
+        (
+            S((M, K), E4M3),
+            S((M, K // 128), F32),
+            S((G, N, K), E4M3),
+            S((G, N // 128, K // 128), F32),
+            SIZES,
+        ),
     ),
     "small_experts_fwd": (
         lambda a, b, g: grouped_matmul(

@@ -217,3 +217,64 @@ def test_gpu_swizzled_and_plain_epilogues_store_the_same_bits(out_dtype):
         ref_ragged_rows(f64(lhs), f64(rhs), SIZES),
         rel=1e-5 if out_dtype == jnp.float32 else 2**-8,
     )
+
+
+SCHEDULES = {
+    "persistent": dict(persistent_pipeline=True),
+    "cluster": dict(cluster_n=2),
+    "cluster_persistent": dict(cluster_n=2, persistent_pipeline=True),
+    # Few CTAs, so that each runs several tiles: START, STEADY and STOP pipelines.
+    "persistent_4_sms": dict(persistent_pipeline=True, num_sms=4),
+    "cluster_persistent_4_sms": dict(cluster_n=2, persistent_pipeline=True, num_sms=4),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("operands", ["bf16", "fp8", "fp8_block"])
+def test_gpu_schedules_give_the_same_bits(schedule, operands):
+    # The persistent pipeline and 2-CTA clusters (lhs multicast) change when and how tiles are
+    # loaded, never the arithmetic: outputs must equal the default schedule's bit for bit.
+    # K = 512 gives 8 bf16 / 4 FP8 K steps (whole rounds of 4 stages); N = 384 gives 2 CTA
+    # column tiles of 256 for 128-wide consumers, and the 64-row block tiles leave many CTAs
+    # with a single tile (its pipeline is started and never stopped).
+    k = keys(4, seed=18)
+    base = dict(tile_m=128, tile_n=128, max_concurrent_steps=4, epi_tile_n=64, epilogue_buffers=1)
+    if operands == "bf16":
+        lhs = jax.random.normal(k[0], (ROWS, K_DIM), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
+        args, kwargs, run = (lhs, rhs, SIZES), {}, grouped_matmul
+        base["tile_k"] = 64
+        ref, rel = ref_ragged_rows(f64(lhs), f64(rhs), SIZES), 1e-5
+    elif operands == "fp8":
+        lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E4M3)
+        lhs_scale = jax.random.uniform(k[2], (ROWS,), jnp.float32, 0.25, 4.0)
+        rhs_scale = jax.random.uniform(k[3], (NUM_GROUPS, N_DIM), jnp.float32, 0.25, 4.0)
+        args, run = (lhs, rhs, SIZES), grouped_matmul
+        kwargs = {"lhs_scale": lhs_scale, "rhs_scale": rhs_scale}
+        base["tile_k"] = 128
+        ref = ref_ragged_rows(
+            f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[:, :, None], SIZES
+        )
+        rel = 2e-3
+    else:
+        lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E4M3)
+        lhs_scale = jax.random.uniform(k[2], (ROWS, K_DIM // 128), jnp.float32, 0.5, 2.0)
+        rhs_scale = jax.random.uniform(
+            k[3], (NUM_GROUPS, N_DIM // 128, K_DIM // 128), jnp.float32, 0.5, 2.0
+        )
+        args, kwargs, run = (lhs, lhs_scale, rhs, rhs_scale, SIZES), {}, grouped_matmul_fp8_block
+        base.update(tile_m=64, tile_k=128, wgmma_in_flight=1)
+        ref = ref_ragged_rows(
+            dequant_fp8_block(lhs, lhs_scale, 1, 128),
+            dequant_fp8_block(rhs, rhs_scale, 128, 128),
+            SIZES,
+        )
+        rel = 1e-3
+    call = jax.jit(run, static_argnames=("out_dtype", "config"))
+    default = call(*args, **kwargs, out_dtype=jnp.float32, config=GroupedMatmulConfig(**base))
+    config = GroupedMatmulConfig(**base, **SCHEDULES[schedule])
+    out = call(*args, **kwargs, out_dtype=jnp.float32, config=config)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
+    assert_close(out, ref, rel=rel)

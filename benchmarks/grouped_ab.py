@@ -1,16 +1,20 @@
-"""The grouped GEMM's two epilogue staging paths, timed in alternation (issue 5).
+"""Variants of the grouped GEMM kernels, timed in alternation (issue 5).
 
-Whole row tiles leave the forward/dgrad kernels through a swizzled SMEM view by default
-(`GroupedMatmulConfig.swizzled_epilogue=True`); `False` sends them through the plain view that
-tiles shared by two groups always use. The first H200 run that compared them timed each config
-once, seconds apart, and the same plain config came out 10% slower than a day earlier, so
-clock drift was as large as the effect. Here every pair (and XLA's dense bf16 GEMM of the same
-size, as a yardstick for the run's clocks) is timed batch by batch in alternation
-(`benchmarks.timing.interleaved_seconds`).
+The first H200 run that compared two configs timed each once, seconds apart, and the same
+config came out 10% slower than a day earlier: clock drift was as large as the effects.
+Here the variants of each case (and XLA's dense bf16 GEMM of the same size, as a yardstick
+for the run's clocks) are timed batch by batch in alternation
+(`benchmarks.timing.interleaved_seconds`). Variant sets:
 
-    python -m benchmarks.grouped_epilogue_ab [--out DIR] [--small]
+* ``epilogue``: whole row tiles staged through the swizzled SMEM view
+  (`swizzled_epilogue=True`, the default) or through the plain view;
+* ``schedule``: the pipeline kept running across output tiles (`persistent_pipeline`) and
+  2-CTA clusters that multicast the lhs tile (`cluster_n=2`), alone and together, against
+  the best configs of the earlier sweeps.
 
-writes DIR/grouped_epilogue_ab.json and .md. `--small` runs tiny shapes in the Pallas
+    python -m benchmarks.grouped_ab [--out DIR] [--variants epilogue|schedule] [--small]
+
+writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
 """
 
@@ -21,11 +25,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.bench_grouped_matmul import E4M3, fwd_config, random_operands
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
-from pallas_kernels.grouped_matmul_fwd import grouped_matmul, grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_fp8_block,
+)
 
 # (case, G, M, K, N, group sizes): the issue's balanced shape, and a skewed split whose
 # group boundaries fall inside row tiles (those tiles take the plain path either way).
@@ -35,25 +44,62 @@ SHAPES = {
 }
 # The fastest configs of the earlier sweeps (docs/benchmarks.md).
 BF16_CONFIG = fwd_config(128, 128, 64, 3, 64, in_flight=0, buffers=2)
-FP8_CONFIG = fwd_config(128, 128, 128, 4, 64)
+FP8_CONFIG = fwd_config(128, 128, 128, 4, 64, width=16)
 BLOCK_CONFIG = fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2)
 DENSE_SIZE = 8192
 
 
-def _pair(config):
+def epilogue_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
     return {
         "swizzled": config,
         "plain": dataclasses.replace(config, swizzled_epilogue=False),
     }
 
 
-def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> str:
+def schedule_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The config, then the persistent pipeline and 2-CTA clusters alone and together.
+
+    The persistent pipeline cannot keep a wgmma in flight through the pipeline's stages
+    (the FP8 config's best setting) and needs whole rounds of stages per tile (64 K steps
+    for bf16, 32 for FP8 with K = 4096): those variants drop the wgmma in flight and use 4
+    stages, with one epilogue buffer so that bf16's 4 stages fit in shared memory.
+    """
+    replace = dataclasses.replace
+    persistent_base = replace(
+        config,
+        max_concurrent_steps=4,
+        epilogue_buffers=1 if config.tile_k == 64 else config.epilogue_buffers,
+        wgmma_in_flight=0,
+    )
+    variants = {"best so far": config}
+    if persistent_base != config:
+        variants["4 stages, no wgmma in flight"] = persistent_base
+    variants["persistent"] = replace(persistent_base, persistent_pipeline=True)
+    variants["cluster 2"] = replace(config, cluster_n=2)
+    variants["cluster 2 + persistent"] = replace(
+        persistent_base, persistent_pipeline=True, cluster_n=2
+    )
+    return variants
+
+
+VARIANT_SETS = {"epilogue": epilogue_variants, "schedule": schedule_variants}
+
+
+def main(
+    out_dir: str | None = None,
+    small: bool = False,
+    rounds: int = 15,
+    variants: str = "epilogue",
+) -> str:
+    if variants not in VARIANT_SETS:
+        raise ValueError(f"variants must be one of {sorted(VARIANT_SETS)}, got {variants!r}")
+    variant_configs = VARIANT_SETS[variants]
     shapes, dense_size, interpret = SHAPES, DENSE_SIZE, False
     bf16_config, fp8_config, block_config = BF16_CONFIG, FP8_CONFIG, BLOCK_CONFIG
     if small:
         shapes = {"G8 balanced": (2, 256, 256, 256, [128, 128])}
         dense_size, interpret, rounds = 256, True, 2
-        tiny = dict(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=2, grid_tile_width=1)
+        tiny = dict(tile_m=64, tile_n=64, num_sms=2, grid_tile_width=1)
         bf16_config = dataclasses.replace(bf16_config, **tiny)
         fp8_config = dataclasses.replace(fp8_config, **tiny)
         block_config = dataclasses.replace(block_config, **{**tiny, "tile_n": 128})
@@ -61,6 +107,20 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
     rows = []
 
     def run_case(case: str, flops: float, candidates: dict) -> None:
+        # Every variant computes the same sums in the same order: same bits as the first.
+        kernels = [name for name in candidates if not name.startswith("XLA")]
+        first_fn, first_args = candidates[kernels[0]]
+        expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
+        same_bits = {
+            name: bool(
+                np.array_equal(
+                    np.asarray(candidates[name][0](*candidates[name][1][0]).astype(jnp.float32)),
+                    expected,
+                    equal_nan=True,
+                )
+            )
+            for name in kernels
+        }
         seconds = interleaved_seconds(
             candidates,
             rounds=rounds,
@@ -68,8 +128,17 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
             warmup_seconds=0.0 if small else 1.0,
         )
         for name, value in seconds.items():
-            rows.append(dict(case=case, variant=name, ms=value * 1e3, tflops=flops / value / 1e12))
-            print(f"{case:34s} {name:22s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
+            same = same_bits.get(name)
+            rows.append(
+                dict(
+                    case=case,
+                    variant=name,
+                    ms=value * 1e3,
+                    tflops=flops / value / 1e12,
+                    same_bits=same,
+                )
+            )
+            print(f"{case:34s} {name:30s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f} {same}")
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         flops = 2 * m * k * n
@@ -83,7 +152,7 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
                 ),
                 [(x["lhs"], x["rhs"], x["sizes"]) for x in sets],
             )
-            for name, c in _pair(bf16_config).items()
+            for name, c in variant_configs(bf16_config).items()
         }
         run_case(f"{shape} fwd bf16", flops, {**candidates, "XLA dense bf16": xla_dense})
         candidates = {
@@ -98,7 +167,7 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
                     for x in sets
                 ],
             )
-            for name, c in _pair(fp8_config).items()
+            for name, c in variant_configs(fp8_config).items()
         }
         run_case(f"{shape} fwd fp8 rowwise", flops, {**candidates, "XLA dense bf16": xla_dense})
         block_sets = [
@@ -120,7 +189,7 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
                 ),
                 block_sets,
             )
-            for name, c in _pair(block_config).items()
+            for name, c in variant_configs(block_config).items()
         }
         run_case(f"{shape} fwd fp8 block", flops, {**candidates, "XLA dense bf16": xla_dense})
         del sets, dense_sets, block_sets, candidates, xla_dense
@@ -141,7 +210,7 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
             ),
             [(a8, a_scale, b8, b_scale)],
         )
-        for name, c in _pair(block_config).items()
+        for name, c in variant_configs(block_config).items()
     }
     candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [(a16, b16)])
     run_case(f"dense {size}^3", 2 * size**3, candidates)
@@ -149,16 +218,21 @@ def main(out_dir: str | None = None, small: bool = False, rounds: int = 15) -> s
     lines = [
         f"Device: {device_description()}; {rounds} alternating rounds per case.",
         "",
-        "| case | variant | ms | TFLOP/s |",
-        "|---|---|---:|---:|",
-        *(f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} |" for r in rows),
+        "| case | variant | ms | TFLOP/s | same bits as the first |",
+        "|---|---|---:|---:|---|",
+        *(
+            f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+            f"{'' if r['same_bits'] is None else ('yes' if r['same_bits'] else '**NO**')} |"
+            for r in rows
+        ),
     ]
-    return report(out_dir, "grouped_epilogue_ab", rows, "\n".join(lines) + "\n")
+    return report(out_dir, f"grouped_ab_{variants}", rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--variants", default="epilogue", choices=sorted(VARIANT_SETS))
     args = parser.parse_args()
-    main(args.out, small=args.small)
+    main(args.out, small=args.small, variants=args.variants)
