@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -65,6 +66,14 @@ def interpret_params(interpret: bool):
         raise TypeError(f"interpret must be a bool, got {interpret!r}")
     # Unwritten outputs come back NaN / all-ones in the interpreter, so tests catch them.
     return plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None
+
+
+def interpreting(interpret: bool) -> bool:
+    """Whether the kernel will run in Mosaic GPU's interpreter: asked for, or forced by
+    `plgpu.force_gpu_interpret_mode` (which the benchmarks' CPU smoke runs use). Kernels whose
+    hardware path leans on PTX semantics the interpreter does not share (a saturating FP8 cast)
+    keep their interpreter-exact path there."""
+    return interpret or jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def vector_for(dtype) -> int:
@@ -380,12 +389,33 @@ def split_refs(refs, config: TileConfig, cols: int, outputs=()) -> tuple[list, t
     return list(refs[:-n_scratch]), tuple(refs[-n_scratch:])
 
 
-def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body, outputs=()) -> None:
+# Name of the warpgroup axis of kernels launched with several warpgroups per CTA.
+WARPGROUP_AXIS = "wg"
+
+
+def for_each_tile(
+    x_gmem,
+    scratch,
+    config: TileConfig,
+    cols: int,
+    body,
+    outputs=(),
+    *,
+    warpgroup_per_output: bool = False,
+) -> None:
     """Run `body(x_smem, m0, k0, dests)` on each of this CTA's tiles of x (first row m0, column
     k0) with the tile in shared memory (see `tile_transforms`). `outputs` pairs each global
     code array (uint8: FP8 codes are bitcast outside the kernel) with its `DataOutput`;
     `dests` gives the body one `TileDest` per output, staged in shared memory and copied out
-    by TMA when `config.stage_outputs`."""
+    by TMA when `config.stage_outputs`.
+
+    `warpgroup_per_output`: the CTA has one warpgroup per output (launched by `run_tiles` with
+    `warpgroups=len(outputs)`, one-tile CTAs only). Warpgroup 0 loads the tile; every warpgroup
+    waits for it, then warpgroup w runs `body` with `dests[w]` only (the others are None) and
+    stores output w itself, so the copies are quantized concurrently from one shared tile."""
+    if warpgroup_per_output:
+        _for_each_tile_by_warpgroup(x_gmem, scratch, config, cols, body, outputs)
+        return
     tm, tk = config.tile_m, config.tile_k
     steps = config.steps(cols)
     staged = _staged(config, outputs)
@@ -443,6 +473,46 @@ def for_each_tile(x_gmem, scratch, config: TileConfig, cols: int, body, outputs=
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _for_each_tile_by_warpgroup(x_gmem, scratch, config: TileConfig, cols: int, body, outputs):
+    if config.steps(cols) != 1:
+        raise ValueError("one warpgroup per output needs one-tile CTAs (steps_per_cta=1)")
+    tm, tk = config.tile_m, config.tile_k
+    staged = _staged(config, outputs)
+    i, j = lax.axis_index("m"), lax.axis_index("k")
+    warpgroup = lax.axis_index(WARPGROUP_AXIS)
+    x_smem, barrier, *out_smems = scratch
+    m0, k0 = i * tm, j * tk
+
+    # One warpgroup issues the load: in lane semantics all 128 threads of the issuing
+    # warpgroup arrive on the barrier, which expects exactly one warpgroup's arrivals.
+    @pl.when(warpgroup == 0)
+    def _load():
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)], x_smem, barrier)
+
+    # Waiting does not arrive, so every warpgroup can wait on the same barrier.
+    plgpu.barrier_wait(barrier)
+    for w, (gmem, out) in enumerate(outputs):
+
+        @pl.when(warpgroup == w)
+        def _quantize(w=w, gmem=gmem, out=out):
+            rows, width = out.block(config)
+            if staged:
+                dest = TileDest(out_smems[w], 0, 0, rows)
+            else:
+                line0, col0 = (k0, m0) if out.columnwise else (m0, k0)
+                dest = TileDest(gmem, line0, col0 // out.elements_per_byte, rows)
+            body(x_smem, m0, k0, [dest if v == w else None for v in range(len(outputs))])
+            if staged:
+                # commit_smem fences and syncs this warpgroup only (a named barrier): the
+                # copy is issued, and later waited for, by one thread of this warpgroup.
+                plgpu.commit_smem()
+                bi, bj = out.block_index(i, j)
+                plgpu.copy_smem_to_gmem(
+                    out_smems[w], gmem.at[pl.ds(bi * rows, rows), pl.ds(bj * width, width)]
+                )
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def resolve_config(config, config_type: type) -> TileConfig:
     """`config`, or the kernel's defaults when None; a TypeError naming the expected type."""
     if config is None:
@@ -455,14 +525,24 @@ def resolve_config(config, config_type: type) -> TileConfig:
 
 
 def run_tiles(
-    kernel, xp, *inputs, out_types, config: TileConfig, outputs, interpret: bool, **options
+    kernel,
+    xp,
+    *inputs,
+    out_types,
+    config: TileConfig,
+    outputs,
+    interpret: bool,
+    warpgroups: int = 1,
+    **options,
 ):
     """Launch a `for_each_tile` kernel on a tile-padded x (its first input; `inputs` follow)
     with the scratch, grid and compiler parameters of `config`. The kernel body is called with
     `config`, `cols` (x's padded width), `in_dtype` (x's dtype) and `options` as keywords.
-    Returns the outputs as a list."""
+    `warpgroups` > 1 launches that many warpgroups per CTA (axis `WARPGROUP_AXIS`; see
+    `for_each_tile(warpgroup_per_output=True)`). Returns the outputs as a list."""
     rows, cols = xp.shape
     body = functools.partial(kernel, config=config, cols=cols, in_dtype=xp.dtype, **options)
+    threads = {} if warpgroups == 1 else dict(num_threads=warpgroups, thread_name=WARPGROUP_AXIS)
     launch = plgpu.kernel(
         body,
         out_type=tuple(out_types),
@@ -470,6 +550,7 @@ def run_tiles(
         interpret=interpret_params(interpret),
         compiler_params=kernel_params(config, cols),
         **tile_grid(rows, cols, config),
+        **threads,
     )
     return list(varying_like(launch(xp, *inputs), xp, *inputs))
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -164,11 +165,41 @@ NAMES = ("rowwise data", "rowwise scale", "columnwise data", "columnwise scale")
 SEEDS = (jnp.uint32(0x1234567), jnp.uint32(0x9ABCDEF))
 
 
-def check_mxfp8(x, fp8_dtype):
+def check_mxfp8(x, fp8_dtype, config=None):
     for got, want, name in zip(
-        run_mxfp8(x, fp8_dtype), ref_mxfp8(x, fp8_dtype), NAMES, strict=True
+        run_mxfp8(x, fp8_dtype, config=config), ref_mxfp8(x, fp8_dtype), NAMES, strict=True
     ):
-        assert_same_bits(got, want, f"mxfp8 {name}")
+        assert_same_bits(got, want, f"mxfp8 {name} ({config})")
+
+
+# The opt-in MXFP8 variants (every one gives the baseline's bits).
+MXFP8_SPLIT = pk.MXFP8QuantizeConfig(split_copies=True)
+MXFP8_LEAN = pk.MXFP8QuantizeConfig(lean_arithmetic=True)
+MXFP8_SPLIT_LEAN = pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=True)
+
+
+def mxfp8_edge_matrix() -> np.ndarray:
+    """Block maxima at and around 448·2^k, zero / NaN / Inf blocks, tiny normal maxima, and an
+    Inf block whose finite values are huge (their codes are x·2^-127: not all ±0)."""
+    x = np.zeros((128, 128), np.float32)
+    peaks = [448.0, 449.0, 500.0, 896.0, 1.0, 2.0**-118, 2.0**-119, 3.0e38, 2.0**-100]
+    for i, peak in enumerate(peaks):
+        for k, p in enumerate(
+            [
+                peak,
+                np.nextafter(np.float32(peak), np.float32(0)),
+                np.nextafter(np.float32(peak), np.float32(np.inf)),
+            ]
+        ):
+            x[i * 3 + k, :32] = np.linspace(-p, p, 32, dtype=np.float32)
+    x[40, 32:64] = np.nan
+    x[41, 64] = np.inf
+    x[42, 96] = -np.inf
+    x[43, 100] = np.nan
+    x[44, 101] = -np.nan
+    x[45, :32] = np.linspace(-3.0e38, 3.0e38, 32, dtype=np.float32)
+    x[45, 7] = np.inf
+    return x
 
 
 def check_nvfp4(x, rht, sr, block=(1, 16), positions=(None, None)):
@@ -196,6 +227,7 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
 
 
 @cpu_only
+@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_LEAN, MXFP8_SPLIT_LEAN])
 @pytest.mark.parametrize(
     "shape, dtype, fp8_dtype, seed",
     [
@@ -204,32 +236,66 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
         ((200, 136), jnp.bfloat16, E4M3, 2),  # padding: neither dim a multiple of 128 (or 32)
     ],
 )
-def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed):
-    check_mxfp8(sample(shape, dtype, seed, block=32), fp8_dtype)
+def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed, config):
+    check_mxfp8(sample(shape, dtype, seed, block=32), fp8_dtype, config)
 
 
 @cpu_only
-def test_mxfp8_interpret_edge_blocks():
-    # Block maxima at and around 448·2^k, zero / NaN / Inf blocks, tiny normal maxima.
-    x = np.zeros((128, 128), np.float32)
-    peaks = [448.0, 449.0, 500.0, 896.0, 1.0, 2.0**-118, 2.0**-119, 3.0e38, 2.0**-100]
-    for i, peak in enumerate(peaks):
-        for k, p in enumerate(
-            [
-                peak,
-                np.nextafter(np.float32(peak), np.float32(0)),
-                np.nextafter(np.float32(peak), np.float32(np.inf)),
-            ]
-        ):
-            x[i * 3 + k, :32] = np.linspace(-p, p, 32, dtype=np.float32)
-    x[40, 32:64] = np.nan
-    x[41, 64] = np.inf
-    x[42, 96] = -np.inf
-    x[43, 100] = np.nan
-    x[44, 101] = -np.nan
+@pytest.mark.parametrize("config", [None, MXFP8_LEAN])
+def test_mxfp8_interpret_edge_blocks(config):
+    x = mxfp8_edge_matrix()
     for fp8_dtype in (E4M3, E5M2):
-        check_mxfp8(jnp.asarray(x), fp8_dtype)
-        check_mxfp8(jnp.asarray(x.T.copy()), fp8_dtype)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            check_mxfp8(jnp.asarray(x).astype(dtype), fp8_dtype, config)
+            check_mxfp8(jnp.asarray(x.T.copy()).astype(dtype), fp8_dtype, config)
+
+
+@cpu_only
+def test_mxfp8_split_copies_variants_interpret():
+    # One copy only (split_copies is ignored: one warpgroup), unstaged outputs with two
+    # warpgroups (each stores its rows straight to global memory), 256-row tiles.
+    x = sample((256, 256), jnp.bfloat16, 4, block=32)
+    want = ref_mxfp8(x, E4M3)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        got = pk.quantize_mxfp8(
+            x,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            config=MXFP8_SPLIT_LEAN,
+            interpret=INTERPRET,
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"split, one copy: mxfp8 {name}")
+    for config in (
+        pk.MXFP8QuantizeConfig(split_copies=True, stage_outputs=False),
+        pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=True, tile_m=256),
+    ):
+        check_mxfp8(x, E4M3, config)
+
+
+def test_mxfp8_scale_byte_without_division_matches_reference():
+    # Every bf16 amax, float32 ones around the subnormal-v thresholds and each 448·2^k,
+    # random float32 ones, Inf and NaN (the exhaustive check over all 2^31 float32 amaxes
+    # was run once with numpy: no mismatch for E4M3 nor E5M2).
+    # (pallas_kernels re-exports the function under the module's name.)
+    kernel_mxfp8 = importlib.import_module("pallas_kernels.quantize_mxfp8")
+    bf16_bits = np.arange(0x8000, dtype=np.uint32) << 16
+    rng = np.random.default_rng(0)
+    near = []
+    for fp8_max in (448.0, 57344.0):
+        edges = list(kernel_mxfp8.subnormal_amax_thresholds(fp8_max))
+        edges += [int(np.float32(fp8_max * 2.0**k).view(np.uint32)) for k in range(-140, 110)]
+        near += [np.arange(e - 3, e + 4, dtype=np.int64) for e in edges]
+    near = np.clip(np.concatenate(near), 0, 0x7FFFFFFF).astype(np.uint32)
+    random_bits = rng.integers(0, 0x7F800000, 1 << 16, dtype=np.uint32)
+    specials = np.array([0x7F800000, 0x7FC00000, 0x7FFFFFFF], np.uint32)
+    amax_bits = jnp.asarray(np.concatenate([bf16_bits, near, random_bits, specials]))
+    for fp8_dtype in (E4M3, E5M2):
+        fp8_max = float(jnp.finfo(fp8_dtype).max)
+        got = kernel_mxfp8.e8m0_scale_byte_without_division(amax_bits, fp8_max)
+        want = mxfp8.e8m0_from_amax(jax.lax.bitcast_convert_type(amax_bits, jnp.float32), fp8_max)
+        assert_same_bits(got.astype(jnp.uint8), want, f"{fp8_dtype} E8M0 byte")
 
 
 @cpu_only
@@ -382,6 +448,12 @@ def test_wrappers_reject_bad_arguments():
         pk.NVFP4QuantizeConfig(tile_k=128.0)
     with pytest.raises(TypeError, match="config must be None or of type MXFP8QuantizeConfig"):
         pk.quantize_mxfp8(x, config=pk.NVFP4QuantizeConfig())
+    with pytest.raises(TypeError, match="split_copies must be a bool"):
+        pk.MXFP8QuantizeConfig(split_copies=1)
+    with pytest.raises(TypeError, match="lean_arithmetic must be a bool"):
+        pk.MXFP8QuantizeConfig(lean_arithmetic="yes")
+    with pytest.raises(ValueError, match="split_copies needs one-tile CTAs"):
+        pk.MXFP8QuantizeConfig(split_copies=True, steps_per_cta=2)
     with pytest.raises(ValueError, match="rowwise_amax is required"):
         pk.quantize_nvfp4(x)
     with pytest.raises(ValueError, match="columnwise_seed is required"):
@@ -485,6 +557,26 @@ CROSS_LOWERED = {
     "mxfp8 e5m2 col": (
         lambda x: pk.quantize_mxfp8(x, rowwise=False, columnwise=True, fp8_dtype=E5M2),
         jnp.float32,
+    ),
+    "mxfp8 row+col split copies": (
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_SPLIT),
+        jnp.bfloat16,
+    ),
+    "mxfp8 row+col lean arithmetic": (
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_LEAN),
+        jnp.bfloat16,
+    ),
+    "mxfp8 e5m2 row+col split + lean": (
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, fp8_dtype=E5M2, config=MXFP8_SPLIT_LEAN),
+        jnp.float32,
+    ),
+    "mxfp8 row+col split, unstaged, 256-row tiles": (
+        lambda x: pk.quantize_mxfp8(
+            x,
+            columnwise=True,
+            config=pk.MXFP8QuantizeConfig(split_copies=True, stage_outputs=False, tile_m=256),
+        ),
+        jnp.bfloat16,
     ),
     "mxfp8 row 256x256 tiles": (
         lambda x: pk.quantize_mxfp8(x, config=pk.MXFP8QuantizeConfig(**_TILE_256)),
@@ -665,6 +757,11 @@ def gpu_inputs(dtype, seed, block):
         (jnp.bfloat16, E4M3, PIPELINED["mxfp8"]),
         (jnp.bfloat16, E5M2, pk.MXFP8QuantizeConfig(tile_m=256, tile_k=128)),
         (jnp.bfloat16, E4M3, pk.MXFP8QuantizeConfig(stage_outputs=False)),
+        (jnp.bfloat16, E4M3, MXFP8_SPLIT),
+        (jnp.bfloat16, E4M3, MXFP8_LEAN),
+        (jnp.float32, E5M2, MXFP8_LEAN),
+        (jnp.bfloat16, E4M3, MXFP8_SPLIT_LEAN),
+        (jnp.float32, E5M2, MXFP8_SPLIT_LEAN),
     ],
 )
 def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
@@ -674,6 +771,27 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
         got = run_mxfp8(x, fp8_dtype, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"mxfp8 {name}")
+
+
+@gpu_cases
+@pytest.mark.parametrize("config", [None, MXFP8_LEAN, MXFP8_SPLIT_LEAN])
+def test_gpu_mxfp8_edge_blocks_bit_exact(config):
+    # lean_arithmetic's hardware-only path (no clip, no NaN fix-up, one subnormal multiplier
+    # for Inf blocks) meets the blocks it depends on: Inf blocks with huge finite values, NaN
+    # blocks of both signs, maxima at 448·2^k ± 1 ulp. Against the CPU reference too.
+    x = mxfp8_edge_matrix()
+    for fp8_dtype in (E4M3, E5M2):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for matrix in (x, x.T.copy()):
+                v = jnp.asarray(matrix).astype(dtype)
+                want_cpu = ref_mxfp8(jax.device_put(v, jax.devices("cpu")[0]), fp8_dtype)
+                poison_device_memory(4 * v.size)
+                got = run_mxfp8(v, fp8_dtype, config=config)
+                for g, w, w_cpu, name in zip(
+                    got, ref_mxfp8(v, fp8_dtype), want_cpu, NAMES, strict=True
+                ):
+                    assert_same_bits(g, w, f"mxfp8 edge {name} ({config})")
+                    assert_same_bits(g, w_cpu, f"mxfp8 edge {name} vs CPU ({config})")
 
 
 @gpu_cases

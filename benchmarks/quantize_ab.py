@@ -1,0 +1,180 @@
+"""MXFP8 row+col quantize: the default kernel against its opt-in variants, timed in alternation.
+
+    PYTHONPATH=. python3 benchmarks/quantize_ab.py OUT_DIR [--small]
+
+For bf16 inputs of each shape, the candidates are the default `MXFP8QuantizeConfig` (the
+baseline), each variant (`split_copies`, `lean_arithmetic`, both), the row+col E4M3 cast
+skeleton of bench_quantize.py (the same tiles, loads and stores without block scaling: the
+ceiling of this structure) and XLA's `x + 1` (the copy floor). They are timed with
+`benchmarks.timing.interleaved_seconds` (batches of calls, alternating between candidates, so
+clock drift hits all alike). Before timing, each variant's four outputs are compared with the
+baseline's on the device, bit for bit, on the timed input and on one with NaN / Inf / huge /
+tiny / zero blocks; the "bits" column records the result (a variant that differs or fails is
+not timed).
+
+Effective TB/s = (x read once + codes and scale bytes written once) / time, as in
+bench_quantize.py. `--small`: small shapes (on the GPU; where there is none, tiny shapes in
+Mosaic GPU's interpreter, a smoke test whose times mean nothing). Writes
+OUT_DIR/quantize_ab.json and OUT_DIR/quantize_ab.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kernels as pk
+from benchmarks.bench_quantize import pallas_cast_skeleton
+from benchmarks.timing import device_description, interleaved_seconds, report
+
+SHAPES = ((8192, 8192), (16384, 4096))
+SMALL_SHAPES = ((2048, 2048), (4096, 1024))
+INTERPRETED_SHAPES = ((256, 256),)
+BASELINE = "baseline (default config)"
+VARIANTS: dict[str, pk.MXFP8QuantizeConfig] = {
+    BASELINE: pk.MXFP8QuantizeConfig(),
+    "split_copies": pk.MXFP8QuantizeConfig(split_copies=True),
+    "lean_arithmetic": pk.MXFP8QuantizeConfig(lean_arithmetic=True),
+    "split_copies + lean_arithmetic": pk.MXFP8QuantizeConfig(
+        split_copies=True, lean_arithmetic=True
+    ),
+}
+SKELETON = "row+col e4m3 cast skeleton"
+XLA_COPY = "x + 1 (XLA fusion)"
+
+
+def mxfp8_row_col(config: pk.MXFP8QuantizeConfig) -> Callable:
+    return jax.jit(lambda x: pk.quantize_mxfp8(x, rowwise=True, columnwise=True, config=config))
+
+
+def mxfp8_bytes(rows: int, cols: int) -> int:
+    """x (bf16) read once; both copies' codes (1 byte each) and scale bytes written once."""
+    n = rows * cols
+    return 2 * n + 2 * (n + n // 32)
+
+
+def with_special_blocks(x: jax.Array) -> jax.Array:
+    """x with blocks the scale and cast shortcuts must get right: NaN of both signs, ±Inf among
+    huge finite values, a zero block, tiny and bf16-subnormal maxima."""
+    huge = jnp.linspace(-3.0e38, 3.0e38, 32, dtype=jnp.float32).astype(x.dtype)
+    x = x.at[0, 3].set(jnp.nan).at[1, 40].set(-jnp.nan)
+    x = x.at[2, :32].set(huge).at[2, 5].set(jnp.inf).at[3, 64].set(-jnp.inf)
+    x = x.at[4, :32].set(0).at[5, :32].set(x[5, :32] * 2.0**-120)
+    return x.at[6, :32].set(x[6, :32] * 2.0**-130).at[:32, 7].set(jnp.inf)
+
+
+def _as_bytes(a: jax.Array) -> jax.Array:
+    return a if a.dtype == jnp.uint8 else lax.bitcast_convert_type(a, jnp.uint8)
+
+
+def bits_verdict(fn: Callable, baseline: Callable, inputs: list[jax.Array]) -> str:
+    """'identical', or which output differs where, comparing on the device."""
+    names = ("rowwise data", "rowwise scale", "columnwise data", "columnwise scale")
+    for which, x in enumerate(inputs):
+        for name, got, want in zip(names, fn(x), baseline(x), strict=True):
+            differ = np.asarray(_as_bytes(got) != _as_bytes(want))
+            if differ.any():
+                first = tuple(int(i) for i in np.argwhere(differ)[0])
+                return (
+                    f"DIFFER: {name}, {int(differ.sum())} bytes, first at {first} (input {which})"
+                )
+    return "identical"
+
+
+def run_shape(shape: tuple[int, int], timing: dict) -> list[dict]:
+    rows, cols = shape
+    keys = jax.random.split(jax.random.key(1), 2)
+    # Two inputs, alternated, so a call doesn't find the previous call's x in L2.
+    inputs = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys]
+    checks = [inputs[0], with_special_blocks(inputs[0])]
+    baseline = mxfp8_row_col(VARIANTS[BASELINE])
+    out, candidates = [], {}
+    for name, config in VARIANTS.items():
+        row = dict(shape=f"{rows}x{cols}", variant=name, config=repr(config))
+        row["bytes"] = mxfp8_bytes(rows, cols)
+        fn = mxfp8_row_col(config)
+        try:
+            row["bits"] = "baseline" if name == BASELINE else bits_verdict(fn, baseline, checks)
+        except Exception as err:  # report and keep going: one variant must not hide the rest
+            row["bits"] = f"FAILED: {type(err).__name__}: {str(err)[:300]}"
+        if row["bits"] in ("baseline", "identical"):
+            candidates[name] = (fn, [(x,) for x in inputs])
+        out.append(row)
+    # Structure ceilings: bytes are what they read and write (2 + 2 per element, bf16 in).
+    for name, fn in (
+        (SKELETON, jax.jit(pallas_cast_skeleton)),
+        (XLA_COPY, jax.jit(lambda v: v + 1)),
+    ):
+        row = dict(shape=f"{rows}x{cols}", variant=name, config="", bits="—", bytes=4 * rows * cols)
+        try:
+            jax.block_until_ready(fn(inputs[0]))
+            candidates[name] = (fn, [(x,) for x in inputs])
+        except Exception as err:
+            row["bits"] = f"FAILED: {type(err).__name__}: {str(err)[:300]}"
+        out.append(row)
+    seconds = interleaved_seconds(candidates, **timing)
+    base_s = seconds.get(BASELINE)
+    for row in out:
+        s = seconds.get(row["variant"])
+        row["us"] = None if s is None else s * 1e6
+        row["tb_s"] = None if s is None else row["bytes"] / s / 1e12
+        row["vs_baseline"] = None if s is None or base_s is None else base_s / s
+        print(
+            f"  {row['shape']} {row['variant']:34s} "
+            + (f"{row['us']:8.1f} us {row['tb_s']:5.2f} TB/s " if s else "  (not timed) ")
+            + row["bits"],
+            flush=True,
+        )
+    return out
+
+
+def format_table(rows: list[dict], device: str) -> str:
+    lines = [
+        f"MXFP8 E4M3 row+col quantize of bf16 x, variants timed in alternation on {device}.",
+        "Effective TB/s: x read once + codes and scales written once (ceilings: their own bytes).",
+        "",
+        "| shape | variant | time (µs) | effective TB/s | vs baseline | bits vs baseline |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        us = f"{r['us']:.1f}" if r["us"] is not None else "—"
+        tb = f"{r['tb_s']:.2f}" if r["tb_s"] is not None else "—"
+        speedup = f"{r['vs_baseline']:.3f}×" if r["vs_baseline"] is not None else "—"
+        lines.append(f"| {r['shape']} | {r['variant']} | {us} | {tb} | {speedup} | {r['bits']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, *, small: bool = False) -> str:
+    """Time every candidate on each shape; write the rows and table under `out_dir`."""
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if on_gpu:
+        shapes = SMALL_SHAPES if small else SHAPES
+        timing = dict(rounds=5, calls_per_batch=5) if small else {}
+        interpret = contextlib.nullcontext()
+    elif small:
+        shapes, timing = INTERPRETED_SHAPES, dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+        interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    else:
+        raise RuntimeError("quantize_ab times the H200 kernels: run it on a GPU (or --small)")
+    device = device_description()
+    print(f"device: {device}", flush=True)
+    rows = []
+    with interpret:
+        for shape in shapes:
+            rows += run_shape(shape, timing)
+    return report(out_dir, "quantize_ab", rows, format_table(rows, device))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", default=None)
+    parser.add_argument("--small", action="store_true", help="small shapes (smoke test)")
+    args = parser.parse_args()
+    main(args.out_dir, small=args.small)
