@@ -56,7 +56,17 @@ SHAPES = {
 
 
 def fwd_config(
-    tm, tn, tk, steps, epi, minor=0, width=8, in_flight=1, buffers=1, swizzled_epilogue=True
+    tm,
+    tn,
+    tk,
+    steps,
+    epi,
+    minor=0,
+    width=8,
+    in_flight=1,
+    buffers=1,
+    swizzled_epilogue=True,
+    persistent=False,
 ):
     return GroupedMatmulConfig(
         tile_m=tm,
@@ -69,13 +79,16 @@ def fwd_config(
         wgmma_in_flight=in_flight,
         epilogue_buffers=buffers,
         swizzled_epilogue=swizzled_epilogue,
+        persistent_pipeline=persistent,
     )
 
 
 def fwd_label(kind: str, cfg: GroupedMatmulConfig) -> str:
-    """Row name of a forward config: its CTA tile, and the epilogue when it is the plain one."""
+    """Row name of a forward config: its CTA tile, the epilogue when it is the plain one, and
+    the persistent pipeline when it is on."""
     plain = "" if cfg.swizzled_epilogue else ", plain epilogue"
-    return f"pallas {kind} {cfg.tile_m}x{2 * cfg.tile_n}{plain}"
+    persistent = ", persistent" if cfg.persistent_pipeline else ""
+    return f"pallas {kind} {cfg.tile_m}x{2 * cfg.tile_n}{plain}{persistent}"
 
 
 def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4, buffers=2):
@@ -112,11 +125,13 @@ FP8_FWD_CONFIGS = [
     fwd_config(128, 128, 128, 4, 64, swizzled_epilogue=False),
     fwd_config(128, 128, 128, 3, 64, in_flight=0, buffers=2),
     fwd_config(128, 128, 128, 4, 64, in_flight=0),
+    fwd_config(128, 128, 128, 4, 64, in_flight=0, width=16),
     fwd_config(128, 128, 128, 4, 64, width=16),
     fwd_config(128, 128, 128, 4, 64, minor=1),
 ]
 BLOCK_CONFIGS = [
     fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2),
+    fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2, persistent=True),
     fwd_config(64, 128, 128, 4, 64, in_flight=0, buffers=2, swizzled_epilogue=False),
     fwd_config(64, 128, 128, 4, 64, buffers=2),
     fwd_config(64, 128, 128, 4, 64, minor=1, buffers=2),
