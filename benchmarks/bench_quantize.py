@@ -307,6 +307,20 @@ def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int
         dict(steps_per_cta=4, max_concurrent_steps=2),
         dict(steps_per_cta=8, max_concurrent_steps=3),
     ]
+    for label, cfg in (
+        ("exact arithmetic", pk.MXFP8QuantizeConfig(lean_arithmetic=False)),
+        ("split copies", pk.MXFP8QuantizeConfig(split_copies=True)),
+    ):
+        out.append(
+            (
+                "mxfp8 e4m3",
+                f"row+col, {label}",
+                "pallas",
+                lambda v, c=cfg: pk.quantize_mxfp8(v, columnwise=True, config=c),
+                (x,),
+                xb + 2 * (n + n // 32),
+            )
+        )
     out.append(
         (
             "copy",

@@ -172,10 +172,10 @@ def check_mxfp8(x, fp8_dtype, config=None):
         assert_same_bits(got, want, f"mxfp8 {name} ({config})")
 
 
-# The opt-in MXFP8 variants (every one gives the baseline's bits).
+# MXFP8 variants besides the default (lean_arithmetic on): every one gives the same bits.
 MXFP8_SPLIT = pk.MXFP8QuantizeConfig(split_copies=True)
-MXFP8_LEAN = pk.MXFP8QuantizeConfig(lean_arithmetic=True)
-MXFP8_SPLIT_LEAN = pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=True)
+MXFP8_EXACT = pk.MXFP8QuantizeConfig(lean_arithmetic=False)
+MXFP8_SPLIT_EXACT = pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=False)
 
 
 def mxfp8_edge_matrix() -> np.ndarray:
@@ -227,7 +227,7 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_LEAN, MXFP8_SPLIT_LEAN])
+@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_EXACT, MXFP8_SPLIT_EXACT])
 @pytest.mark.parametrize(
     "shape, dtype, fp8_dtype, seed",
     [
@@ -241,7 +241,7 @@ def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed, config):
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_LEAN])
+@pytest.mark.parametrize("config", [None, MXFP8_EXACT])
 def test_mxfp8_interpret_edge_blocks(config):
     x = mxfp8_edge_matrix()
     for fp8_dtype in (E4M3, E5M2):
@@ -261,7 +261,7 @@ def test_mxfp8_split_copies_variants_interpret():
             x,
             rowwise=rowwise,
             columnwise=columnwise,
-            config=MXFP8_SPLIT_LEAN,
+            config=MXFP8_SPLIT_EXACT,
             interpret=INTERPRET,
         )
         for g, w, name in zip(got, want, NAMES, strict=True):
@@ -563,11 +563,11 @@ CROSS_LOWERED = {
         jnp.bfloat16,
     ),
     "mxfp8 row+col lean arithmetic": (
-        lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_LEAN),
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_EXACT),
         jnp.bfloat16,
     ),
     "mxfp8 e5m2 row+col split + lean": (
-        lambda x: pk.quantize_mxfp8(x, columnwise=True, fp8_dtype=E5M2, config=MXFP8_SPLIT_LEAN),
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, fp8_dtype=E5M2, config=MXFP8_SPLIT_EXACT),
         jnp.float32,
     ),
     "mxfp8 row+col split, unstaged, 256-row tiles": (
@@ -758,10 +758,10 @@ def gpu_inputs(dtype, seed, block):
         (jnp.bfloat16, E5M2, pk.MXFP8QuantizeConfig(tile_m=256, tile_k=128)),
         (jnp.bfloat16, E4M3, pk.MXFP8QuantizeConfig(stage_outputs=False)),
         (jnp.bfloat16, E4M3, MXFP8_SPLIT),
-        (jnp.bfloat16, E4M3, MXFP8_LEAN),
-        (jnp.float32, E5M2, MXFP8_LEAN),
-        (jnp.bfloat16, E4M3, MXFP8_SPLIT_LEAN),
-        (jnp.float32, E5M2, MXFP8_SPLIT_LEAN),
+        (jnp.bfloat16, E4M3, MXFP8_EXACT),
+        (jnp.float32, E5M2, MXFP8_EXACT),
+        (jnp.bfloat16, E4M3, MXFP8_SPLIT_EXACT),
+        (jnp.float32, E5M2, MXFP8_SPLIT_EXACT),
     ],
 )
 def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
@@ -774,7 +774,7 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, MXFP8_LEAN, MXFP8_SPLIT_LEAN])
+@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT])
 def test_gpu_mxfp8_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up, one subnormal multiplier
     # for Inf blocks) meets the blocks it depends on: Inf blocks with huge finite values, NaN
