@@ -392,25 +392,37 @@ def _format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CASE_GROUPS = ("headline", "extra", "sweep")
+
+
 def main(
     out_dir: str | os.PathLike | None = None,
     *,
     small: bool = False,
     budget_s: float | None = None,
+    cases: tuple[str, ...] = CASE_GROUPS,
 ) -> str:
-    """Run every case on both shapes; write JSON and a markdown table under `out_dir` and return
-    the table. `small`: one 256×256 shape, few runs (a smoke test; kernels run in Mosaic GPU's
+    """Run the case groups `cases` (headline cases on both shapes, extra cases and the config
+    sweep on the first); write JSON and a markdown table under `out_dir` and return the table.
+    `small`: one 256×256 shape, few runs (a smoke test; kernels run in Mosaic GPU's
     interpreter where there is no GPU). `budget_s` (default: env BENCH_BUDGET_S, else none)
     stops starting new cases after that many seconds, so a time-limited run still reports."""
+    unknown = sorted(set(cases) - set(CASE_GROUPS))
+    if unknown or not cases:
+        raise ValueError(f"cases must be a non-empty subset of {list(CASE_GROUPS)}, got {unknown}")
     if small and jax.devices()[0].platform != "gpu":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return _run(out_dir, ((256, 256),), iters=2, budget_s=budget_s)
+            return _run(out_dir, ((256, 256),), iters=2, budget_s=budget_s, cases=cases)
     return _run(
-        out_dir, ((256, 256),) if small else SHAPES, iters=3 if small else 30, budget_s=budget_s
+        out_dir,
+        ((256, 256),) if small else SHAPES,
+        iters=3 if small else 30,
+        budget_s=budget_s,
+        cases=cases,
     )
 
 
-def _run(out_dir, shapes, *, iters: int, budget_s: float | None) -> str:
+def _run(out_dir, shapes, *, iters: int, budget_s: float | None, cases: tuple[str, ...]) -> str:
     if budget_s is None and os.environ.get("BENCH_BUDGET_S"):
         budget_s = float(os.environ["BENCH_BUDGET_S"])
     start = time.time()
@@ -419,10 +431,13 @@ def _run(out_dir, shapes, *, iters: int, budget_s: float | None) -> str:
     rows: list[dict] = []
     schedule = []
     # Most important first: a time budget cuts from the end.
-    for shape in shapes:
-        schedule.append((shape, headline_cases))
-    schedule.append((shapes[0], extra_cases))
-    schedule.append((shapes[0], config_sweep))
+    if "headline" in cases:
+        for shape in shapes:
+            schedule.append((shape, headline_cases))
+    if "extra" in cases:
+        schedule.append((shapes[0], extra_cases))
+    if "sweep" in cases:
+        schedule.append((shapes[0], config_sweep))
     for shape, make in schedule:
         x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
         for group, name, impl, fn, args, nbytes in make(x):
@@ -468,4 +483,10 @@ def _run(out_dir, shapes, *, iters: int, budget_s: float | None) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    # bench_quantize.py [OUT_DIR] [--cases=headline,extra,sweep]
+    positional = [a for a in sys.argv[1:] if not a.startswith("--cases=")]
+    selected = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--cases=")]
+    main(
+        positional[0] if positional else None,
+        cases=tuple(selected[-1].split(",")) if selected else CASE_GROUPS,
+    )

@@ -93,3 +93,12 @@ def test_quantize_ab_runs_small(tmp_path):
         if r["config"] and r["variant"] != quantize_ab.BASELINE
     )
     assert all(r["us"] > 0 for r in rows) and "| split_copies |" in text
+
+
+def test_quantize_benchmark_runs_one_case_group_and_names_bad_ones(tmp_path):
+    from benchmarks import bench_quantize
+
+    with pytest.raises(ValueError, match="cases must be a non-empty subset"):
+        bench_quantize.main(str(tmp_path), small=True, cases=("sweep", "all"))
+    with pytest.raises(ValueError, match="cases must be a non-empty subset"):
+        bench_quantize.main(str(tmp_path), small=True, cases=())
