@@ -1,9 +1,10 @@
 """Dense (one-group) NT GEMMs on Hopper through the grouped kernels.
 
 ``out = lhs @ rhsᵀ`` with ``lhs (M, K)`` and ``rhs (N, K)`` both K-major, i.e. the
-grouped kernels with ``G = 1`` and ``group_sizes = [M]``. The single-group schedule
-costs one extra (empty) row-tile visit per column tile, which the kernels skip, so
-there is no separate dense kernel to maintain. ``jax_qtrain.dense`` uses these on GPU.
+grouped kernels with ``G = 1`` and ``group_sizes = [M]`` (the kernels loop over the
+group's row tiles only), so there is no separate dense kernel to maintain.
+``jax_qtrain.dense`` uses these on GPU. The block-FP8 GEMM's default config keeps its
+pipeline running across tiles (``persistent_pipeline``), measured faster for dense shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
+    fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
@@ -89,6 +91,9 @@ def dense_matmul_fp8_block(
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 2)
     common.check_rank("rhs_scale", rhs_scale, 2)
+    if config is None and jnp.dtype(out_dtype) in common.OUT_DTYPES:
+        # Bad arguments fall through to the grouped wrapper's checks and messages.
+        config = fp8_block_default_config(lhs.shape[1], out_dtype, persistent_pipeline=True)
     return grouped_matmul_fp8_block(
         lhs,
         lhs_scale,

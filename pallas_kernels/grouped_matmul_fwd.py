@@ -481,6 +481,29 @@ def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
     return config.tile_k * (config.tile_m + 2 * config.tile_n)
 
 
+def fp8_block_default_config(
+    k: int, out_dtype: jnp.dtype, *, persistent_pipeline: bool = False
+) -> GroupedMatmulConfig:
+    """The block-FP8 kernel's default config for contraction size ``k``, fitted to SMEM.
+
+    ``persistent_pipeline=True`` keeps the pipeline running across tiles where the K steps
+    allow it (a whole number of rounds of stages); the dense entry point asks for it: on the
+    H200 it made the 8192³ GEMM 3–4% faster in two runs (2026-11-30, interleaved and
+    sequential), while the grouped 8-expert GEMM was 1–2% slower with it.
+    """
+    config = fit_default_config(
+        DEFAULT_FP8_BLOCK_CONFIG,
+        _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG),
+        out_dtype,
+        _block_scale_bytes(DEFAULT_FP8_BLOCK_CONFIG, k),
+    )
+    num_k_steps = k // 128
+    depth = min(config.max_concurrent_steps, num_k_steps)
+    if persistent_pipeline and num_k_steps and num_k_steps % depth == 0:
+        config = dataclasses.replace(config, persistent_pipeline=True)
+    return config
+
+
 def grouped_matmul_fp8_block(
     lhs: jax.Array,
     lhs_scale: jax.Array,
@@ -530,12 +553,7 @@ def grouped_matmul_fp8_block(
     common.check_shape("lhs_scale", lhs_scale, (num_rows, k // 128))
     common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
     if config is None:
-        config = fit_default_config(
-            DEFAULT_FP8_BLOCK_CONFIG,
-            _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG),
-            out_dtype,
-            _block_scale_bytes(DEFAULT_FP8_BLOCK_CONFIG, k),
-        )
+        config = fp8_block_default_config(k, out_dtype)
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     if config.tile_k != 128 or config.tile_n != 128:

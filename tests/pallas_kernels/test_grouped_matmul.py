@@ -843,3 +843,14 @@ def test_fp8_operand_that_is_not_k_major_is_refused():
             jnp.zeros((2,), jnp.int32),
             rhs_layout="kn",
         )
+
+
+def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
+    from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
+
+    # 64 K steps (4 stages: whole rounds) for the dense entry point; never for grouped calls.
+    assert fp8_block_default_config(8192, BF16, persistent_pipeline=True).persistent_pipeline
+    assert not fp8_block_default_config(8192, BF16).persistent_pipeline
+    # 5 K steps are not whole rounds of 4 stages; 3 steps shrink the pipeline to 3 stages.
+    assert not fp8_block_default_config(640, BF16, persistent_pipeline=True).persistent_pipeline
+    assert fp8_block_default_config(384, BF16, persistent_pipeline=True).persistent_pipeline
