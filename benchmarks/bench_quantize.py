@@ -294,7 +294,8 @@ def extra_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]
 
 
 def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]]:
-    """Tile shapes of the two headline kernels (the defaults are 128×128)."""
+    """Tile shapes of the two headline kernels (the defaults are 128×128), and the opt-in
+    arithmetic variants (MXFP8's former exact path, FP8 block's lean one)."""
     n = x.size
     xb = n * x.dtype.itemsize
     amaxes = jax.jit(lambda v: _nvfp4_xla_amaxes(v, True))(x)
@@ -343,6 +344,28 @@ def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int
             xb + 2 * (n + 4 * n // 128),
         )
     )
+    # FP8 block lean_arithmetic (opt-in, same bits) against the default, called directly (the
+    # headline rows go through jax_qtrain.quantize): Float8BlockScaling's inputs (1×128, E4M3,
+    # power-of-2 scales) and weights (128×128).
+    fb_bytes = {(1, 128): xb + 2 * (n + 4 * n // 128), (128, 128): xb + 2 * n + 8 * n // 16384}
+    for block, label, cfg in (
+        ((1, 128), "default (exact arithmetic)", None),
+        ((1, 128), "lean arithmetic", pk.FP8BlockQuantizeConfig(lean_arithmetic=True)),
+        ((128, 128), "default (exact arithmetic)", None),
+        ((128, 128), "lean arithmetic", pk.FP8BlockQuantizeConfig(lean_arithmetic=True)),
+    ):
+        out.append(
+            (
+                f"fp8 block {block[0]}x{block[1]}",
+                f"row+col kernel only, {label}",
+                "pallas",
+                lambda v, b=block, c=cfg: pk.quantize_fp8_block(
+                    v, block_shape=b, columnwise=True, config=c
+                ),
+                (x,),
+                fb_bytes[block],
+            )
+        )
     for variant in variants:
         label = ", ".join(f"{k}={v}" for k, v in variant.items())
         mx_cfg = pk.MXFP8QuantizeConfig(**variant)

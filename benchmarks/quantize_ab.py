@@ -1,6 +1,10 @@
 """MXFP8 row+col quantize: the default kernel against its opt-in variants, timed in alternation.
 
-    PYTHONPATH=. python3 benchmarks/quantize_ab.py OUT_DIR [--small]
+    PYTHONPATH=. python3 benchmarks/quantize_ab.py OUT_DIR [--small] [--kernel KERNEL]
+
+`--kernel fp8_block_1x128` / `fp8_block_128x128`: the FP8 block kernel (E4M3, power-of-2
+scales, row+col) instead, its default against `lean_arithmetic=True`; written to
+OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
 (`lean_arithmetic=False`, the baseline), each variant (`split_copies`, `lean_arithmetic` (now
@@ -45,6 +49,12 @@ VARIANTS: dict[str, pk.MXFP8QuantizeConfig] = {
     "lean_arithmetic (default)": pk.MXFP8QuantizeConfig(),
     "split_copies + lean_arithmetic": pk.MXFP8QuantizeConfig(split_copies=True),
 }
+FP8_BLOCK_BASELINE = "default (exact arithmetic)"
+FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
+    FP8_BLOCK_BASELINE: pk.FP8BlockQuantizeConfig(),
+    "lean_arithmetic": pk.FP8BlockQuantizeConfig(lean_arithmetic=True),
+}
+KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128")
 SKELETON = "row+col e4m3 cast skeleton"
 XLA_COPY = "x + 1 (XLA fusion)"
 
@@ -59,14 +69,55 @@ def mxfp8_bytes(rows: int, cols: int) -> int:
     return 2 * n + 2 * (n + n // 32)
 
 
-def with_special_blocks(x: jax.Array) -> jax.Array:
-    """x with blocks the scale and cast shortcuts must get right: NaN of both signs, ±Inf among
-    huge finite values, a zero block, tiny and bf16-subnormal maxima."""
-    huge = jnp.linspace(-3.0e38, 3.0e38, 32, dtype=jnp.float32).astype(x.dtype)
+def fp8_block_row_col(block: tuple[int, int]) -> Callable:
+    def make(config: pk.FP8BlockQuantizeConfig) -> Callable:
+        return jax.jit(
+            lambda x: pk.quantize_fp8_block(
+                x, block_shape=block, rowwise=True, columnwise=True, config=config
+            )
+        )
+
+    return make
+
+
+def fp8_block_bytes(block: tuple[int, int]) -> Callable[[int, int], int]:
+    """x (bf16) read once; both copies' codes and float32 scales written once."""
+    per_scale = 128 if block == (1, 128) else 128 * 128
+    return lambda rows, cols: 2 * rows * cols + 2 * (rows * cols + 4 * (rows * cols // per_scale))
+
+
+def kernel_setup(kernel: str) -> dict:
+    """What `run_shape` compares for `kernel` (one of KERNELS)."""
+    if kernel == "mxfp8":
+        return dict(
+            title="MXFP8 E4M3",
+            baseline=BASELINE,
+            variants=VARIANTS,
+            make=mxfp8_row_col,
+            nbytes=mxfp8_bytes,
+            width=32,
+        )
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    block = (1, 128) if kernel == "fp8_block_1x128" else (128, 128)
+    return dict(
+        title=f"FP8 block {block[0]}x{block[1]} E4M3 (power-of-2 scales)",
+        baseline=FP8_BLOCK_BASELINE,
+        variants=FP8_BLOCK_VARIANTS,
+        make=fp8_block_row_col(block),
+        nbytes=fp8_block_bytes(block),
+        width=128,
+    )
+
+
+def with_special_blocks(x: jax.Array, width: int = 32) -> jax.Array:
+    """x with blocks (`width` wide) the scale and cast shortcuts must get right: NaN of both
+    signs, ±Inf among huge finite values, a zero block, tiny and bf16-subnormal maxima."""
+    huge = jnp.linspace(-3.0e38, 3.0e38, width, dtype=jnp.float32).astype(x.dtype)
     x = x.at[0, 3].set(jnp.nan).at[1, 40].set(-jnp.nan)
-    x = x.at[2, :32].set(huge).at[2, 5].set(jnp.inf).at[3, 64].set(-jnp.inf)
-    x = x.at[4, :32].set(0).at[5, :32].set(x[5, :32] * 2.0**-120)
-    return x.at[6, :32].set(x[6, :32] * 2.0**-130).at[:32, 7].set(jnp.inf)
+    x = x.at[2, :width].set(huge).at[2, 5].set(jnp.inf).at[3, 64].set(-jnp.inf)
+    x = x.at[4, :width].set(0).at[5, :width].set(x[5, :width] * 2.0**-120)
+    return x.at[6, :width].set(x[6, :width] * 2.0**-130).at[:32, 7].set(jnp.inf)
 
 
 def _as_bytes(a: jax.Array) -> jax.Array:
@@ -87,20 +138,24 @@ def bits_verdict(fn: Callable, baseline: Callable, inputs: list[jax.Array]) -> s
     return "identical"
 
 
-def run_shape(shape: tuple[int, int], timing: dict) -> list[dict]:
+def run_shape(shape: tuple[int, int], timing: dict, kernel: str = "mxfp8") -> list[dict]:
+    setup = kernel_setup(kernel)
     rows, cols = shape
     keys = jax.random.split(jax.random.key(1), 2)
     # Two inputs, alternated, so a call doesn't find the previous call's x in L2.
     inputs = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys]
-    checks = [inputs[0], with_special_blocks(inputs[0])]
-    baseline = mxfp8_row_col(VARIANTS[BASELINE])
+    checks = [inputs[0], with_special_blocks(inputs[0], setup["width"])]
+    baseline_name = setup["baseline"]
+    baseline = setup["make"](setup["variants"][baseline_name])
     out, candidates = [], {}
-    for name, config in VARIANTS.items():
+    for name, config in setup["variants"].items():
         row = dict(shape=f"{rows}x{cols}", variant=name, config=repr(config))
-        row["bytes"] = mxfp8_bytes(rows, cols)
-        fn = mxfp8_row_col(config)
+        row["bytes"] = setup["nbytes"](rows, cols)
+        fn = setup["make"](config)
         try:
-            row["bits"] = "baseline" if name == BASELINE else bits_verdict(fn, baseline, checks)
+            row["bits"] = (
+                "baseline" if name == baseline_name else bits_verdict(fn, baseline, checks)
+            )
         except Exception as err:  # report and keep going: one variant must not hide the rest
             row["bits"] = f"FAILED: {type(err).__name__}: {str(err)[:300]}"
         if row["bits"] in ("baseline", "identical"):
@@ -119,7 +174,7 @@ def run_shape(shape: tuple[int, int], timing: dict) -> list[dict]:
             row["bits"] = f"FAILED: {type(err).__name__}: {str(err)[:300]}"
         out.append(row)
     seconds = interleaved_seconds(candidates, **timing)
-    base_s = seconds.get(BASELINE)
+    base_s = seconds.get(baseline_name)
     for row in out:
         s = seconds.get(row["variant"])
         row["us"] = None if s is None else s * 1e6
@@ -134,9 +189,10 @@ def run_shape(shape: tuple[int, int], timing: dict) -> list[dict]:
     return out
 
 
-def format_table(rows: list[dict], device: str) -> str:
+def format_table(rows: list[dict], device: str, kernel: str = "mxfp8") -> str:
+    title = kernel_setup(kernel)["title"]
     lines = [
-        f"MXFP8 E4M3 row+col quantize of bf16 x, variants timed in alternation on {device}.",
+        f"{title} row+col quantize of bf16 x, variants timed in alternation on {device}.",
         "Effective TB/s: x read once + codes and scales written once (ceilings: their own bytes).",
         "",
         "| shape | variant | time (µs) | effective TB/s | vs baseline | bits vs baseline |",
@@ -150,8 +206,9 @@ def format_table(rows: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, *, small: bool = False) -> str:
+def main(out_dir: str | None = None, *, small: bool = False, kernel: str = "mxfp8") -> str:
     """Time every candidate on each shape; write the rows and table under `out_dir`."""
+    kernel_setup(kernel)  # a bad name fails before anything runs
     on_gpu = jax.devices()[0].platform == "gpu"
     if on_gpu:
         shapes = SMALL_SHAPES if small else SHAPES
@@ -167,13 +224,15 @@ def main(out_dir: str | None = None, *, small: bool = False) -> str:
     rows = []
     with interpret:
         for shape in shapes:
-            rows += run_shape(shape, timing)
-    return report(out_dir, "quantize_ab", rows, format_table(rows, device))
+            rows += run_shape(shape, timing, kernel)
+    name = "quantize_ab" if kernel == "mxfp8" else f"quantize_ab_{kernel}"
+    return report(out_dir, name, rows, format_table(rows, device, kernel))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default=None)
     parser.add_argument("--small", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--kernel", choices=KERNELS, default="mxfp8")
     args = parser.parse_args()
-    main(args.out_dir, small=args.small)
+    main(args.out_dir, small=args.small, kernel=args.kernel)

@@ -10,8 +10,9 @@ Per block, TransformerEngine's `compute_scale_from_amax` as in jax_qtrain/format
   amax = max(amax, eps); scale = fp8_max / amax; Inf → the input dtype's max;
   amax 0 / Inf / NaN → 1; power-of-2: bits &= 0xFF800000; q = sat_RNE(x · scale);
   scale_inv = 1 / scale (exact from bits for powers of two: 2^127 → 2^-127).
-A NaN element keeps its sign in the code (0x7F/0xFF E4M3, 0x7E/0xFE E5M2), like XLA's cast; that
-fix-up only runs in tiles that contain a NaN.
+A NaN element gets the canonical NaN code 0x7F whatever its sign, like the reference's
+`saturating_cast`; that fix-up only runs in tiles that contain a NaN.
+`FP8BlockQuantizeConfig.lean_arithmetic` (opt-in) does the same with fewer operations (see there).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.float32_division import divide
@@ -35,10 +38,28 @@ BLOCK_SHAPES = ((1, 128), (128, 128))
 
 @dataclasses.dataclass(frozen=True)
 class FP8BlockQuantizeConfig(qc.TileConfig):
-    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`)."""
+    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`).
+
+    Attributes (besides `qc.TileConfig`'s):
+      lean_arithmetic (default False until it is timed on the H200): the same bits with fewer
+        operations per element (counted in the lowered module; docs/kernels_quantize.md):
+        power-of-2 scales from amax's exponent and mantissa bits without the float32 division
+        (`pow2_scale_bits_without_division`; non-power-of-2 scales keep the exact division);
+        amaxes of bf16 input on the bf16 bit patterns (16-bit integers, two per register), and
+        no float conversion in the amax pass; columnwise codes converted to FP8 two at a time;
+        for bf16 input, the 1×128 columnwise copy reads shared memory once, keeping a line's
+        128 values in registers as packed bf16 pairs (64 registers) between the amax and the
+        quantization (float32 input keeps the two reads: 128 registers would spill). On the
+        hardware (not in the interpreter) it also leaves saturation and NaN codes to
+        cvt.rn.satfinite (no clip, no NaN fix-up, no per-tile NaN branch).
+    """
+
+    lean_arithmetic: bool = False
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.lean_arithmetic, bool):
+            raise TypeError(f"lean_arithmetic must be a bool, got {self.lean_arithmetic!r}")
 
 
 class FP8BlockQuantized(NamedTuple):
@@ -60,12 +81,57 @@ def input_dtype_max(dtype) -> float:
     return qc.FLT_MAX
 
 
-def scale_from_amax_bits(amax_bits, *, fp8_max, power_2_scale, amax_epsilon, overflow_scale):
-    """(scale, scale_inv) float32 from amaxes given as uint32 bits (TE's rule, per block)."""
+# Both FP8 maxima are 1.75 · 2^E (E4M3 448 = 1.75·2^8, E5M2 57344 = 1.75·2^15).
+FP8_MAX_MANTISSA_BITS = 0x600000
+
+
+def pow2_scale_bits_without_division(amax_bits, *, fp8_max, overflow_scale):
+    """TE's power-of-2 scale, bits(fp8_max / amax) & 0xFF800000 with the rule's special cases,
+    as uint32 bits, from amax's exponent and mantissa without the division.
+
+    amax = m·2^e (m in [1, 2)) and fp8_max = 1.75·2^E give the exact quotient (1.75/m)·2^(E−e):
+    in [1, 1.75]·2^(E−e) when m <= 1.75, else in (0.875, 1)·2^(E−e). Rounding to float32 never
+    crosses a power of two: 1.75/m is at most 1.75 (far below 2 − 2^-24), and for m > 1.75 it
+    is at most 1 − 2^-23/1.75 = 1 − 2^-23.8, below 1 − 2^-25 (half an ulp under 1). So the
+    quotient's biased exponent is E + 254 − e_biased − [m > 1.75], and it overflowed to Inf
+    exactly when that is >= 255 (subnormal amaxes included: their exponent field is 0). An
+    overflow gives the rounded-down `overflow_scale`; amax 0, Inf, NaN give 1. Checked against
+    the division for every non-negative float32 amax (E4M3 and E5M2, bf16 / fp32 / fp16
+    overflow scales), see tests/pallas_kernels/test_quantize.py."""
+    max_bits = int(np.float32(fp8_max).view(np.uint32))
+    if max_bits & 0x7FFFFF != FP8_MAX_MANTISSA_BITS:
+        raise ValueError(f"fp8_max must be 1.75 · 2^E, got {fp8_max}")
+    overflow_bits = int(np.float32(overflow_scale).view(np.uint32)) & 0xFF800000
+    exponent = (amax_bits >> 23).astype(jnp.int32)  # the sign bit is clear
+    round_down = jnp.where(
+        (amax_bits & jnp.uint32(0x7FFFFF)) > jnp.uint32(FP8_MAX_MANTISSA_BITS),
+        jnp.int32(1),
+        jnp.int32(0),
+    )
+    scale_exponent = jnp.int32((max_bits >> 23) + 127) - exponent - round_down
+    scale_bits = jnp.where(
+        scale_exponent >= 255,
+        jnp.uint32(overflow_bits),
+        scale_exponent.astype(jnp.uint32) << 23,  # >= E − 2 > 0 for every amax
+    )
+    degenerate = (amax_bits == 0) | (amax_bits >= jnp.uint32(qc.F32_INF_BITS))
+    return jnp.where(degenerate, jnp.uint32(0x3F800000), scale_bits)
+
+
+def scale_from_amax_bits(
+    amax_bits, *, fp8_max, power_2_scale, amax_epsilon, overflow_scale, lean=False
+):
+    """(scale, scale_inv) float32 from amaxes given as uint32 bits (TE's rule, per block).
+    `lean`: power-of-2 scales without the division (same bits)."""
     amax = qc.f32_from_bits(amax_bits)
     if amax_epsilon > 0:
         amax = jnp.maximum(amax, jnp.float32(amax_epsilon))
     bits = qc.abs_bits(amax)
+    if lean and power_2_scale:
+        scale_bits = pow2_scale_bits_without_division(
+            bits, fp8_max=fp8_max, overflow_scale=overflow_scale
+        )
+        return qc.f32_from_bits(scale_bits), _pow2_reciprocal(scale_bits)
     scale = divide(jnp.float32(fp8_max), amax)
     scale = jnp.where(qc.is_inf_bits(qc.abs_bits(scale)), jnp.float32(overflow_scale), scale)
     degenerate = (bits == 0) | (bits >= jnp.uint32(qc.F32_INF_BITS))  # 0, Inf or NaN
@@ -73,13 +139,14 @@ def scale_from_amax_bits(amax_bits, *, fp8_max, power_2_scale, amax_epsilon, ove
     if not power_2_scale:
         return scale, divide(jnp.float32(1.0), scale)
     scale_bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
-    scale = qc.f32_from_bits(scale_bits)
+    return qc.f32_from_bits(scale_bits), _pow2_reciprocal(scale_bits)
+
+
+def _pow2_reciprocal(scale_bits):
+    """Exact 1/scale for a positive normal power of two given as bits (2^127 → 2^-127)."""
     reciprocal_exponent = jnp.int32(254) - (scale_bits >> 23).astype(jnp.int32)
     normal = lax.bitcast_convert_type(jnp.maximum(reciprocal_exponent, 1) << 23, jnp.float32)
-    scale_inv = jnp.where(
-        reciprocal_exponent >= 1, normal, qc.f32_from_bits(jnp.uint32(0x00400000))
-    )
-    return scale, scale_inv
+    return jnp.where(reciprocal_exponent >= 1, normal, qc.f32_from_bits(jnp.uint32(0x00400000)))
 
 
 def _codes(v, scale_b, fp8_dtype, fix_nan: bool):
@@ -108,12 +175,14 @@ def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
         qc.store_line_bytes(dst_ref, qc.as_bytes(_codes(v, scale_b, fp8_dtype, False)))
 
 
-def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, **options):
+def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, **options):
     data_outputs = qc.data_outputs(rowwise, columnwise)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    if config.lean_arithmetic:
+        options["on_hardware"] = on_hardware
     body = functools.partial(
-        _tile,
+        _lean_tile if config.lean_arithmetic else _tile,
         scale_gmems=scale_gmems,
         copies=[o.columnwise for o in data_outputs],
         config=config,
@@ -183,6 +252,112 @@ def _tile(
         )
 
 
+def _abs_patterns(raw):
+    """|x| as bit patterns of x's own width (bf16: uint16, two per register; f32: uint32):
+    integer order = float order, NaN above Inf."""
+    if raw.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(raw, jnp.uint16) & jnp.uint16(0x7FFF)
+    return qc.abs_bits(raw)
+
+
+def _lean_codes(v, scale_b, fp8_dtype, on_hardware: bool):
+    """FP8 codes of v · scale. On the hardware the cast is cvt.rn.satfinite, which saturates
+    (±Inf and overflow to ±max: the reference's clip) and turns NaN of either sign into 0x7F
+    (the reference's NaN code), so nothing else is needed. The interpreter's XLA cast neither
+    saturates nor gives 0x7F: there, the exact path's clip and NaN fix-up (every tile)."""
+    if on_hardware:
+        return (v * scale_b).astype(fp8_dtype)
+    return _codes(v, scale_b, fp8_dtype, True)
+
+
+def _lean_tile(
+    x_smem,
+    m0,
+    k0,
+    dests,
+    *,
+    scale_gmems,
+    copies,
+    config,
+    in_dtype,
+    fp8_dtype,
+    two_d,
+    scale_rule,
+    on_hardware,
+):
+    """`_tile` with `FP8BlockQuantizeConfig.lean_arithmetic`: the same bits, fewer operations."""
+    tm, tk = config.tile_m, config.tile_k
+    bf16 = jnp.dtype(in_dtype) == jnp.bfloat16
+    row_layout = qc.rows_layout(in_dtype)
+    # Columnwise values two per register vector: a bf16 pair is one 32-bit register, and
+    # cvt.rn.satfinite converts two values at a time (a register regrouping only).
+    pair_layout = qc.row_per_thread(2)
+
+    def raw_rows(c):  # (tm, 32) rowwise slice, x's dtype
+        return plgpu.load(x_smem.at[:, pl.ds(c * CHUNK, CHUNK)], layout=row_layout)
+
+    def raw_columns(c):  # (tk, 32) slice of the transposed tile, x's dtype, in pairs
+        column = plgpu.load(x_smem.at[pl.ds(c * CHUNK, CHUNK), :].T, layout=qc.RPT1)
+        return plgpu.layout_cast(column, pair_layout)
+
+    def line_amax_bits(load, chunks):
+        """Per-line amax (uint32 float32 bits) over the chunks: elementwise max of the |x|
+        patterns in x's width, then one in-thread reduction; bf16 bits << 16 are the float32
+        bits, so the order and the NaN / Inf tests are the same."""
+        patterns = None
+        for c in chunks:
+            p = _abs_patterns(load(c))
+            patterns = p if patterns is None else jnp.maximum(patterns, p)
+        amax = jnp.max(patterns, axis=1)
+        return amax.astype(jnp.uint32) << 16 if bf16 else amax
+
+    def store_codes(raw, scale, layout, dest_ref):
+        v = raw.astype(jnp.float32)
+        scale_b = scale if scale.ndim == 0 else qc.broadcast_rows(scale, v.shape, layout)
+        qc.store_line_bytes(dest_ref, qc.as_bytes(_lean_codes(v, scale_b, fp8_dtype, on_hardware)))
+
+    if two_d:
+        tile_amax = jnp.max(line_amax_bits(raw_rows, range(tk // CHUNK)))
+        scale, scale_inv = scale_rule(tile_amax)
+        i, j = m0 // BLOCK, k0 // BLOCK
+        for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+            load, layout = (raw_columns, pair_layout) if columnwise else (raw_rows, row_layout)
+            for c in range((tm if columnwise else tk) // CHUNK):
+                store_codes(load(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
+            if columnwise:
+                scale_gmem[j, i] = scale_inv
+            else:
+                scale_gmem[i, j] = scale_inv
+        return
+
+    per_block = BLOCK // CHUNK
+    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+        if columnwise:
+            load, layout, lines, line0, col0 = raw_columns, pair_layout, tk, k0, m0
+        else:
+            load, layout, lines, line0, col0 = raw_rows, row_layout, tm, m0, k0
+        n_blocks = (tm if columnwise else tk) // BLOCK
+        scale_invs = []
+        for b in range(n_blocks):
+            chunks = range(b * per_block, (b + 1) * per_block)
+            if columnwise and bf16:
+                # One shared-memory read: the line's 128 values stay in registers as packed
+                # bf16 pairs (64 registers) from the amax to the codes. (Rows are re-read: 16
+                # vector loads per line; float32 columns too: 128 registers would spill.)
+                values = {c: load(c) for c in chunks}
+                get = values.__getitem__
+            else:
+                get = load
+            scale, scale_inv = scale_rule(line_amax_bits(get, chunks))
+            for c in chunks:
+                store_codes(get(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
+            scale_invs.append(qc.column(scale_inv))
+        qc.store_line_bytes(
+            scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
+            qc.concat_columns(scale_invs),
+        )
+
+
 def quantize_fp8_block(
     x: jax.Array,
     *,
@@ -222,6 +397,7 @@ def quantize_fp8_block(
         power_2_scale=power_2_scale,
         amax_epsilon=float(amax_epsilon),
         overflow_scale=input_dtype_max(input_dtype),
+        lean=config.lean_arithmetic,
     )
     rows, cols = x.shape
     pr, pc = config.padded_shape(rows, cols)
@@ -252,6 +428,7 @@ def quantize_fp8_block(
         rowwise=rowwise,
         columnwise=columnwise,
         scale_rule=scale_rule,
+        on_hardware=not qc.interpreting(interpret),
     )
     # Block-padded extents of each copy (layouts.md).
     r_rows = qc.round_up(rows, BLOCK) if two_d else rows

@@ -95,6 +95,24 @@ def test_quantize_ab_runs_small(tmp_path):
     assert all(r["us"] > 0 for r in rows) and "| split_copies |" in text
 
 
+@pytest.mark.slow
+def test_quantize_ab_fp8_block_runs_small(tmp_path):
+    # FP8 block lean_arithmetic against the default, bit for bit first, in the interpreter.
+    from benchmarks import quantize_ab
+
+    text = quantize_ab.main(str(tmp_path), small=True, kernel="fp8_block_1x128")
+    rows = json.loads((tmp_path / "quantize_ab_fp8_block_1x128.json").read_text())
+    assert {r["variant"] for r in rows} == {
+        *quantize_ab.FP8_BLOCK_VARIANTS,
+        quantize_ab.SKELETON,
+        quantize_ab.XLA_COPY,
+    }
+    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic"] == ["identical"]
+    assert all(r["us"] > 0 for r in rows) and "FP8 block 1x128" in text
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        quantize_ab.main(str(tmp_path), small=True, kernel="fp8_block")
+
+
 def test_quantize_benchmark_runs_one_case_group_and_names_bad_ones(tmp_path):
     from benchmarks import bench_quantize
 
@@ -102,3 +120,21 @@ def test_quantize_benchmark_runs_one_case_group_and_names_bad_ones(tmp_path):
         bench_quantize.main(str(tmp_path), small=True, cases=("sweep", "all"))
     with pytest.raises(ValueError, match="cases must be a non-empty subset"):
         bench_quantize.main(str(tmp_path), small=True, cases=())
+
+
+def test_count_quantize_ops_counts_the_lean_fp8_block_path():
+    # The op-count proxy (cross-lowered for the H200, on the CPU): lean_arithmetic at least
+    # halves the FP8 block 1×128 row+col arithmetic for bf16 input.
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from benchmarks import count_quantize_ops
+
+    def row_col(config):
+        return lambda x: pk.quantize_fp8_block(x, columnwise=True, config=config)
+
+    exact = count_quantize_ops.per_element(row_col(None), jnp.bfloat16)
+    lean = count_quantize_ops.per_element(
+        row_col(pk.FP8BlockQuantizeConfig(lean_arithmetic=True)), jnp.bfloat16
+    )
+    assert 0 < 2 * lean < exact

@@ -20,13 +20,14 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import pallas_kernels as pk
-from jax_qtrain.formats import common, fp8_block, mxfp8, nvfp4
+from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import columnwise_source
 
 from ..jax_qtrain.adversarial import adversarial_matrix
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+FLT_MAX = float(np.finfo(np.float32).max)
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 INTERPRET = not ON_GPU
 
@@ -86,8 +87,8 @@ def ref_nvfp4(x, *, rht, sr, seeds, block=(1, 16), positions=(None, None)):
     return jax.jit(f)(x)
 
 
-def ref_fp8_block(x, fp8_dtype, block, pow2):
-    spec = QuantizerSpec("fp8_block", fp8_dtype, block, power_2_scale=pow2)
+def ref_fp8_block(x, fp8_dtype, block, pow2, eps=0.0):
+    spec = QuantizerSpec("fp8_block", fp8_dtype, block, power_2_scale=pow2, amax_epsilon=eps)
     q = lambda v: fp8_block.quantize(v, spec, input_dtype=x.dtype)
     return jax.jit(lambda v: (*q(v), *q(v.T)))(x)
 
@@ -191,13 +192,14 @@ def mxfp8_edge_matrix() -> np.ndarray:
                 np.nextafter(np.float32(peak), np.float32(np.inf)),
             ]
         ):
-            x[i * 3 + k, :32] = np.linspace(-p, p, 32, dtype=np.float32)
+            # float64 steps: float32 ones overflow at 3e38 (±6e38 span) and give Inf / NaN.
+            x[i * 3 + k, :32] = np.linspace(-float(p), float(p), 32).astype(np.float32)
     x[40, 32:64] = np.nan
     x[41, 64] = np.inf
     x[42, 96] = -np.inf
     x[43, 100] = np.nan
     x[44, 101] = -np.nan
-    x[45, :32] = np.linspace(-3.0e38, 3.0e38, 32, dtype=np.float32)
+    x[45, :32] = np.linspace(-3.0e38, 3.0e38, 32).astype(np.float32)
     x[45, 7] = np.inf
     return x
 
@@ -216,10 +218,47 @@ def check_nvfp4(x, rht, sr, block=(1, 16), positions=(None, None)):
         assert_same_bits(g, w, f"nvfp4 {name} global amax")
 
 
-def check_fp8_block(x, fp8_dtype, block, pow2):
-    got = run_fp8_block(x, fp8_dtype, block, pow2)
-    for g, w, name in zip(got, ref_fp8_block(x, fp8_dtype, block, pow2), NAMES, strict=True):
-        assert_same_bits(g, w, f"fp8_block {name}")
+def check_fp8_block(x, fp8_dtype, block, pow2, config=None, eps=0.0):
+    got = run_fp8_block(x, fp8_dtype, block, pow2, config=config, amax_epsilon=eps)
+    want = ref_fp8_block(x, fp8_dtype, block, pow2, eps)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"fp8_block {name} ({x.dtype}, {config}, eps={eps})")
+
+
+# FP8 block with lean_arithmetic (opt-in until timed on the H200): the same bits.
+FP8_BLOCK_LEAN = pk.FP8BlockQuantizeConfig(lean_arithmetic=True)
+
+
+def fp8_block_edge_matrix() -> np.ndarray:
+    """One 128-element block per row (and, transposed, per column): maxima at and around
+    448·2^k, 57344·2^k, 1.75 and 2^k (the power-of-2 scale's closed form switches exponent at
+    1.75·2^k), the smallest normal, subnormal maxima (scale overflow → the input dtype's max),
+    maxima near FLT_MAX; zero, NaN (both signs) and Inf blocks, and an Inf block whose finite
+    values are huge (codes saturate); a block mixing huge and subnormal values."""
+    x = np.zeros((128, 256), np.float32)
+    peaks = [448.0, 57344.0, 1.75, 2.0, 1.0, 2.0**-126, 2.0**-119, 1.0e-40, 3.0e38, 2.0**-100]
+    for i, peak in enumerate(peaks):
+        for k, p in enumerate(
+            [
+                peak,
+                np.nextafter(np.float32(peak), np.float32(0)),
+                np.nextafter(np.float32(peak), np.float32(np.inf)),
+            ]
+        ):
+            p = float(p)  # float64 steps: no overflow near FLT_MAX
+            x[i * 3 + k, :128] = np.linspace(-p, p, 128).astype(np.float32)
+            x[i * 3 + k, 128:] = (p * np.linspace(1, -1, 128) ** 3).astype(np.float32)
+    x[40, 32:64] = np.nan
+    x[41, 64] = np.inf
+    x[42, 200] = -np.inf
+    x[43, 100] = np.nan
+    x[44, 129] = -np.nan
+    x[45, :128] = np.linspace(-3.0e38, 3.0e38, 128).astype(np.float32)
+    x[45, 7] = np.inf
+    x[46, 128:] = np.float32(1e-40)
+    x[46, 130] = np.float32(3.0e38)
+    x[47, :128] = np.float32(FLT_MAX)
+    return x
 
 
 # --- CPU: interpreter ----------------------------------------------------------------------------
@@ -334,17 +373,23 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
 
 @cpu_only
 @pytest.mark.parametrize(
-    "block, fp8_dtype, pow2, shape",
+    "block, fp8_dtype, pow2, shape, dtype, config",
     [
-        ((1, 128), E4M3, True, (256, 256)),
-        ((1, 128), E5M2, False, (200, 130)),  # padding
-        ((128, 128), E4M3, False, (256, 128)),
-        ((128, 128), E5M2, True, (128, 256)),
+        ((1, 128), E4M3, True, (256, 256), jnp.float32, None),
+        ((1, 128), E5M2, False, (200, 130), jnp.float32, None),  # padding
+        ((128, 128), E4M3, False, (256, 128), jnp.float32, None),
+        ((128, 128), E5M2, True, (128, 256), jnp.float32, None),
+        # lean_arithmetic: bf16 takes the 16-bit amaxes and the one-read columnwise copy.
+        ((1, 128), E4M3, True, (256, 256), jnp.bfloat16, FP8_BLOCK_LEAN),
+        ((1, 128), E5M2, False, (200, 130), jnp.bfloat16, FP8_BLOCK_LEAN),  # padding
+        ((1, 128), E5M2, True, (128, 256), jnp.float32, FP8_BLOCK_LEAN),
+        ((128, 128), E4M3, False, (256, 128), jnp.bfloat16, FP8_BLOCK_LEAN),
+        ((128, 128), E5M2, True, (128, 256), jnp.float32, FP8_BLOCK_LEAN),
     ],
 )
-def test_fp8_block_interpret(block, fp8_dtype, pow2, shape):
-    x = sample(shape, jnp.float32, 11, block=128)
-    check_fp8_block(x, fp8_dtype, block, pow2)
+def test_fp8_block_interpret(block, fp8_dtype, pow2, shape, dtype, config):
+    x = sample(shape, dtype, 11, block=128, subnormals=config is not None)
+    check_fp8_block(x, fp8_dtype, block, pow2, config)
 
 
 @cpu_only
@@ -360,6 +405,78 @@ def test_fp8_block_interpret_edge_blocks():
     x[7, 0] = np.nextafter(np.float32(448.0), np.float32(np.inf))
     for block, pow2 in (((1, 128), True), ((128, 128), False)):
         check_fp8_block(jnp.asarray(x), E4M3, block, pow2)
+
+
+@cpu_only
+def test_fp8_block_lean_edge_blocks_interpret():
+    # The lean path's scale shortcut meets the maxima it depends on, both copies, both input
+    # dtypes, both FP8 formats; an amax_epsilon that lifts the tiny blocks.
+    x = fp8_block_edge_matrix()
+    for fp8_dtype, dtype, pow2, eps in (
+        (E4M3, jnp.float32, True, 0.0),
+        (E5M2, jnp.bfloat16, True, 0.0),
+        (E4M3, jnp.bfloat16, False, 1e-30),
+    ):
+        for matrix in (x, x.T.copy()):
+            v = jnp.asarray(matrix).astype(dtype)
+            check_fp8_block(v, fp8_dtype, (1, 128), pow2, FP8_BLOCK_LEAN, eps)
+    check_fp8_block(jnp.asarray(x[:, :128]), E5M2, (128, 128), True, FP8_BLOCK_LEAN)
+
+
+@cpu_only
+def test_fp8_block_lean_variants_interpret():
+    # Two blocks per line (256-row / 256-column tiles), one copy at a time, direct stores,
+    # pipelined tiles.
+    x = sample((256, 256), jnp.bfloat16, 15, block=128, subnormals=True)
+    want = ref_fp8_block(x, E4M3, (1, 128), True)
+    for rowwise, columnwise, config in (
+        (False, True, pk.FP8BlockQuantizeConfig(lean_arithmetic=True, tile_m=256)),
+        (True, False, pk.FP8BlockQuantizeConfig(lean_arithmetic=True, tile_k=256)),
+    ):
+        got = pk.quantize_fp8_block(
+            x, rowwise=rowwise, columnwise=columnwise, config=config, interpret=INTERPRET
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"lean fp8_block {name} ({config})")
+    config = pk.FP8BlockQuantizeConfig(lean_arithmetic=True, steps_per_cta=2, stage_outputs=False)
+    check_fp8_block(x.astype(jnp.float32), E5M2, (1, 128), False, config)
+
+
+def test_fp8_block_pow2_scale_without_division_matches_reference():
+    # Every bf16 amax, float32 ones around each fp8_max·2^k, 1.75·2^k, 2^k and the overflow
+    # threshold, random float32 ones, subnormals, Inf and NaN, against the reference's rule
+    # (IEEE division, Inf → the input dtype's max, power of two by masking). The exhaustive
+    # check over all 2^31 non-negative float32 amaxes was run once with numpy (numpy division,
+    # E4M3 and E5M2, bf16 / fp32 / fp16 overflow scales): no mismatch.
+    kernel_fp8_block = importlib.import_module("pallas_kernels.quantize_fp8_block")
+    bf16_bits = np.arange(0x8000, dtype=np.uint32) << 16
+    edges = []
+    for base in (448.0, 57344.0, 1.75, 1.0):
+        edges += [int(np.float32(base * 2.0**k).view(np.uint32)) for k in range(-149, 113)]
+    edges = [e for e in edges if 0 < e < 0x7F800000] + [0x7F7FFFFF]
+    near = np.concatenate([np.arange(e - 2, e + 3, dtype=np.int64) for e in edges])
+    near = np.clip(near, 0, 0x7FFFFFFF).astype(np.uint32)
+    rng = np.random.default_rng(1)
+    random_bits = rng.integers(0, 0x7F800000, 1 << 16, dtype=np.uint32)
+    specials = np.array([0, 1, 0x7FFFFF, 0x800000, 0x7F800000, 0x7FC00000, 0x7FFFFFFF], np.uint32)
+    amax_bits = jnp.asarray(np.concatenate([bf16_bits, near, random_bits, specials]))
+    amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
+    for fp8_dtype in (E4M3, E5M2):
+        fp8_max = float(jnp.finfo(fp8_dtype).max)
+        for input_dtype in (jnp.bfloat16, jnp.float32, jnp.float16):
+            overflow = common.input_dtype_max(input_dtype)
+            got = kernel_fp8_block.pow2_scale_bits_without_division(
+                amax_bits, fp8_max=fp8_max, overflow_scale=overflow
+            )
+            want = fp8_tensor.compute_scale(
+                amax, fp8_max, power_2_scale=True, amax_epsilon=0.0, overflow_scale=overflow
+            )
+            assert_same_bits(
+                jax.lax.bitcast_convert_type(got, jnp.float32),
+                want,
+                f"{fp8_dtype} power-of-2 scale, {jnp.dtype(input_dtype)} overflow",
+            )
 
 
 @cpu_only
@@ -511,6 +628,14 @@ def test_wrappers_reject_bad_arguments():
         pk.cast_transpose_fp8(x, config=pk.MXFP8QuantizeConfig())
     with pytest.raises(ValueError, match="amax_epsilon"):
         pk.quantize_fp8_block(x, amax_epsilon=-1.0)
+    with pytest.raises(TypeError, match="lean_arithmetic must be a bool"):
+        pk.FP8BlockQuantizeConfig(lean_arithmetic=1)
+    with pytest.raises(ValueError, match="128×128 blocks need tile_m = tile_k = 128"):
+        pk.quantize_fp8_block(
+            x,
+            block_shape=(128, 128),
+            config=pk.FP8BlockQuantizeConfig(lean_arithmetic=True, tile_m=256),
+        )
     with pytest.raises(ValueError, match="scale must have shape"):
         pk.dequantize_mxfp8(x.astype(E4M3), jnp.zeros((128, 3), jnp.uint8))
     with pytest.raises(TypeError, match="out_dtype must be float32 or bfloat16"):
@@ -694,6 +819,54 @@ CROSS_LOWERED = {
         ),
         jnp.bfloat16,
     ),
+    "fp8_block 1x128 row+col lean": (
+        lambda x: pk.quantize_fp8_block(x, columnwise=True, config=FP8_BLOCK_LEAN),
+        jnp.bfloat16,
+    ),
+    "fp8_block 1x128 lean fp32 scales e5m2 eps": (
+        lambda x: pk.quantize_fp8_block(
+            x,
+            columnwise=True,
+            power_2_scale=False,
+            fp8_dtype=E5M2,
+            amax_epsilon=1e-6,
+            config=FP8_BLOCK_LEAN,
+        ),
+        jnp.float32,
+    ),
+    "fp8_block 1x128 lean col, fp16 overflow scale": (
+        lambda x: pk.quantize_fp8_block(
+            x, rowwise=False, columnwise=True, input_dtype=jnp.float16, config=FP8_BLOCK_LEAN
+        ),
+        jnp.float32,
+    ),
+    "fp8_block 1x128 lean 256x256 tiles, unstaged": (
+        lambda x: pk.quantize_fp8_block(
+            x,
+            columnwise=True,
+            config=pk.FP8BlockQuantizeConfig(
+                **_TILE_256, stage_outputs=False, lean_arithmetic=True
+            ),
+        ),
+        jnp.bfloat16,
+    ),
+    "fp8_block 128x128 row+col lean": (
+        lambda x: pk.quantize_fp8_block(
+            x, block_shape=(128, 128), columnwise=True, config=FP8_BLOCK_LEAN
+        ),
+        jnp.bfloat16,
+    ),
+    "fp8_block 128x128 lean e5m2 fp32 scales pipelined": (
+        lambda x: pk.quantize_fp8_block(
+            x,
+            block_shape=(128, 128),
+            columnwise=True,
+            fp8_dtype=E5M2,
+            power_2_scale=False,
+            config=pk.FP8BlockQuantizeConfig(steps_per_cta=3, lean_arithmetic=True),
+        ),
+        jnp.float32,
+    ),
 }
 
 
@@ -828,6 +1001,26 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         ((1, 128), E5M2, False, jnp.float32, None),
         ((128, 128), E4M3, False, jnp.bfloat16, None),
         ((1, 128), E4M3, True, jnp.bfloat16, PIPELINED["fp8_block"]),
+        ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_LEAN),
+        ((1, 128), E5M2, False, jnp.bfloat16, FP8_BLOCK_LEAN),
+        ((1, 128), E5M2, True, jnp.float32, FP8_BLOCK_LEAN),
+        ((1, 128), E4M3, False, jnp.float32, FP8_BLOCK_LEAN),
+        ((128, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_LEAN),
+        ((128, 128), E5M2, False, jnp.float32, FP8_BLOCK_LEAN),
+        (
+            (1, 128),
+            E4M3,
+            True,
+            jnp.bfloat16,
+            pk.FP8BlockQuantizeConfig(lean_arithmetic=True, tile_m=256, steps_per_cta=2),
+        ),
+        (
+            (1, 128),
+            E4M3,
+            True,
+            jnp.float32,
+            pk.FP8BlockQuantizeConfig(lean_arithmetic=True, tile_k=256, stage_outputs=False),
+        ),
     ],
 )
 def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
@@ -836,7 +1029,39 @@ def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
         poison_device_memory(2 * x.size)
         got = run_fp8_block(x, fp8_dtype, block, pow2, config=config)
         for g, w, name in zip(got, want, NAMES, strict=True):
-            assert_same_bits(g, w, f"fp8_block {name}")
+            assert_same_bits(g, w, f"fp8_block {name} ({config})")
+
+
+@gpu_cases
+@pytest.mark.parametrize("config", [None, FP8_BLOCK_LEAN])
+def test_gpu_fp8_block_edge_blocks_bit_exact(config):
+    # lean_arithmetic's hardware-only path (no clip, no NaN fix-up: cvt.rn.satfinite) and its
+    # scale shortcut meet the blocks they depend on: NaN of both signs, Inf among huge finite
+    # values, maxima at fp8_max·2^k, 1.75·2^k and 2^k ± 1 ulp, subnormal maxima (overflowing
+    # scales), both copies. Against the GPU and the CPU references.
+    x = fp8_block_edge_matrix()
+    cases = [
+        ((1, 128), E4M3, jnp.float32, True, 0.0),
+        ((1, 128), E5M2, jnp.bfloat16, True, 0.0),
+        ((1, 128), E4M3, jnp.bfloat16, False, 0.0),
+        ((1, 128), E5M2, jnp.float32, False, 1e-30),
+        ((1, 128), E4M3, jnp.bfloat16, True, 1e-3),
+        ((128, 128), E4M3, jnp.bfloat16, True, 0.0),
+        ((128, 128), E5M2, jnp.float32, False, 0.0),
+    ]
+    for block, fp8_dtype, dtype, pow2, eps in cases:
+        for matrix in (x, x.T.copy()):
+            v = jnp.asarray(matrix).astype(dtype)
+            want = ref_fp8_block(v, fp8_dtype, block, pow2, eps)
+            want_cpu = ref_fp8_block(
+                jax.device_put(v, jax.devices("cpu")[0]), fp8_dtype, block, pow2, eps
+            )
+            poison_device_memory(4 * v.size)
+            got = run_fp8_block(v, fp8_dtype, block, pow2, config=config, amax_epsilon=eps)
+            what = f"{block} {fp8_dtype} {dtype.__name__} pow2={pow2} eps={eps} ({config})"
+            for g, w, w_cpu, name in zip(got, want, want_cpu, NAMES, strict=True):
+                assert_same_bits(g, w, f"fp8_block edge {name} {what}")
+                assert_same_bits(g, w_cpu, f"fp8_block edge {name} vs CPU {what}")
 
 
 @gpu_cases
