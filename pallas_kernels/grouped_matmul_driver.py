@@ -39,6 +39,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.manual_axes import varying_like
 
+# Names of the consumers' profiler ranges (see TileSchedule.profile_dir).
+PROFILE_K_LOOP, PROFILE_EPILOGUE, PROFILE_ZERO_TAIL = "k_loop", "epilogue", "zero_tail"
+
 # Registers kept by the TMA warpgroup; the two consumers share the rest.
 _PRODUCER_REGISTERS = 40
 _NUM_CONSUMERS = 2
@@ -59,6 +62,7 @@ class TileSchedule:
     num_sms: int
     persistent_pipeline: bool = False  # keep the TMA pipeline running across items
     cluster_n: int = 1  # CTAs per cluster along N (2: the lhs tile is multicast)
+    profile_dir: str | None = None  # Mosaic GPU profiler trace of the consumers' ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,8 +317,12 @@ def ragged_rows_call(
                     # Issued before the K loop so that the scales are in SMEM when needed.
                     for window, smem, barrier in slices:
                         plgpu.copy_gmem_to_smem(window, smem, barrier)
-                    values = parts.run_tile(operand_refs, ctx, run_pipeline)
-                    store_tile(values, ctx)
+                    # Named scopes are the profiler's ranges (schedule.profile_dir); they
+                    # change nothing else.
+                    with jax.named_scope(PROFILE_K_LOOP):
+                        values = parts.run_tile(operand_refs, ctx, run_pipeline)
+                    with jax.named_scope(PROFILE_EPILOGUE):
+                        store_tile(values, ctx)
 
                 def step_fn(idxs, *smem_and_carry):
                     *smem_refs, carry = smem_and_carry
@@ -343,13 +351,25 @@ def ragged_rows_call(
                     zeros = plgpu.layout_cast(
                         jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    store_tile(zeros, ctx)
+                    with jax.named_scope(PROFILE_ZERO_TAIL):
+                        store_tile(zeros, ctx)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     cluster_args = {}
     if cluster_n > 1:
         cluster_args = dict(cluster=(cluster_n,), cluster_names=("cluster",))
+    profile_args = {}
+    if schedule.profile_dir:
+        # Ranges per consumer trace: two per item and one per tail tile, for the most items
+        # one CTA can get, with room to spare; past that the trace is cut, not corrupted.
+        max_items = (pl.cdiv(num_rows, tile_m) + num_groups) * num_col_items
+        ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_n) + 8
+        profile_args = dict(
+            profile_space=ranges,
+            profile_dir=schedule.profile_dir,
+            profile_bounds_check=True,
+        )
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
@@ -357,7 +377,9 @@ def ragged_rows_call(
         grid_names=("sm",),
         num_threads=_NUM_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile_args
+        ),
         interpret=common.interpret_params(interpret),
         kernel_name=name,
         **cluster_args,

@@ -72,6 +72,10 @@ class GroupedMatmulConfig:
     cluster_n: 1, or 2 for clusters of two CTAs along N that share each lhs tile (one TMA
       multicast load feeds both); the columns are padded to an even number of CTA tiles
       (an rhs copy when they are not) and num_sms must be even.
+    profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
+      Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
+      "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
+      the ranges costs a few cycles each. Ignored by the interpreter.
     The epilogue buffers' rows (epi_tile_n x output itemsize) must span a multiple of
     128 bytes: partial row tiles are stored from arbitrary rows of the buffer, and TMA
     needs 128-byte aligned shared-memory addresses.
@@ -90,6 +94,7 @@ class GroupedMatmulConfig:
     swizzled_epilogue: bool = True
     persistent_pipeline: bool = False
     cluster_n: int = 1
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if self.tile_m not in (64, 128, 192, 256):
@@ -130,6 +135,12 @@ class GroupedMatmulConfig:
             raise TypeError(f"swizzled_epilogue must be a bool, got {self.swizzled_epilogue!r}")
         if not isinstance(self.persistent_pipeline, bool):
             raise TypeError(f"persistent_pipeline must be a bool, got {self.persistent_pipeline!r}")
+        if self.profile_dir is not None and (
+            not isinstance(self.profile_dir, str) or not self.profile_dir
+        ):
+            raise ValueError(
+                f"profile_dir must be None or a directory path, got {self.profile_dir!r}"
+            )
         if self.cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n!r}")
         if self.num_sms is not None and self.num_sms % self.cluster_n:
@@ -169,6 +180,7 @@ class GroupedMatmulConfig:
             num_sms=num_sms - num_sms % self.cluster_n,
             persistent_pipeline=self.persistent_pipeline,
             cluster_n=self.cluster_n,
+            profile_dir=self.profile_dir,
         )
 
 

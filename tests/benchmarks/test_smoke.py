@@ -138,3 +138,25 @@ def test_count_quantize_ops_counts_the_lean_fp8_block_path():
         row_col(pk.FP8BlockQuantizeConfig(lean_arithmetic=True)), jnp.bfloat16
     )
     assert 0 < 2 * lean < exact
+
+
+def test_profile_grouped_summarizes_a_trace_and_runs_small(tmp_path):
+    from benchmarks import profile_grouped
+
+    # Two consumer tracks of one tile each: k_loop 0..8 µs, epilogue 8..10 µs, 1 µs gap on one.
+    events = []
+    for track, gap in ((1, 0.0), (2, 1.0)):
+        for name, begin, end in (("k_loop", gap, 8.0 + gap), ("epilogue", 8.0 + gap, 10.0 + gap)):
+            events.append(dict(name=name, ph="B", ts=begin, pid=1, tid=track))
+            events.append(dict(name=name, ph="E", ts=end, pid=1, tid=track))
+    events.append(dict(name="unrelated", ph="B", ts=-5.0, pid=1, tid=1))
+    summary = profile_grouped.summarize_trace({"traceEvents": events})
+    assert summary["consumer_tracks"] == 2
+    assert summary["span_us"] == 10.0 and summary["k_loop_us"] == 8.0
+    assert summary["epilogue_us"] == 2.0 and summary["epilogue_share"] == 0.2
+    with pytest.raises(ValueError, match="no k_loop"):
+        profile_grouped.summarize_trace({"traceEvents": []})
+
+    # The interpreter writes no trace: the summary says so instead of failing.
+    text = profile_grouped.main(str(tmp_path), small=True)
+    assert "no trace written (interpreter)" in text

@@ -596,6 +596,7 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         ),
         (lambda: GroupedMatmulConfig(epilogue_buffers=3), "epilogue_buffers"),
         (lambda: GroupedMatmulConfig(cluster_n=4), "cluster_n"),
+        (lambda: GroupedMatmulConfig(profile_dir=""), "profile_dir"),
         (lambda: GroupedMatmulConfig(cluster_n=2, num_sms=131), "num_sms"),
     ],
 )
