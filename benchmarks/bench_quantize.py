@@ -308,20 +308,19 @@ def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int
         dict(steps_per_cta=4, max_concurrent_steps=2),
         dict(steps_per_cta=8, max_concurrent_steps=3),
     ]
-    for label, cfg in (
-        ("exact arithmetic", pk.MXFP8QuantizeConfig(lean_arithmetic=False)),
-        ("split copies", pk.MXFP8QuantizeConfig(split_copies=True)),
-    ):
-        out.append(
-            (
-                "mxfp8 e4m3",
-                f"row+col, {label}",
-                "pallas",
-                lambda v, c=cfg: pk.quantize_mxfp8(v, columnwise=True, config=c),
-                (x,),
-                xb + 2 * (n + n // 32),
-            )
+
+    def mxfp8_row_col(label: str, cfg: pk.MXFP8QuantizeConfig):
+        return (
+            "mxfp8 e4m3",
+            f"row+col, {label}",
+            "pallas",
+            lambda v: pk.quantize_mxfp8(v, columnwise=True, config=cfg),
+            (x,),
+            xb + 2 * (n + n // 32),
         )
+
+    out.append(mxfp8_row_col("exact arithmetic", pk.MXFP8QuantizeConfig(lean_arithmetic=False)))
+    out.append(mxfp8_row_col("split copies", pk.MXFP8QuantizeConfig(split_copies=True)))
     out.append(
         (
             "copy",
@@ -368,18 +367,8 @@ def config_sweep(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int
         )
     for variant in variants:
         label = ", ".join(f"{k}={v}" for k, v in variant.items())
-        mx_cfg = pk.MXFP8QuantizeConfig(**variant)
         nv_cfg = pk.NVFP4QuantizeConfig(**variant)
-        out.append(
-            (
-                "mxfp8 e4m3",
-                f"row+col, {label}",
-                "pallas",
-                lambda v, c=mx_cfg: pk.quantize_mxfp8(v, columnwise=True, config=c),
-                (x,),
-                xb + 2 * (n + n // 32),
-            )
-        )
+        out.append(mxfp8_row_col(label, pk.MXFP8QuantizeConfig(**variant)))
         out.append(
             (
                 "nvfp4 rht (input)",

@@ -96,11 +96,7 @@ class RowTile:
     group: jax.Array  # group index; == num_groups for the zero-filled tail
     block_start: jax.Array  # first global row of the tile (multiple of tile_m)
     row_begin: jax.Array  # first row of this group inside the tile, relative to block_start
-    num_rows: jax.Array  # rows of this group inside the tile (0 means: skip)
-
-    @property
-    def has_rows(self) -> jax.Array:
-        return self.num_rows > 0
+    num_rows: jax.Array  # rows of this group inside the tile (> 0 for every visit)
 
 
 def group_bounds(group_sizes_gmem, num_groups: int, num_rows: int):

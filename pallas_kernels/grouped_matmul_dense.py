@@ -91,9 +91,10 @@ def dense_matmul_fp8_block(
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 2)
     common.check_rank("rhs_scale", rhs_scale, 2)
-    if config is None and jnp.dtype(out_dtype) in common.OUT_DTYPES:
+    k = lhs.shape[1]
+    if config is None and jnp.dtype(out_dtype) in common.OUT_DTYPES and k > 0 and k % 128 == 0:
         # Bad arguments fall through to the grouped wrapper's checks and messages.
-        config = fp8_block_default_config(lhs.shape[1], out_dtype, persistent_pipeline=True)
+        config = fp8_block_default_config(k, out_dtype, persistent_pipeline=True)
     return grouped_matmul_fp8_block(
         lhs,
         lhs_scale,

@@ -503,6 +503,8 @@ def fp8_block_default_config(
     H200 it made the 8192³ GEMM 3–4% faster in two runs (2026-11-30, interleaved and
     sequential), while the grouped 8-expert GEMM was 1–2% slower with it.
     """
+    if not isinstance(k, int) or k < 128 or k % 128:
+        raise ValueError(f"k must be a positive multiple of 128 (1x128 blocks), got {k!r}")
     config = fit_default_config(
         DEFAULT_FP8_BLOCK_CONFIG,
         _block_stage_bytes(DEFAULT_FP8_BLOCK_CONFIG),
@@ -511,7 +513,7 @@ def fp8_block_default_config(
     )
     num_k_steps = k // 128
     depth = min(config.max_concurrent_steps, num_k_steps)
-    if persistent_pipeline and num_k_steps and num_k_steps % depth == 0:
+    if persistent_pipeline and num_k_steps % depth == 0:
         config = dataclasses.replace(config, persistent_pipeline=True)
     return config
 

@@ -111,6 +111,21 @@ def row_amax_bits(v: jax.Array) -> jax.Array:
     return jnp.max(abs_bits(v), axis=1)
 
 
+def abs_patterns(raw: jax.Array) -> jax.Array:
+    """|x| as bit patterns of x's own width (bf16: uint16, two per 32-bit register: half the
+    integer operations; f32: uint32): integer order = float order, NaN above Inf."""
+    if raw.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(raw, jnp.uint16) & jnp.uint16(0x7FFF)
+    return abs_bits(raw)
+
+
+def line_amax_bits(patterns: jax.Array) -> jax.Array:
+    """Per-row amax, as float32 bit patterns (uint32), of `abs_patterns` (R, c): bf16 bits
+    << 16 are the float32 bits, so the order and the NaN / Inf tests are unchanged."""
+    amax = jnp.max(patterns, axis=1)
+    return amax.astype(jnp.uint32) << 16 if patterns.dtype == jnp.uint16 else amax
+
+
 def is_nan_bits(bits: jax.Array) -> jax.Array:
     return bits > jnp.uint32(F32_INF_BITS)
 

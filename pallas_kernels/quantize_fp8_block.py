@@ -193,10 +193,30 @@ def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, **opt
     )
 
 
+def _store_tile_scale(scale_gmem, columnwise: bool, m0, k0, scale_inv) -> None:
+    """The scale_inv of a 128×128 block (the whole tile) into either copy's (blocks, blocks)."""
+    i, j = m0 // BLOCK, k0 // BLOCK
+    if columnwise:
+        scale_gmem[j, i] = scale_inv
+    else:
+        scale_gmem[i, j] = scale_inv
+
+
+def _store_line_scales(scale_gmem, columnwise: bool, config, m0, k0, scale_invs) -> None:
+    """One tile's 1×128 scale_invs (a column per block of each line) into the copy's scales:
+    the rowwise copy's lines are x's rows, the columnwise copy's are x's columns."""
+    lines, line0, col0 = (config.tile_k, k0, m0) if columnwise else (config.tile_m, m0, k0)
+    qc.store_line_bytes(
+        scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, len(scale_invs))],
+        qc.concat_columns(scale_invs),
+    )
+
+
 def _tile(
     x_smem, m0, k0, dests, *, scale_gmems, copies, config, in_dtype, fp8_dtype, two_d, scale_rule
 ):
     tm, tk = config.tile_m, config.tile_k
+    row_layout = qc.rows_layout(in_dtype)
 
     def row_chunk(c):  # (tm, 32) rowwise slice
         return qc.load_rows(x_smem.at[:, pl.ds(c * CHUNK, CHUNK)], in_dtype)
@@ -217,23 +237,16 @@ def _tile(
         tile_amax = jnp.max(chunked_amax(row_chunk, range(tk // CHUNK)))
         tile_has_nan = qc.is_nan_bits(tile_amax)
         scale, scale_inv = scale_rule(tile_amax)
-        i, j = m0 // BLOCK, k0 // BLOCK
         for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
             load = column_chunk if columnwise else row_chunk
             for c in range((tm if columnwise else tk) // CHUNK):
                 _store_codes(load(c), scale, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
-            if columnwise:
-                scale_gmem[j, i] = scale_inv
-            else:
-                scale_gmem[i, j] = scale_inv
+            _store_tile_scale(scale_gmem, columnwise, m0, k0, scale_inv)
         return
 
     per_block = BLOCK // CHUNK
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
-        if columnwise:
-            load, layout, lines, line0, col0 = column_chunk, qc.RPT1, tk, k0, m0
-        else:
-            load, layout, lines, line0, col0 = row_chunk, qc.rows_layout(in_dtype), tm, m0, k0
+        load, layout = (column_chunk, qc.RPT1) if columnwise else (row_chunk, row_layout)
         n_blocks = (tm if columnwise else tk) // BLOCK
         scale_invs = []
         for b in range(n_blocks):
@@ -246,18 +259,7 @@ def _tile(
                 scale_b = qc.broadcast_rows(scale, v.shape, layout)
                 _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
             scale_invs.append(qc.column(scale_inv))
-        qc.store_line_bytes(
-            scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
-            qc.concat_columns(scale_invs),
-        )
-
-
-def _abs_patterns(raw):
-    """|x| as bit patterns of x's own width (bf16: uint16, two per register; f32: uint32):
-    integer order = float order, NaN above Inf."""
-    if raw.dtype == jnp.bfloat16:
-        return lax.bitcast_convert_type(raw, jnp.uint16) & jnp.uint16(0x7FFF)
-    return qc.abs_bits(raw)
+        _store_line_scales(scale_gmem, columnwise, config, m0, k0, scale_invs)
 
 
 def _lean_codes(v, scale_b, fp8_dtype, on_hardware: bool):
@@ -306,10 +308,9 @@ def _lean_tile(
         bits, so the order and the NaN / Inf tests are the same."""
         patterns = None
         for c in chunks:
-            p = _abs_patterns(load(c))
+            p = qc.abs_patterns(load(c))
             patterns = p if patterns is None else jnp.maximum(patterns, p)
-        amax = jnp.max(patterns, axis=1)
-        return amax.astype(jnp.uint32) << 16 if bf16 else amax
+        return qc.line_amax_bits(patterns)
 
     def store_codes(raw, scale, layout, dest_ref):
         v = raw.astype(jnp.float32)
@@ -319,23 +320,16 @@ def _lean_tile(
     if two_d:
         tile_amax = jnp.max(line_amax_bits(raw_rows, range(tk // CHUNK)))
         scale, scale_inv = scale_rule(tile_amax)
-        i, j = m0 // BLOCK, k0 // BLOCK
         for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
             load, layout = (raw_columns, pair_layout) if columnwise else (raw_rows, row_layout)
             for c in range((tm if columnwise else tk) // CHUNK):
                 store_codes(load(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
-            if columnwise:
-                scale_gmem[j, i] = scale_inv
-            else:
-                scale_gmem[i, j] = scale_inv
+            _store_tile_scale(scale_gmem, columnwise, m0, k0, scale_inv)
         return
 
     per_block = BLOCK // CHUNK
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
-        if columnwise:
-            load, layout, lines, line0, col0 = raw_columns, pair_layout, tk, k0, m0
-        else:
-            load, layout, lines, line0, col0 = raw_rows, row_layout, tm, m0, k0
+        load, layout = (raw_columns, pair_layout) if columnwise else (raw_rows, row_layout)
         n_blocks = (tm if columnwise else tk) // BLOCK
         scale_invs = []
         for b in range(n_blocks):
@@ -352,10 +346,7 @@ def _lean_tile(
             for c in chunks:
                 store_codes(get(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
             scale_invs.append(qc.column(scale_inv))
-        qc.store_line_bytes(
-            scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
-            qc.concat_columns(scale_invs),
-        )
+        _store_line_scales(scale_gmem, columnwise, config, m0, k0, scale_invs)
 
 
 def quantize_fp8_block(

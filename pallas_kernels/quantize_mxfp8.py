@@ -237,11 +237,7 @@ def load_rows_and_amax_bits(ref, dtype) -> tuple[jax.Array, jax.Array]:
     once per row; bf16 bits << 16 are the float32 bits, so the order and the NaN / Inf tests
     are the same."""
     raw = plgpu.load(ref, layout=qc.rows_layout(dtype))
-    v = raw.astype(jnp.float32)
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return v, qc.row_amax_bits(v)
-    abs16 = lax.bitcast_convert_type(raw, jnp.uint16) & jnp.uint16(0x7FFF)
-    return v, jnp.max(abs16, axis=1).astype(jnp.uint32) << 16
+    return raw.astype(jnp.float32), qc.line_amax_bits(qc.abs_patterns(raw))
 
 
 def _kernel(

@@ -654,22 +654,29 @@ SIZES = S((G,), jnp.int32)
 F32 = jnp.float32
 
 
+H200_BF16 = GroupedMatmulConfig(
+    tile_m=128,
+    tile_n=128,
+    tile_k=64,
+    max_concurrent_steps=4,
+    epi_tile_n=64,
+    wgmma_in_flight=1,
+    epilogue_buffers=1,
+)
+H200_BLOCK = GroupedMatmulConfig(
+    tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64, wgmma_in_flight=1
+)
+BLOCK_AVALS = (
+    S((M, K), E4M3),
+    S((M, K // 128), F32),
+    S((G, N, K), E4M3),
+    S((G, N // 128, K // 128), F32),
+    SIZES,
+)
+
 CROSS_LOWERING_CASES = {
     "bf16_fwd_nk": (
-        lambda a, b, g: grouped_matmul(
-            a,
-            b,
-            g,
-            config=GroupedMatmulConfig(
-                tile_m=128,
-                tile_n=128,
-                tile_k=64,
-                max_concurrent_steps=4,
-                epi_tile_n=64,
-                wgmma_in_flight=1,
-                epilogue_buffers=1,
-            ),
-        ),
+        lambda a, b, g: grouped_matmul(a, b, g, config=H200_BF16),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
     "bf16_fwd_kn_f32_out": (
@@ -685,28 +692,8 @@ CROSS_LOWERING_CASES = {
         (S((M, N), E5M2), S((G, K, N), E4M3), SIZES, S((), F32), S((G,), F32)),
     ),
     "fp8_block_fwd": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=GroupedMatmulConfig(
-                tile_m=64,
-                tile_n=128,
-                tile_k=128,
-                max_concurrent_steps=4,
-                epi_tile_n=64,
-                wgmma_in_flight=1,
-            ),
-        ),
-        (
-            S((M, K), E4M3),
-            S((M, K // 128), F32),
-            S((G, N, K), E4M3),
-            S((G, N // 128, K // 128), F32),
-            SIZES,
-        ),
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(a, sa, b, sb, g, config=H200_BLOCK),
+        BLOCK_AVALS,
     ),
     "fp8_block_dense": (
         lambda a, sa, b, sb: dense_matmul_fp8_block(a, sa, b, sb),
@@ -770,15 +757,8 @@ CROSS_LOWERING_CASES = {
             a,
             b,
             g,
-            config=GroupedMatmulConfig(
-                tile_m=128,
-                tile_n=128,
-                tile_k=64,
-                max_concurrent_steps=4,
-                epi_tile_n=64,
-                epilogue_buffers=1,
-                persistent_pipeline=True,
-                cluster_n=2,
+            config=dataclasses.replace(
+                H200_BF16, wgmma_in_flight=0, persistent_pipeline=True, cluster_n=2
             ),
         ),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
@@ -790,24 +770,9 @@ CROSS_LOWERING_CASES = {
             b,
             sb,
             g,
-            config=GroupedMatmulConfig(
-                tile_m=64,
-                tile_n=128,
-                tile_k=128,
-                max_concurrent_steps=4,
-                epi_tile_n=64,
-                wgmma_in_flight=1,
-                persistent_pipeline=True,
-                cluster_n=2,
-            ),
+            config=dataclasses.replace(H200_BLOCK, persistent_pipeline=True, cluster_n=2),
         ),
-        (
-            S((M, K), E4M3),
-            S((M, K // 128), F32),
-            S((G, N, K), E4M3),
-            S((G, N // 128, K // 128), F32),
-            SIZES,
-        ),
+        BLOCK_AVALS,
     ),
     "small_experts_fwd": (
         lambda a, b, g: grouped_matmul(
@@ -855,3 +820,6 @@ def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
     # 5 K steps are not whole rounds of 4 stages; 3 steps shrink the pipeline to 3 stages.
     assert not fp8_block_default_config(640, BF16, persistent_pipeline=True).persistent_pipeline
     assert fp8_block_default_config(384, BF16, persistent_pipeline=True).persistent_pipeline
+    for bad_k in (0, 200, 256.0):
+        with pytest.raises(ValueError, match="k must be a positive multiple of 128"):
+            fp8_block_default_config(bad_k, BF16)
