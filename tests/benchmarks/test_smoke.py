@@ -97,7 +97,8 @@ def test_quantize_ab_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_quantize_ab_fp8_block_runs_small(tmp_path):
-    # FP8 block lean_arithmetic against the default, bit for bit first, in the interpreter.
+    # FP8 block exact arithmetic against lean_arithmetic (the default), bit for bit first, in
+    # the interpreter.
     from benchmarks import quantize_ab
 
     text = quantize_ab.main(str(tmp_path), small=True, kernel="fp8_block_1x128")
@@ -107,7 +108,7 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
         quantize_ab.SKELETON,
         quantize_ab.XLA_COPY,
     }
-    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic"] == ["identical"]
+    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic (default)"] == ["identical"]
     assert all(r["us"] > 0 for r in rows) and "FP8 block 1x128" in text
     with pytest.raises(ValueError, match="kernel must be one of"):
         quantize_ab.main(str(tmp_path), small=True, kernel="fp8_block")
@@ -133,10 +134,10 @@ def test_count_quantize_ops_counts_the_lean_fp8_block_path():
     def row_col(config):
         return lambda x: pk.quantize_fp8_block(x, columnwise=True, config=config)
 
-    exact = count_quantize_ops.per_element(row_col(None), jnp.bfloat16)
-    lean = count_quantize_ops.per_element(
-        row_col(pk.FP8BlockQuantizeConfig(lean_arithmetic=True)), jnp.bfloat16
+    exact = count_quantize_ops.per_element(
+        row_col(pk.FP8BlockQuantizeConfig(lean_arithmetic=False)), jnp.bfloat16
     )
+    lean = count_quantize_ops.per_element(row_col(None), jnp.bfloat16)
     assert 0 < 2 * lean < exact
 
 
