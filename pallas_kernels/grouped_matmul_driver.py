@@ -45,6 +45,7 @@ PROFILE_K_LOOP, PROFILE_EPILOGUE, PROFILE_ZERO_TAIL = "k_loop", "epilogue", "zer
 # Registers kept by the TMA warpgroup; the two consumers share the rest.
 _PRODUCER_REGISTERS = 40
 _NUM_CONSUMERS = 2
+NUM_CONSUMERS = _NUM_CONSUMERS  # for formats whose scratch has a buffer per consumer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,8 @@ class TileContext:
     col_tile: jax.Array  # index of the CTA column tile (2 * tile_n columns)
     consumer: jax.Array  # 0 or 1 inside a consumer warpgroup
     prefetched: tuple = ()  # (smem ref, barrier ref) of this consumer, per TilePrefetch
+    scratch: tuple = ()  # the refs of RowKernelParts.scratch (shared by both consumers)
+    k_step: jax.Array | None = None  # inside `step`: the K step of this tile (from 0)
 
     def wait_prefetched(self, index: int):
         """Waits for prefetch ``index`` (call exactly once per tile) and returns its SMEM ref."""
@@ -112,6 +115,8 @@ class RowKernelParts:
         scales applied; ``run_pipeline(carry)`` runs the K loop and returns the carry.
     step(refs, ctx, smem_refs, carry) -> carry: one K step of one consumer.
     prefetches: per-tile operand slices copied to SMEM at tile start (see TilePrefetch).
+    scratch: SMEM buffers and barriers the format's steps use (plgpu.SMEM / plgpu.Barrier),
+        allocated once per CTA and shared by both consumers (TileContext.scratch).
     """
 
     in_specs: Sequence[Any]
@@ -121,6 +126,7 @@ class RowKernelParts:
     step: Callable[[Sequence[Any], TileContext, Sequence[Any], Any], Any]
     num_k_steps: int
     prefetches: tuple[TilePrefetch, ...] = ()
+    scratch: tuple = ()
 
 
 def ragged_rows_call(
@@ -218,9 +224,10 @@ def ragged_rows_call(
                 plgpu.SMEM((_NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
             ],
             prefetch_barriers=plgpu.Barrier(num_barriers=_NUM_CONSUMERS * max(1, num_prefetches)),
+            scratch=list(parts.scratch),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem, prefetch_smem, prefetch_barriers):
+        def _scope(pipeline_allocs, out_smem, prefetch_smem, prefetch_barriers, scratch):
             plain_out_smem, swizzled_out_smem = out_smem
             wg = lax.axis_index("wg")
 
@@ -311,6 +318,7 @@ def ragged_rows_call(
                     col_tile=col_tile,
                     consumer=wg,
                     prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
+                    scratch=tuple(scratch),
                 )
 
                 def compute_context(run_pipeline):
@@ -326,8 +334,9 @@ def ragged_rows_call(
 
                 def step_fn(idxs, *smem_and_carry):
                     *smem_refs, carry = smem_and_carry
-                    del idxs
-                    return parts.step(operand_refs, ctx, smem_refs, carry)
+                    (k_step,) = idxs
+                    step_ctx = dataclasses.replace(ctx, k_step=k_step)
+                    return parts.step(operand_refs, step_ctx, smem_refs, carry)
 
                 make_pipeline(step_fn, compute_context, pipeline_state(loop_info))(
                     *parts.pipeline_refs(operand_refs, ctx),

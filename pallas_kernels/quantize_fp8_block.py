@@ -44,7 +44,8 @@ class FP8BlockQuantizeConfig(qc.TileConfig):
     Attributes (besides `qc.TileConfig`'s):
       lean_arithmetic (default True; measured on the H200 2026-11-30, bit-identical to the
         exact arithmetic and 1.25x / 1.10x faster for 1x128 / 128x128 row+col bf16,
-        docs/benchmarks.md): the same bits with fewer operations per element (counted in the lowered module; docs/kernels_quantize.md):
+        docs/benchmarks.md): the same bits with fewer operations per element (counted in
+        the lowered module; docs/kernels_quantize.md):
         power-of-2 scales from amax's exponent and mantissa bits without the float32 division
         (`pow2_scale_bits_without_division`; non-power-of-2 scales keep the exact division);
         amaxes of bf16 input on the bf16 bit patterns (16-bit integers, two per register), and

@@ -279,3 +279,36 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
     out = call(*args, **kwargs, out_dtype=jnp.float32, config=config)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
     assert_close(out, ref, rel=rel)
+
+
+# MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products
+# exact in f32, so the bound is f32 summation (f32 out) or one bf16 rounding (bf16 out).
+@pytest.mark.parametrize("wgmma_in_flight", [0, 1])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
+def test_gpu_mxfp8_forward(wgmma_in_flight, out_dtype):
+    import dataclasses
+
+    from pallas_kernels.grouped_matmul_mx import DEFAULT_MXFP8_CONFIG, grouped_matmul_mxfp8
+    from tests.pallas_kernels.test_grouped_matmul_mx import dequant_mxfp8_bf16, random_mxfp8
+
+    k_lhs, k_rhs = keys(2, seed=40)
+    lhs, lhs_scale = random_mxfp8(k_lhs, (ROWS, K_DIM), E4M3, 100, 150)
+    rhs, rhs_scale = random_mxfp8(k_rhs, (NUM_GROUPS, N_DIM, K_DIM), E5M2, 100, 150)
+    # Scale byte 0 (2^-127) blocks: their values fall below bf16's normal range and round.
+    lhs_scale = lhs_scale.at[5, 3].set(0)
+    config = None
+    if wgmma_in_flight:
+        config = dataclasses.replace(
+            DEFAULT_MXFP8_CONFIG,
+            wgmma_in_flight=1,
+            max_concurrent_steps=2,
+            epi_tile_n=128 // jnp.dtype(out_dtype).itemsize,
+            epilogue_buffers=1,
+        )
+    out = jax.jit(grouped_matmul_mxfp8, static_argnames=("out_dtype", "config"))(
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=out_dtype, config=config
+    )
+    want = ref_ragged_rows(
+        dequant_mxfp8_bf16(lhs, lhs_scale), dequant_mxfp8_bf16(rhs, rhs_scale), SIZES
+    )
+    assert_close(out, want, rel=1e-5 if out_dtype == jnp.float32 else 2**-8)

@@ -1,0 +1,163 @@
+"""MXFP8 grouped GEMM: in-kernel dequantization against dequantize-then-GEMM, in alternation.
+
+Issue 5 asks for MXFP8 operands dequantized tile by tile inside the GEMM and for ≥ 0.95× XLA's
+dense bf16 GEMM of the same size. Candidates, per shape, timed batch by batch in alternation
+(`benchmarks.timing.interleaved_seconds`):
+
+* ``in-kernel dequant`` (`pallas_kernels.grouped_matmul_mx`, its default config) and
+  ``in-kernel dequant, wgmma in flight`` (double-buffered bf16 tiles, the wgmma of one step
+  running while the next step is converted);
+* ``dequantize kernels + bf16 GEMM``: the path jax_qtrain took before (Pallas dequantize
+  kernels write bf16 copies of both operands, then the 16-bit grouped kernel);
+* ``XLA dense bf16``: one (M, K) x (K, N) bf16 GEMM, the issue's yardstick.
+
+All outputs are float32. Before timing, each Pallas candidate's output is compared with the
+dequantize-then-GEMM one on the device (max |difference| / max |reference|, f32 summation
+order only).
+
+    python -m benchmarks.grouped_mx_ab [--out DIR] [--small]
+
+writes DIR/grouped_mx_ab.json and .md. `--small` runs tiny shapes in the Pallas interpreter
+(a smoke test; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import device_description, interleaved_seconds, report
+from pallas_kernels.dequantize import dequantize_mxfp8
+from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
+from pallas_kernels.grouped_matmul_mx import DEFAULT_MXFP8_CONFIG, grouped_matmul_mxfp8
+
+E4M3 = jnp.float8_e4m3fn
+SHAPES = {
+    "G8 balanced 16384x4096x4096": (8, 16384, 4096, 4096, [2048] * 8),
+    "G64 small experts 32768x2048x1408": (64, 32768, 2048, 1408, [512] * 64),
+}
+SMALL_SHAPES = {"G2 tiny 128x128x128": (2, 128, 128, 128, [100, 28])}
+IN_FLIGHT = dataclasses.replace(
+    DEFAULT_MXFP8_CONFIG,
+    wgmma_in_flight=1,
+    max_concurrent_steps=2,
+    epi_tile_n=32,
+    epilogue_buffers=1,
+)
+TINY = dict(tile_m=64, tile_n=64, num_sms=2, grid_tile_width=1, epi_tile_n=32)
+
+
+def operands(key, g, m, k, n):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(E4M3)
+    rhs = jax.random.normal(k2, (g, n, k), jnp.float32).astype(E4M3)
+    lhs_scale = jax.random.randint(k3, (m, k // 32), 120, 134, jnp.int32).astype(jnp.uint8)
+    rhs_scale = jax.random.randint(k4, (g, n, k // 32), 120, 134, jnp.int32).astype(jnp.uint8)
+    return lhs, lhs_scale, rhs, rhs_scale
+
+
+def candidates(sizes, small: bool):
+    interpret = small
+    mx_default = dataclasses.replace(DEFAULT_MXFP8_CONFIG, **TINY) if small else None
+    mx_in_flight = dataclasses.replace(IN_FLIGHT, **TINY) if small else IN_FLIGHT
+    bf16_config = GroupedMatmulConfig(**TINY, tile_k=64, max_concurrent_steps=2) if small else None
+
+    def in_kernel(config):
+        return jax.jit(
+            lambda a, sa, b, sb: grouped_matmul_mxfp8(
+                a, sa, b, sb, sizes, out_dtype=jnp.float32, config=config, interpret=interpret
+            )
+        )
+
+    @jax.jit
+    def dequantize_then_gemm(a, sa, b, sb):
+        g, n, k = b.shape
+        a16 = dequantize_mxfp8(a, sa, out_dtype=jnp.bfloat16, interpret=interpret)
+        b16 = dequantize_mxfp8(
+            b.reshape(g * n, k),
+            sb.reshape(g * n, k // 32),
+            out_dtype=jnp.bfloat16,
+            interpret=interpret,
+        ).reshape(g, n, k)
+        return grouped_matmul(
+            a16, b16, sizes, out_dtype=jnp.float32, config=bf16_config, interpret=interpret
+        )
+
+    @jax.jit
+    def xla_dense_bf16(a, sa, b, sb):
+        del sa, sb
+        return jnp.dot(
+            a.astype(jnp.bfloat16),
+            b[0].astype(jnp.bfloat16).T,
+            preferred_element_type=jnp.float32,
+        )
+
+    return {
+        "in-kernel dequant": in_kernel(mx_default),
+        "in-kernel dequant, wgmma in flight": in_kernel(mx_in_flight),
+        "dequantize kernels + bf16 GEMM": dequantize_then_gemm,
+        "XLA dense bf16": xla_dense_bf16,
+    }
+
+
+def run_shape(name, shape, small: bool) -> list[dict]:
+    g, m, k, n, sizes = shape
+    sizes = jnp.asarray(sizes, jnp.int32)
+    arg_sets = [operands(jax.random.key(i), g, m, k, n) for i in range(2)]
+    fns = candidates(sizes, small)
+    reference = jax.block_until_ready(fns["dequantize kernels + bf16 GEMM"](*arg_sets[0]))
+    scale = float(jnp.max(jnp.abs(reference)))
+    differences = {}
+    for label in ("in-kernel dequant", "in-kernel dequant, wgmma in flight"):
+        out = fns[label](*arg_sets[0])
+        differences[label] = float(jnp.max(jnp.abs(out - reference))) / scale
+    timing = dict(rounds=2, calls_per_batch=2, warmup_seconds=0.0) if small else {}
+    seconds = interleaved_seconds({label: (fn, arg_sets) for label, fn in fns.items()}, **timing)
+    flops = 2 * m * k * n
+    dense = seconds["XLA dense bf16"]
+    return [
+        dict(
+            shape=name,
+            impl=label,
+            us=1e6 * s,
+            tflops=flops / s / 1e12,
+            vs_xla_dense_bf16=dense / s,
+            max_rel_diff=differences.get(label),
+        )
+        for label, s in seconds.items()
+    ]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        f"Device: {device_description()}. Forward, float32 out, timed in alternation.",
+        "",
+        "| shape | implementation | µs | TFLOP/s | × XLA dense bf16 "
+        "| max diff vs dequantize path |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        diff = "—" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
+        lines.append(
+            f"| {r['shape']} | {r['impl']} | {r['us']:.0f} | {r['tflops']:.0f} | "
+            f"{r['vs_xla_dense_bf16']:.2f} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, small: bool = False) -> str:
+    rows = []
+    for name, shape in (SMALL_SHAPES if small else SHAPES).items():
+        rows += run_shape(name, shape, small)
+    return report(out_dir, "grouped_mx_ab", rows, markdown(rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    main(args.out, small=args.small)
