@@ -89,16 +89,45 @@ def _e8m0_factors(scale_bytes: jax.Array):
     return first, second, exponent == 128
 
 
-def _dequantize_block(codes_ref, scale_ref, fp8_dtype) -> jax.Array:
-    """bf16 values of a (rows, 32) block of codes whose row scales are scale_ref (rows,)."""
-    layout = plgpu.Layout.WGMMA
+def _e8m0_to_bf16(scale_bytes: jax.Array) -> jax.Array:
+    """2^(byte − 127) as bfloat16, exactly: byte << 7 for bytes 1..254, the subnormal 2^-127
+    (0x0040) for byte 0, and NaN for 0xFF (so that the whole block's products are NaN)."""
+    byte = scale_bytes.astype(jnp.int32)
+    bits = jnp.where(byte == 0, jnp.int32(0x0040), byte << 7)
+    bits = jnp.where(byte == 255, jnp.int32(0x7FC0), bits)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+DEQUANT_ARITHMETIC = ("float32", "bfloat16")
+DEQUANT_LAYOUTS = {"wgmma": plgpu.Layout.WGMMA, "wgmma_8bit": plgpu.Layout.WGMMA_8BIT}
+
+
+def _dequantize_block(codes_ref, scale_ref, fp8_dtype, arithmetic: str, layout_name: str):
+    """bf16 values of a (rows, 32) block of codes whose row scales are scale_ref (rows,).
+
+    "float32": the reference's own arithmetic (float32 products, 2^-127 as 2^-63 · 2^-64, NaN
+    by a select), rounded to bfloat16. "bfloat16": code (exact in bfloat16) times the scale as
+    bfloat16, one packed bf16x2 multiply per pair. Both give the same bits: the exact product
+    rounded once to bfloat16 (the float32 product is exact, 4 significant bits at ≥ 2^-136).
+    """
+    layout = DEQUANT_LAYOUTS[layout_name]
     codes = lax.bitcast_convert_type(plgpu.load(codes_ref, (), layout=layout), fp8_dtype)
-    values = codes.astype(jnp.float32)
-    first, second, is_nan = _e8m0_factors(plgpu.load(scale_ref, (), layout=layout.reduce(1)))
+    scale_bytes = plgpu.load(scale_ref, (), layout=layout.reduce(1))
 
     def spread(row_values):
-        return lax.broadcast_in_dim(row_values, values.shape, (0,))
+        return lax.broadcast_in_dim(row_values, codes.shape, (0,))
 
+    if arithmetic == "bfloat16":
+        # Hopper converts FP8 to float16 only (cvt.rn.f16x2.e4m3x2 / e5m2x2: exact, two at a
+        # time). Shifting a float16's exponent and mantissa right by 3 reads its bits as the
+        # bfloat16 of value · 2^-112 (zero and subnormals included: FP8 values have ≤ 3
+        # mantissa bits); times 2^112 is exact again, times the scale rounds once.
+        half_bits = lax.bitcast_convert_type(codes.astype(jnp.float16), jnp.uint16)
+        shifted = (half_bits & jnp.uint16(0x8000)) | ((half_bits & jnp.uint16(0x7FF8)) >> 3)
+        values = lax.bitcast_convert_type(shifted, jnp.bfloat16) * jnp.bfloat16(2.0**112)
+        return values * spread(_e8m0_to_bf16(scale_bytes))
+    values = codes.astype(jnp.float32)
+    first, second, is_nan = _e8m0_factors(scale_bytes)
     values = (values * spread(first)) * spread(second)
     values = jnp.where(spread(is_nan), jnp.float32(jnp.nan), values)
     return values.astype(jnp.bfloat16)
@@ -113,6 +142,8 @@ def grouped_matmul_mxfp8(
     *,
     out_dtype: jnp.dtype = jnp.bfloat16,
     config: GroupedMatmulConfig | None = None,
+    dequant_arithmetic: str = "float32",
+    dequant_layout: str = "wgmma",
     interpret: bool = False,
 ) -> jax.Array:
     """MXFP8 ragged-row GEMM ``out[rows of g] = deq(lhs)[rows of g] @ deq(rhs[g])ᵀ``.
@@ -125,6 +156,10 @@ def grouped_matmul_mxfp8(
       group_sizes: (G,) int32 rows per group (device values; rows past the sum are zero).
       out_dtype: bfloat16 or float32 (the accumulator is always f32).
       config: tiling (tile_k must be 64); None picks a default that fits shared memory.
+      dequant_arithmetic: "float32" (the reference's arithmetic) or "bfloat16" (one packed
+        multiply per pair of values); the same bits (see `_dequantize_block`).
+      dequant_layout: register layout of the conversion: "wgmma" (pairs of codes per load) or
+        "wgmma_8bit" (four codes per 32-bit load).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -159,6 +194,14 @@ def grouped_matmul_mxfp8(
         )
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
+    if dequant_arithmetic not in DEQUANT_ARITHMETIC:
+        raise ValueError(
+            f"dequant_arithmetic must be one of {DEQUANT_ARITHMETIC}, got {dequant_arithmetic!r}"
+        )
+    if dequant_layout not in DEQUANT_LAYOUTS:
+        raise ValueError(
+            f"dequant_layout must be one of {tuple(DEQUANT_LAYOUTS)}, got {dequant_layout!r}"
+        )
     if config.tile_k != STEP_K:
         raise ValueError(f"config: MXFP8 needs tile_k={STEP_K}, got tile_k={config.tile_k}")
     config.check_out_dtype(out_dtype)
@@ -216,6 +259,7 @@ def grouped_matmul_mxfp8(
     def allocation_refs(refs):
         return (refs[0], refs[1].at[0], refs[2], refs[3].at[0])
 
+    dequant = (dequant_arithmetic, dequant_layout)
     num_buffers = _num_buffers(config)
     in_flight = config.wgmma_in_flight
     scratch = (
@@ -241,10 +285,10 @@ def grouped_matmul_mxfp8(
         for block in range(STEP_K // MX_BLOCK):
             cols = pl.ds(block * MX_BLOCK, MX_BLOCK)
             lhs_tile.at[:, cols][...] = _dequantize_block(
-                lhs_codes.at[:, cols], lhs_scales.at[block], lhs.dtype
+                lhs_codes.at[:, cols], lhs_scales.at[block], lhs.dtype, *dequant
             )
             rhs_tile.at[:, cols][...] = _dequantize_block(
-                rhs_codes.at[my_rows, cols], rhs_scales.at[block, my_rows], rhs.dtype
+                rhs_codes.at[my_rows, cols], rhs_scales.at[block, my_rows], rhs.dtype, *dequant
             )
         plgpu.commit_smem()
         plgpu.wgmma(acc_ref, lhs_tile, rhs_tile.transpose((1, 0)))

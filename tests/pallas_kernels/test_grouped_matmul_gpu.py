@@ -312,3 +312,40 @@ def test_gpu_mxfp8_forward(wgmma_in_flight, out_dtype):
         dequant_mxfp8_bf16(lhs, lhs_scale), dequant_mxfp8_bf16(rhs, rhs_scale), SIZES
     )
     assert_close(out, want, rel=1e-5 if out_dtype == jnp.float32 else 2**-8)
+
+
+def test_gpu_mxfp8_dequant_variants_give_the_same_bits():
+    # The bf16 arithmetic (float16 conversion, packed bf16 multiplies) must give the float32
+    # arithmetic's bits on the hardware too, subnormal results (scale bytes 0..8) and NaN
+    # blocks included; so must both register layouts.
+    from pallas_kernels.grouped_matmul_mx import grouped_matmul_mxfp8
+    from tests.pallas_kernels.test_grouped_matmul_mx import random_mxfp8
+
+    k_lhs, k_rhs = keys(2, seed=41)
+    lhs, lhs_scale = random_mxfp8(k_lhs, (ROWS, K_DIM), E4M3, 0, 150)
+    rhs, rhs_scale = random_mxfp8(k_rhs, (NUM_GROUPS, N_DIM, K_DIM), E5M2, 0, 150)
+    lhs_scale = lhs_scale.at[7, 2].set(255)
+    run = jax.jit(
+        grouped_matmul_mxfp8,
+        static_argnames=("out_dtype", "dequant_arithmetic", "dequant_layout"),
+    )
+    outs = {
+        (arithmetic, layout): np.asarray(
+            run(
+                lhs,
+                lhs_scale,
+                rhs,
+                rhs_scale,
+                SIZES,
+                out_dtype=jnp.float32,
+                dequant_arithmetic=arithmetic,
+                dequant_layout=layout,
+            )
+        )
+        for arithmetic in ("float32", "bfloat16")
+        for layout in ("wgmma", "wgmma_8bit")
+    }
+    first = outs[("float32", "wgmma")]
+    assert np.isnan(first[7]).all() and np.isfinite(np.delete(first, 7, axis=0)).all()
+    for key, out in outs.items():
+        np.testing.assert_array_equal(out.view(np.uint32), first.view(np.uint32), err_msg=str(key))
