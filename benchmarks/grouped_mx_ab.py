@@ -15,7 +15,12 @@ All outputs are float32. Before timing, each Pallas candidate's output is compar
 dequantize-then-GEMM one on the device (max |difference| / max |reference|, f32 summation
 order only).
 
-    python -m benchmarks.grouped_mx_ab [--out DIR] [--small]
+`--ablation` adds two deliberately wrong kernels that show where the in-kernel version spends
+its time (their outputs are garbage, their "diff" column says so): the conversion replaced by
+the row scales alone (no loads of the FP8 codes from shared memory), and by a constant (no
+loads at all: what remains is writing the bf16 tiles, the fence and the wgmma of every step).
+
+    python -m benchmarks.grouped_mx_ab [--out DIR] [--small] [--ablation]
 
 writes DIR/grouped_mx_ab.json and .md. `--small` runs tiny shapes in the Pallas interpreter
 (a smoke test; its numbers mean nothing).
@@ -24,11 +29,16 @@ writes DIR/grouped_mx_ab.json and .md. `--small` runs tiny shapes in the Pallas 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import pallas_kernels.grouped_matmul_mx as mx_kernel
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.dequantize import dequantize_mxfp8
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
@@ -115,17 +125,50 @@ def candidates(sizes, small: bool):
     }
 
 
-def run_shape(name, shape, small: bool) -> list[dict]:
+def _scales_only(codes_ref, scale_ref, fp8_dtype, arithmetic, layout_name):
+    """Ablation: the row scales broadcast over the block, the codes never loaded."""
+    layout = mx_kernel.DEQUANT_LAYOUTS[layout_name]
+    scales = plgpu.load(scale_ref, (), layout=layout.reduce(1)).astype(jnp.float32)
+    values = lax.broadcast_in_dim(scales, codes_ref.shape, (0,))
+    return plgpu.layout_cast(values, layout).astype(jnp.bfloat16)
+
+
+def _constant(codes_ref, scale_ref, fp8_dtype, arithmetic, layout_name):
+    """Ablation: ones, nothing loaded."""
+    values = jnp.full(codes_ref.shape, 1.0, jnp.float32)
+    return plgpu.layout_cast(values, mx_kernel.DEQUANT_LAYOUTS[layout_name]).astype(jnp.bfloat16)
+
+
+ABLATIONS = {
+    "ablation: no code loads (wrong result)": _scales_only,
+    "ablation: no loads at all (wrong result)": _constant,
+}
+
+
+def run_shape(name, shape, small: bool, ablation: bool = False) -> list[dict]:
     g, m, k, n, sizes = shape
     sizes = jnp.asarray(sizes, jnp.int32)
     arg_sets = [operands(jax.random.key(i), g, m, k, n) for i in range(2)]
     fns = candidates(sizes, small)
+    patches = {label: contextlib.nullcontext() for label in fns}
+    if ablation:
+        in_flight = dataclasses.replace(IN_FLIGHT, **TINY) if small else IN_FLIGHT
+        for label, replacement in ABLATIONS.items():
+            fns[label] = jax.jit(
+                lambda a, sa, b, sb: mx_kernel.grouped_matmul_mxfp8(
+                    a, sa, b, sb, sizes, out_dtype=jnp.float32, config=in_flight, interpret=small
+                )
+            )
+            patches[label] = unittest.mock.patch.object(
+                mx_kernel, "_dequantize_block", replacement
+            )
     reference = jax.block_until_ready(fns["dequantize kernels + bf16 GEMM"](*arg_sets[0]))
     scale = float(jnp.max(jnp.abs(reference)))
     differences = {}
     for label in fns:
-        if label.startswith("in-kernel"):
-            out = fns[label](*arg_sets[0])
+        if label.startswith(("in-kernel", "ablation")):
+            with patches[label]:  # traced (and compiled) here, with its patch if any
+                out = fns[label](*arg_sets[0])
             differences[label] = float(jnp.max(jnp.abs(out - reference))) / scale
     # The dense yardstick's operands: bf16 (M, K) and (K, N) of the same sizes.
     dense_sets = [
@@ -171,10 +214,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str | None = None, small: bool = False) -> str:
+def main(out_dir: str | None = None, small: bool = False, ablation: bool = False) -> str:
     rows = []
-    for name, shape in (SMALL_SHAPES if small else SHAPES).items():
-        rows += run_shape(name, shape, small)
+    shapes = SMALL_SHAPES if small else SHAPES
+    for index, (name, shape) in enumerate(shapes.items()):
+        rows += run_shape(name, shape, small, ablation=ablation and index == 0)
     return report(out_dir, "grouped_mx_ab", rows, markdown(rows))
 
 
@@ -182,5 +226,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--ablation", action="store_true", help="where the time goes (G=8 only)")
     args = parser.parse_args()
-    main(args.out, small=args.small)
+    main(args.out, small=args.small, ablation=args.ablation)

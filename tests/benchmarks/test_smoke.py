@@ -161,3 +161,17 @@ def test_profile_grouped_summarizes_a_trace_and_runs_small(tmp_path):
     # The interpreter writes no trace: the summary says so instead of failing.
     text = profile_grouped.main(str(tmp_path), small=True)
     assert "no trace written (interpreter)" in text
+
+
+@pytest.mark.slow
+def test_grouped_mx_ab_runs_small_with_its_ablations(tmp_path):
+    # Every in-kernel MXFP8 variant equals the dequantize-then-GEMM path (interpreter); the
+    # ablation kernels run and are reported as different.
+    from benchmarks import grouped_mx_ab
+
+    text = grouped_mx_ab.main(str(tmp_path), small=True, ablation=True)
+    rows = json.loads((tmp_path / "grouped_mx_ab.json").read_text())
+    diffs = {r["impl"]: r["max_rel_diff"] for r in rows}
+    assert all(d == 0 for impl, d in diffs.items() if impl.startswith("in-kernel"))
+    assert all(d > 0 for impl, d in diffs.items() if impl.startswith("ablation"))
+    assert "XLA dense bf16" in diffs and "| G2 tiny" in text
