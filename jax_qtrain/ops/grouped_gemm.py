@@ -23,8 +23,10 @@ The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the s
 wgrad), block FP8 with 1×128 activations and 128×128 weights (fprop, dgrad) and 16-bit
 high-precision GEMMs. The other quantized GEMMs (MXFP8, NVFP4, block FP8's wgrad) run the 16-bit
 kernels on the reference's exactly-dequantized bfloat16 operands, which the Pallas dequantize
-kernels write in one pass (`kernels.dequantize_bf16`; kernels that dequantize tile by tile in
-registers are not built yet); only FP8 block with float32 scales stays on ragged_dot. Kernel
+kernels write in one pass (`kernels.dequantize_bf16`). A kernel that dequantizes MXFP8 tile by
+tile inside the GEMM exists (`pallas_kernels.grouped_matmul_mxfp8`, bit-identical) but ran 2.4×
+slower than this path on the H200 (docs/kernels_grouped_matmul.md), so it is not used here; only
+FP8 block with float32 scales stays on ragged_dot. Kernel
 results equal the reference's up to float32 rounding.
 """
 
