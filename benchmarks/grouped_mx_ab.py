@@ -4,9 +4,10 @@ Issue 5 asks for MXFP8 operands dequantized tile by tile inside the GEMM and for
 dense bf16 GEMM of the same size. Candidates, per shape, timed batch by batch in alternation
 (`benchmarks.timing.interleaved_seconds`):
 
-* ``in-kernel dequant`` (`pallas_kernels.grouped_matmul_mx`, its default config) and
-  ``in-kernel dequant, wgmma in flight`` (double-buffered bf16 tiles, the wgmma of one step
-  running while the next step is converted);
+* ``in-kernel dequant`` (`pallas_kernels.grouped_matmul_mx`, its default config),
+  ``wgmma in flight`` (double-buffered bf16 tiles, the wgmma of one step running while the next
+  step is converted), the bf16-arithmetic and 8-bit-layout conversions, and ``lhs in registers``
+  (the lhs converted straight into the wgmma's register operand; hardware only);
 * ``dequantize kernels + bf16 GEMM``: the path jax_qtrain took before (Pallas dequantize
   kernels write bf16 copies of both operands, then the 16-bit grouped kernel);
 * ``XLA dense bf16``: one (M, K) x (K, N) bf16 GEMM, the issue's yardstick.
@@ -75,7 +76,7 @@ def candidates(sizes, small: bool):
     mx_in_flight = dataclasses.replace(IN_FLIGHT, **TINY) if small else IN_FLIGHT
     bf16_config = GroupedMatmulConfig(**TINY, tile_k=64, max_concurrent_steps=2) if small else None
 
-    def in_kernel(config, arithmetic="float32", layout="wgmma"):
+    def in_kernel(config, arithmetic="float32", layout="wgmma", lhs_in_registers=False):
         return jax.jit(
             lambda a, sa, b, sb: grouped_matmul_mxfp8(
                 a,
@@ -87,6 +88,7 @@ def candidates(sizes, small: bool):
                 config=config,
                 dequant_arithmetic=arithmetic,
                 dequant_layout=layout,
+                lhs_in_registers=lhs_in_registers,
                 interpret=interpret,
             )
         )
@@ -112,7 +114,19 @@ def candidates(sizes, small: bool):
         del sa, b
         return jnp.dot(a, sb, preferred_element_type=jnp.float32)
 
-    return {
+    registers = {}
+    if not small:  # the interpreter has no register-operand wgmma
+        in_flight_3 = dataclasses.replace(mx_in_flight, max_concurrent_steps=3)
+        registers = {
+            "in-kernel, lhs in registers (f32 arithmetic)": in_kernel(None, lhs_in_registers=True),
+            "in-kernel, lhs in registers, wgmma in flight (f32 arithmetic)": in_kernel(
+                in_flight_3, lhs_in_registers=True
+            ),
+            "in-kernel, lhs in registers, wgmma in flight, bf16 arithmetic": in_kernel(
+                in_flight_3, "bfloat16", lhs_in_registers=True
+            ),
+        }
+    return registers | {
         "in-kernel dequant (f32 arithmetic)": in_kernel(mx_default),
         "in-kernel, wgmma in flight (f32 arithmetic)": in_kernel(mx_in_flight),
         "in-kernel, wgmma in flight, bf16 arithmetic": in_kernel(mx_in_flight, "bfloat16"),

@@ -67,16 +67,20 @@ def _num_buffers(config: GroupedMatmulConfig) -> int:
     return 1 + config.wgmma_in_flight
 
 
-def _bf16_tile_bytes(config: GroupedMatmulConfig) -> int:
-    """The dequantized bf16 tiles: each consumer's lhs tile and rhs rows."""
-    rows_per_consumer = config.tile_m + config.tile_n
+def _bf16_tile_bytes(config: GroupedMatmulConfig, lhs_in_registers: bool = False) -> int:
+    """The dequantized bf16 tiles: each consumer's lhs tile (unless it stays in registers) and
+    rhs rows."""
+    rows_per_consumer = (0 if lhs_in_registers else config.tile_m) + config.tile_n
     return driver.NUM_CONSUMERS * _num_buffers(config) * rows_per_consumer * STEP_K * 2
 
 
-def _smem_bytes(config: GroupedMatmulConfig, out_dtype: jnp.dtype) -> int:
+def _smem_bytes(
+    config: GroupedMatmulConfig, out_dtype: jnp.dtype, lhs_in_registers: bool = False
+) -> int:
     epilogue = 2 * config.epilogue_buffers * config.tile_m * config.epi_tile_n
     epilogue *= jnp.dtype(out_dtype).itemsize
-    return config.max_concurrent_steps * _stage_bytes(config) + _bf16_tile_bytes(config) + epilogue
+    tiles = _bf16_tile_bytes(config, lhs_in_registers)
+    return config.max_concurrent_steps * _stage_bytes(config) + tiles + epilogue
 
 
 def _e8m0_factors(scale_bytes: jax.Array):
@@ -144,6 +148,7 @@ def grouped_matmul_mxfp8(
     config: GroupedMatmulConfig | None = None,
     dequant_arithmetic: str = "float32",
     dequant_layout: str = "wgmma",
+    lhs_in_registers: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """MXFP8 ragged-row GEMM ``out[rows of g] = deq(lhs)[rows of g] @ deq(rhs[g])ᵀ``.
@@ -160,6 +165,9 @@ def grouped_matmul_mxfp8(
         multiply per pair of values); the same bits (see `_dequantize_block`).
       dequant_layout: register layout of the conversion: "wgmma" (pairs of codes per load) or
         "wgmma_8bit" (four codes per 32-bit load).
+      lhs_in_registers: convert the lhs tile straight into the wgmma's register operand (no
+        bf16 lhs tile in shared memory; always the "wgmma" layout). Hardware only: Mosaic GPU's
+        interpreter has no register-operand wgmma.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -190,7 +198,7 @@ def grouped_matmul_mxfp8(
             DEFAULT_MXFP8_CONFIG,
             _stage_bytes(DEFAULT_MXFP8_CONFIG),
             out_dtype,
-            _bf16_tile_bytes(DEFAULT_MXFP8_CONFIG),
+            _bf16_tile_bytes(DEFAULT_MXFP8_CONFIG, lhs_in_registers),
         )
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
@@ -205,11 +213,14 @@ def grouped_matmul_mxfp8(
     if config.tile_k != STEP_K:
         raise ValueError(f"config: MXFP8 needs tile_k={STEP_K}, got tile_k={config.tile_k}")
     config.check_out_dtype(out_dtype)
-    total = _smem_bytes(config, out_dtype)
+    if not isinstance(lhs_in_registers, bool):
+        raise TypeError(f"lhs_in_registers must be a bool, got {lhs_in_registers!r}")
+    total = _smem_bytes(config, out_dtype, lhs_in_registers)
     if total > SMEM_BYTES:
+        tile_bytes = _bf16_tile_bytes(config, lhs_in_registers)
         raise ValueError(
             f"config needs {total} bytes of shared memory ({config.max_concurrent_steps} stages x "
-            f"{_stage_bytes(config)}, {_bf16_tile_bytes(config)} of bf16 tiles and the epilogue), "
+            f"{_stage_bytes(config)}, {tile_bytes} of bf16 tiles and the epilogue), "
             f"more than {SMEM_BYTES}; lower max_concurrent_steps, tile sizes or epi_tile_n"
         )
     tile_m, tile_n = config.tile_m, config.tile_n
@@ -262,9 +273,10 @@ def grouped_matmul_mxfp8(
     dequant = (dequant_arithmetic, dequant_layout)
     num_buffers = _num_buffers(config)
     in_flight = config.wgmma_in_flight
+    lhs_rows_in_smem = 8 if lhs_in_registers else tile_m  # (a token tile when unused)
     scratch = (
         plgpu.SMEM(
-            (driver.NUM_CONSUMERS, num_buffers, tile_m, STEP_K),
+            (driver.NUM_CONSUMERS, num_buffers, lhs_rows_in_smem, STEP_K),
             jnp.bfloat16,
             transforms=bf16_transforms,
         ),
@@ -282,16 +294,29 @@ def grouped_matmul_mxfp8(
         lhs_tile = lhs_tiles.at[ctx.consumer, slot]
         rhs_tile = rhs_tiles.at[ctx.consumer, slot]
         my_rows = pl.ds(ctx.consumer * tile_n, tile_n)
-        for block in range(STEP_K // MX_BLOCK):
-            cols = pl.ds(block * MX_BLOCK, MX_BLOCK)
-            lhs_tile.at[:, cols][...] = _dequantize_block(
-                lhs_codes.at[:, cols], lhs_scales.at[block], lhs.dtype, *dequant
-            )
+        blocks = [pl.ds(block * MX_BLOCK, MX_BLOCK) for block in range(STEP_K // MX_BLOCK)]
+        for block, cols in enumerate(blocks):
+            if not lhs_in_registers:
+                lhs_tile.at[:, cols][...] = _dequantize_block(
+                    lhs_codes.at[:, cols], lhs_scales.at[block], lhs.dtype, *dequant
+                )
             rhs_tile.at[:, cols][...] = _dequantize_block(
                 rhs_codes.at[my_rows, cols], rhs_scales.at[block, my_rows], rhs.dtype, *dequant
             )
         plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, lhs_tile, rhs_tile.transpose((1, 0)))
+        if lhs_in_registers:
+            # One 32-wide MX block at a time: its values are the register A operand.
+            for block, cols in enumerate(blocks):
+                lhs_values = _dequantize_block(
+                    lhs_codes.at[:, cols],
+                    lhs_scales.at[block],
+                    lhs.dtype,
+                    dequant_arithmetic,
+                    "wgmma",
+                )
+                plgpu.wgmma(acc_ref, lhs_values, rhs_tile.at[:, cols].transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, lhs_tile, rhs_tile.transpose((1, 0)))
         # The codes' pipeline stage is free once converted: only the bf16 tiles stay read.
         plgpu.wgmma_wait(in_flight)
         return acc_ref

@@ -283,9 +283,10 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
 
 # MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products
 # exact in f32, so the bound is f32 summation (f32 out) or one bf16 rounding (bf16 out).
+@pytest.mark.parametrize("lhs_in_registers", [False, True])
 @pytest.mark.parametrize("wgmma_in_flight", [0, 1])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
-def test_gpu_mxfp8_forward(wgmma_in_flight, out_dtype):
+def test_gpu_mxfp8_forward(wgmma_in_flight, out_dtype, lhs_in_registers):
     import dataclasses
 
     from pallas_kernels.grouped_matmul_mx import DEFAULT_MXFP8_CONFIG, grouped_matmul_mxfp8
@@ -305,8 +306,17 @@ def test_gpu_mxfp8_forward(wgmma_in_flight, out_dtype):
             epi_tile_n=128 // jnp.dtype(out_dtype).itemsize,
             epilogue_buffers=1,
         )
-    out = jax.jit(grouped_matmul_mxfp8, static_argnames=("out_dtype", "config"))(
-        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=out_dtype, config=config
+    out = jax.jit(
+        grouped_matmul_mxfp8, static_argnames=("out_dtype", "config", "lhs_in_registers")
+    )(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        SIZES,
+        out_dtype=out_dtype,
+        config=config,
+        lhs_in_registers=lhs_in_registers,
     )
     want = ref_ragged_rows(
         dequant_mxfp8_bf16(lhs, lhs_scale), dequant_mxfp8_bf16(rhs, rhs_scale), SIZES
@@ -327,7 +337,7 @@ def test_gpu_mxfp8_dequant_variants_give_the_same_bits():
     lhs_scale = lhs_scale.at[7, 2].set(255)
     run = jax.jit(
         grouped_matmul_mxfp8,
-        static_argnames=("out_dtype", "dequant_arithmetic", "dequant_layout"),
+        static_argnames=("out_dtype", "dequant_arithmetic", "dequant_layout", "lhs_in_registers"),
     )
     outs = {
         (arithmetic, layout): np.asarray(
@@ -345,6 +355,19 @@ def test_gpu_mxfp8_dequant_variants_give_the_same_bits():
         for arithmetic in ("float32", "bfloat16")
         for layout in ("wgmma", "wgmma_8bit")
     }
+    for arithmetic in ("float32", "bfloat16"):
+        outs[(arithmetic, "lhs in registers")] = np.asarray(
+            run(
+                lhs,
+                lhs_scale,
+                rhs,
+                rhs_scale,
+                SIZES,
+                out_dtype=jnp.float32,
+                dequant_arithmetic=arithmetic,
+                lhs_in_registers=True,
+            )
+        )
     first = outs[("float32", "wgmma")]
     assert np.isnan(first[7]).all() and np.isfinite(np.delete(first, 7, axis=0)).all()
     for key, out in outs.items():

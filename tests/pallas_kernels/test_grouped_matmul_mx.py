@@ -136,9 +136,12 @@ def test_mxfp8_default_config_fits_both_out_dtypes():
 S = jax.ShapeDtypeStruct
 
 
+@pytest.mark.parametrize("lhs_in_registers", [False, True])
 @pytest.mark.parametrize("wgmma_in_flight", [0, 1])
 @pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
-def test_mxfp8_cross_lowers_for_h200(wgmma_in_flight, out_dtype):
+def test_mxfp8_cross_lowers_for_h200(wgmma_in_flight, out_dtype, lhs_in_registers):
+    # (lhs_in_registers=True is checked here and on the GPU only: the interpreter has no
+    # register-operand wgmma.)
     g, m, k, n = 8, 16384, 4096, 4096
     config = None
     if wgmma_in_flight:
@@ -151,7 +154,7 @@ def test_mxfp8_cross_lowers_for_h200(wgmma_in_flight, out_dtype):
         )
     text = _lower_for_h200(
         lambda a, sa, b, sb, s: grouped_matmul_mxfp8(
-            a, sa, b, sb, s, out_dtype=out_dtype, config=config
+            a, sa, b, sb, s, out_dtype=out_dtype, config=config, lhs_in_registers=lhs_in_registers
         ),
         S((m, k), E4M3),
         S((m, k // 32), jnp.uint8),
@@ -208,5 +211,11 @@ def test_mxfp8_k_must_be_whole_blocks_and_config_checked():
             sizes,
             config=dataclasses.replace(DEFAULT_MXFP8_CONFIG, max_concurrent_steps=8),
         )
+    with pytest.raises(TypeError, match="lhs_in_registers must be a bool"):
+        grouped_matmul_mxfp8(lhs, lhs_scale, rhs, rhs_scale, sizes, lhs_in_registers="yes")
+    with pytest.raises(ValueError, match="dequant_arithmetic must be one of"):
+        grouped_matmul_mxfp8(lhs, lhs_scale, rhs, rhs_scale, sizes, dequant_arithmetic="f16")
+    with pytest.raises(ValueError, match="dequant_layout must be one of"):
+        grouped_matmul_mxfp8(lhs, lhs_scale, rhs, rhs_scale, sizes, dequant_layout="rows")
     with pytest.raises(TypeError, match="config must be a GroupedMatmulConfig"):
         grouped_matmul_mxfp8(lhs, lhs_scale, rhs, rhs_scale, sizes, config={"tile_m": 64})
