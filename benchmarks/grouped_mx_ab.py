@@ -116,14 +116,10 @@ def candidates(sizes, small: bool):
 
     registers = {}
     if not small:  # the interpreter has no register-operand wgmma
-        in_flight_3 = dataclasses.replace(mx_in_flight, max_concurrent_steps=3)
         registers = {
             "in-kernel, lhs in registers (f32 arithmetic)": in_kernel(None, lhs_in_registers=True),
-            "in-kernel, lhs in registers, wgmma in flight (f32 arithmetic)": in_kernel(
-                in_flight_3, lhs_in_registers=True
-            ),
-            "in-kernel, lhs in registers, wgmma in flight, bf16 arithmetic": in_kernel(
-                in_flight_3, "bfloat16", lhs_in_registers=True
+            "in-kernel, lhs in registers, bf16 arithmetic": in_kernel(
+                None, "bfloat16", lhs_in_registers=True
             ),
         }
     return registers | {

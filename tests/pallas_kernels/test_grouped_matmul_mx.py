@@ -136,8 +136,7 @@ def test_mxfp8_default_config_fits_both_out_dtypes():
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("lhs_in_registers", [False, True])
-@pytest.mark.parametrize("wgmma_in_flight", [0, 1])
+@pytest.mark.parametrize("wgmma_in_flight, lhs_in_registers", [(0, False), (1, False), (0, True)])
 @pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
 def test_mxfp8_cross_lowers_for_h200(wgmma_in_flight, out_dtype, lhs_in_registers):
     # (lhs_in_registers=True is checked here and on the GPU only: the interpreter has no
@@ -210,6 +209,16 @@ def test_mxfp8_k_must_be_whole_blocks_and_config_checked():
             rhs_scale,
             sizes,
             config=dataclasses.replace(DEFAULT_MXFP8_CONFIG, max_concurrent_steps=8),
+        )
+    with pytest.raises(ValueError, match="lhs_in_registers=True needs wgmma_in_flight=0"):
+        grouped_matmul_mxfp8(
+            lhs,
+            lhs_scale,
+            rhs,
+            rhs_scale,
+            sizes,
+            config=dataclasses.replace(TINY_MX, wgmma_in_flight=1),
+            lhs_in_registers=True,
         )
     with pytest.raises(TypeError, match="lhs_in_registers must be a bool"):
         grouped_matmul_mxfp8(lhs, lhs_scale, rhs, rhs_scale, sizes, lhs_in_registers="yes")
