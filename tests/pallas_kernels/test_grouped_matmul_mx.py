@@ -217,6 +217,7 @@ def test_mxfp8_k_must_be_whole_blocks_and_config_checked():
             rhs,
             rhs_scale,
             sizes,
+            out_dtype=jnp.float32,
             config=dataclasses.replace(TINY_MX, wgmma_in_flight=1),
             lhs_in_registers=True,
         )
