@@ -17,10 +17,9 @@ range, which is float32's (2^-126 … 3.4e38). Each value is computed exactly as
 dequantizes (``jax_qtrain`` MXFP8: float32 code · 2^(byte − 127), 2^-127 applied as 2^-63 · 2^-64
 so that no factor is subnormal, byte 0xFF → NaN) and rounded to bfloat16 once, so the operands
 are the reference's bit for bit: exact for every block whose scale is at least 2^-120 (block
-amax ≳ 3e-34), rounded like the reference below that. Nothing overflows: an E8M0 scale of at
-most 2^127 times a code of at most 57344 = 1.75·2^15 stays finite in float32 only when the
-scale came from a finite block (the quantizer picks 2^k ≤ amax / fp8_max), which is the case for
-every copy jax_qtrain writes.
+amax ≳ 3e-34), rounded like the reference below that. A quantizer keeps code · 2^k ≤ the
+block's amax, so copies of finite data never overflow; scales no quantizer would pick give
+Inf, as in the reference.
 
 Work split per K step (64 = two MX blocks): each consumer dequantizes the whole lhs tile
 (tile_m x 64) and its own tile_n rhs rows into private bf16 tiles and runs its wgmma on them, so
@@ -28,7 +27,12 @@ the two consumers never wait for each other (sharing the lhs tile would halve it
 work but put a barrier between the consumers at every step). With ``wgmma_in_flight=1`` the
 private tiles are double-buffered by step parity and a step's wgmma runs while the consumer
 dequantizes the next step (buffer s % 2 is rewritten at step s, after the wait that ends step
-s - 1 has retired the wgmma of step s - 2).
+s - 1 has retired the wgmma of step s - 2). With ``lhs_in_registers`` the lhs values go straight
+into the wgmma's register operand instead of a bf16 tile.
+
+Status (H200, 2026-11-30, docs/benchmarks.md): bit-identical to dequantize-then-GEMM, but at
+most 234 TFLOP/s against that path's 560 (G = 8, 16384 x 4096 x 4096), so jax_qtrain does not
+use it; the ablation there shows the SMEM loads of the codes and the bf16 tile writes dominate.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from pallas_kernels.grouped_matmul_fwd import (
 )
 
 MX_BLOCK = 32  # elements per E8M0 scale along K
-STEP_K = 2 * MX_BLOCK  # K per pipeline step: one MX block of lhs per consumer
+STEP_K = 2 * MX_BLOCK  # K per pipeline step: two MX blocks per row
 _SCALE_IDENTITY = 127  # E8M0 byte of 2^0: pads K without turning zero codes into NaN
 
 DEFAULT_MXFP8_CONFIG = GroupedMatmulConfig(
