@@ -138,7 +138,7 @@ def candidates(sizes, small: bool):
 def _scales_only(codes_ref, scale_ref, fp8_dtype, arithmetic, layout_name):
     """Ablation: the row scales broadcast over the block, the codes never loaded."""
     layout = mx_kernel.DEQUANT_LAYOUTS[layout_name]
-    scales = plgpu.load(scale_ref, (), layout=layout.reduce(1)).astype(jnp.float32)
+    scales = plgpu.load(scale_ref, layout=layout.reduce(1)).astype(jnp.float32)
     values = lax.broadcast_in_dim(scales, codes_ref.shape, (0,))
     return plgpu.layout_cast(values, layout).astype(jnp.bfloat16)
 

@@ -119,8 +119,8 @@ def _dequantize_block(codes_ref, scale_ref, fp8_dtype, arithmetic: str, layout_n
     rounded once to bfloat16 (the float32 product is exact, 4 significant bits at ≥ 2^-136).
     """
     layout = DEQUANT_LAYOUTS[layout_name]
-    codes = lax.bitcast_convert_type(plgpu.load(codes_ref, (), layout=layout), fp8_dtype)
-    scale_bytes = plgpu.load(scale_ref, (), layout=layout.reduce(1))
+    codes = lax.bitcast_convert_type(plgpu.load(codes_ref, layout=layout), fp8_dtype)
+    scale_bytes = plgpu.load(scale_ref, layout=layout.reduce(1))
 
     def spread(row_values):
         return lax.broadcast_in_dim(row_values, codes.shape, (0,))

@@ -123,9 +123,9 @@ def test_bad_arguments_are_named():
 
 
 def test_expert_parallel_moe_layer_is_the_moe_on_the_whole_batch():
-    """ShardedMoE(expert_parallel=True), MXFP8 experts: y, dx and the expert gradients are
-    nn.MoE's on the whole batch, bit for bit (the router's gradient up to the float32 order of
-    the per-device sums)."""
+    """ShardedMoE(expert_parallel=True), MXFP8 experts: y and the expert gradients are nn.MoE's
+    on the whole batch, bit for bit; dx to 2 float32 ulps and the router's gradient up to the
+    float32 order of the per-device sums."""
     mesh = mesh_1d(DEVICES)
     sharding = jqs.WeightSharding(mesh, "fsdp", kernel_dim="experts")
     kwargs = dict(top_k=2, recipe=RECIPES["mxfp8"])
@@ -139,20 +139,27 @@ def test_expert_parallel_moe_layer_is_the_moe_on_the_whole_batch():
     y, dparams, dx = module_value_and_grads(sharded, x, dy)
     y_ref, dparams_ref, dx_ref = module_value_and_grads(plain, x, dy)
     assert_bits_equal(
-        (y, dx, dparams["fc1_kernel"].get_value(), dparams["fc2_kernel"].get_value()),
+        (y, dparams["fc1_kernel"].get_value(), dparams["fc2_kernel"].get_value()),
         (
             y_ref,
-            dx_ref,
             dparams_ref["experts"]["fc1_kernel"].get_value(),
             dparams_ref["experts"]["fc2_kernel"].get_value(),
         ),
-        "y, dx, dfc1, dfc2",
+        "y, dfc1, dfc2",
     )
+    # dx adds the experts' and the router's terms; XLA:CPU may associate that sum differently in
+    # the sharded program: on an AMD EPYC host (2026-11-30) ~7% of the elements differed in the
+    # last bits (more ulps only where terms cancel), at the previously landed commit too (other
+    # hosts gave the same bits). Bounded by a few float32 ulps of the largest |dx|.
+    dx, dx_ref = np.asarray(dx), np.asarray(dx_ref)
+    np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=2.0**-21 * np.abs(dx_ref).max())
+    # The router's gradient sums over tokens per device, then across devices; on the same host
+    # one of 512 elements came out 1.3e-6 (5e-5 relative) off, where terms cancel: bounded
+    # relative to its largest element.
+    router_grad = np.asarray(dparams["router"]["kernel"].get_value())
+    router_grad_ref = np.asarray(dparams_ref["router"]["kernel"].get_value())
     np.testing.assert_allclose(
-        np.asarray(dparams["router"]["kernel"].get_value()),
-        np.asarray(dparams_ref["router"]["kernel"].get_value()),
-        rtol=1e-5,
-        atol=1e-6,
+        router_grad, router_grad_ref, rtol=1e-5, atol=1e-4 * np.abs(router_grad_ref).max()
     )
     with pytest.raises(ValueError, match="expert_parallel=True needs"):
         jqs.ShardedMoE(
