@@ -44,8 +44,7 @@ PROFILE_K_LOOP, PROFILE_EPILOGUE, PROFILE_ZERO_TAIL = "k_loop", "epilogue", "zer
 
 # Registers kept by the TMA warpgroup; the two consumers share the rest.
 _PRODUCER_REGISTERS = 40
-_NUM_CONSUMERS = 2
-NUM_CONSUMERS = _NUM_CONSUMERS  # for formats whose scratch has a buffer per consumer
+NUM_CONSUMERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +151,7 @@ def ragged_rows_call(
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
     stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
-    epilogue_shape = (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n)
+    epilogue_shape = (NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n)
     swizzled_transforms = common.smem_transforms(epi_tile_n, out_dtype)
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
     if num_col_tiles % cluster_n:
@@ -200,7 +199,7 @@ def ragged_rows_call(
                 memory_registers=_PRODUCER_REGISTERS,
                 in_specs=in_specs,
                 wg_axis="wg",
-                num_compute_wgs=_NUM_CONSUMERS,
+                num_compute_wgs=NUM_CONSUMERS,
                 max_concurrent_steps=schedule.max_concurrent_steps,
                 compute_context=compute_context,
                 pipeline_state=pipeline_state,
@@ -221,9 +220,9 @@ def ragged_rows_call(
                 plgpu.SMEM(epilogue_shape, out_dtype, transforms=swizzled_transforms),
             ),
             prefetch_smem=[
-                plgpu.SMEM((_NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
+                plgpu.SMEM((NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
             ],
-            prefetch_barriers=plgpu.Barrier(num_barriers=_NUM_CONSUMERS * max(1, num_prefetches)),
+            prefetch_barriers=plgpu.Barrier(num_barriers=NUM_CONSUMERS * max(1, num_prefetches)),
             scratch=list(parts.scratch),
             collective_axes="wg",
         )
@@ -241,7 +240,7 @@ def ragged_rows_call(
                     else:
                         col0 = col_tile * (2 * tile_n) + consumer * tile_n
                         window = gmem.at[row_tile.group].at[..., pl.ds(col0, tile_n)]
-                    barrier = prefetch_barriers.at[i * _NUM_CONSUMERS + consumer]
+                    barrier = prefetch_barriers.at[i * NUM_CONSUMERS + consumer]
                     slices.append((window, prefetch_smem[i].at[consumer], barrier))
                 return slices
 
@@ -355,7 +354,7 @@ def ragged_rows_call(
                     consumer=wg,
                 )
 
-                @pl.when(wg < _NUM_CONSUMERS)
+                @pl.when(wg < NUM_CONSUMERS)
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
                         jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
@@ -384,7 +383,7 @@ def ragged_rows_call(
         out_type=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
         grid=(schedule.num_sms // cluster_n,),
         grid_names=("sm",),
-        num_threads=_NUM_CONSUMERS + 1,
+        num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile_args
