@@ -241,6 +241,37 @@ def check_group_sizes(group_sizes: jax.Array, num_groups: int | None) -> int:
     return int(group_sizes.shape[0])
 
 
+def check_block_scaled_operands(lhs, lhs_scale, rhs, rhs_scale, scale_dtype, out_dtype):
+    """Ranks and dtypes of a block-scaled ragged-row GEMM's operands (lhs (M, K) and rhs
+    (G, N, K) FP8, 2-D / 3-D scales of `scale_dtype`), out_dtype, and the contraction size;
+    returns (out_dtype, M, K, G, N). The caller checks the scales' shapes."""
+    check_rank("lhs", lhs, 2)
+    check_rank("rhs", rhs, 3)
+    check_rank("lhs_scale", lhs_scale, 2)
+    check_rank("rhs_scale", rhs_scale, 3)
+    check_dtype("lhs", lhs, FP8_DTYPES)
+    check_dtype("rhs", rhs, FP8_DTYPES)
+    check_dtype("lhs_scale", lhs_scale, (scale_dtype,))
+    check_dtype("rhs_scale", rhs_scale, (scale_dtype,))
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
+    num_rows, k = lhs.shape
+    num_groups, num_cols, k_rhs = rhs.shape
+    if k_rhs != k:
+        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    return out_dtype, num_rows, k, num_groups, num_cols
+
+
+def pad_axis(array: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """`array` padded with `value` along `axis` up to `size` (unchanged if already that long)."""
+    if array.shape[axis] >= size:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, size - array.shape[axis])
+    return jnp.pad(array, widths, constant_values=value)
+
+
 def round_up(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
 

@@ -251,14 +251,6 @@ def _check_smem(
         )
 
 
-def _pad_axis(array: jax.Array, axis: int, size: int) -> jax.Array:
-    if array.shape[axis] >= size:
-        return array
-    widths = [(0, 0)] * array.ndim
-    widths[axis] = (0, size - array.shape[axis])
-    return jnp.pad(array, widths)
-
-
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -347,11 +339,11 @@ def grouped_matmul(
     k_p = common.round_up(k, common.swizzle_elems(tile_k, lhs.dtype))
     if rhs_layout == "nk":
         cols_p = config.padded_cols(num_cols)
-        rhs_p = _pad_axis(_pad_axis(rhs, 1, cols_p), 2, k_p)
+        rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p)
     else:
         cols_p = config.padded_cols(num_cols, common.swizzle_elems(2 * tile_n, rhs.dtype))
-        rhs_p = _pad_axis(_pad_axis(rhs, 2, cols_p), 1, k_p)
-    lhs_p = _pad_axis(_pad_axis(lhs, 0, rows_p), 1, k_p)
+        rhs_p = common.pad_axis(common.pad_axis(rhs, 2, cols_p), 1, k_p)
+    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, k_p)
     operands = [lhs_p, rhs_p]
     lhs_scale_kind = rhs_scale_kind = lhs_scale_index = rhs_scale_index = None
     if lhs_scale is not None:
@@ -361,7 +353,7 @@ def grouped_matmul(
             operands.append(lhs_scale.reshape(1))
         else:
             lhs_scale_kind = "row"
-            operands.append(_pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m)))
+            operands.append(common.pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m)))
     if rhs_scale is not None:
         rhs_scale_index = len(operands)
         if rhs_scale.ndim == 1:
@@ -369,7 +361,7 @@ def grouped_matmul(
             operands.append(rhs_scale)
         else:
             rhs_scale_kind = "col"
-            operands.append(_pad_axis(rhs_scale, 1, common.round_up(cols_p, 2 * tile_n)))
+            operands.append(common.pad_axis(rhs_scale, 1, common.round_up(cols_p, 2 * tile_n)))
 
     lhs_transforms = common.smem_transforms(tile_k, lhs.dtype)
     in_flight = config.wgmma_in_flight
@@ -546,21 +538,9 @@ def grouped_matmul_fp8_block(
         and K step).
       interpret: run the Pallas interpreter.
     """
-    common.check_rank("lhs", lhs, 2)
-    common.check_rank("rhs", rhs, 3)
-    common.check_rank("lhs_scale", lhs_scale, 2)
-    common.check_rank("rhs_scale", rhs_scale, 3)
-    common.check_dtype("lhs", lhs, common.FP8_DTYPES)
-    common.check_dtype("rhs", rhs, common.FP8_DTYPES)
-    common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
-    common.check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in common.OUT_DTYPES:
-        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
-    num_rows, k = lhs.shape
-    num_groups, num_cols, k_rhs = rhs.shape
-    if k_rhs != k:
-        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    out_dtype, num_rows, k, num_groups, num_cols = common.check_block_scaled_operands(
+        lhs, lhs_scale, rhs, rhs_scale, jnp.float32, out_dtype
+    )
     if k % 128:
         raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
     common.check_group_sizes(group_sizes, num_groups)
@@ -588,12 +568,12 @@ def grouped_matmul_fp8_block(
     # Rows and columns padded to multiples of 8 (and one tile) for TMA; K is whole.
     rows_p = common.round_up(max(num_rows, tile_m), 8)
     cols_p = config.padded_cols(num_cols)
-    lhs_p = _pad_axis(lhs, 0, rows_p)
-    rhs_p = _pad_axis(rhs, 1, cols_p)
+    lhs_p = common.pad_axis(lhs, 0, rows_p)
+    rhs_p = common.pad_axis(rhs, 1, cols_p)
     num_k_blocks = k // 128
     # Scales of one K block for consecutive rows, so each step reads one TMA row.
     scale_cols = common.round_up(rows_p, 4)
-    lhs_scale_t = _pad_axis(lhs_scale.T, 1, scale_cols)
+    lhs_scale_t = common.pad_axis(lhs_scale.T, 1, scale_cols)
     num_col_blocks = rhs_scale.shape[1]
 
     in_specs = (

@@ -177,21 +177,9 @@ def grouped_matmul_mxfp8(
     Returns:
       (M, N) array of out_dtype.
     """
-    common.check_rank("lhs", lhs, 2)
-    common.check_rank("rhs", rhs, 3)
-    common.check_rank("lhs_scale", lhs_scale, 2)
-    common.check_rank("rhs_scale", rhs_scale, 3)
-    common.check_dtype("lhs", lhs, common.FP8_DTYPES)
-    common.check_dtype("rhs", rhs, common.FP8_DTYPES)
-    common.check_dtype("lhs_scale", lhs_scale, (jnp.uint8,))
-    common.check_dtype("rhs_scale", rhs_scale, (jnp.uint8,))
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in common.OUT_DTYPES:
-        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
-    num_rows, k = lhs.shape
-    num_groups, num_cols, k_rhs = rhs.shape
-    if k_rhs != k:
-        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    out_dtype, num_rows, k, num_groups, num_cols = common.check_block_scaled_operands(
+        lhs, lhs_scale, rhs, rhs_scale, jnp.uint8, out_dtype
+    )
     if k % MX_BLOCK:
         raise ValueError(f"lhs: K={k} must be a multiple of {MX_BLOCK} (1x32 MX blocks)")
     common.check_group_sizes(group_sizes, num_groups)
@@ -241,18 +229,15 @@ def grouped_matmul_mxfp8(
     k_p = common.round_up(k, STEP_K)
     blocks_p = k_p // MX_BLOCK
 
-    def pad(array, axis, size, value=0):
-        if array.shape[axis] >= size:
-            return array
-        widths = [(0, 0)] * array.ndim
-        widths[axis] = (0, size - array.shape[axis])
-        return jnp.pad(array, widths, constant_values=value)
-
-    lhs_p = pad(pad(lhs, 0, rows_p), 1, k_p)
-    rhs_p = pad(pad(rhs, 1, cols_p), 2, k_p)
+    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, k_p)
+    rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p)
     # Scales transposed to (K/32, rows): a step's two bytes per row become two TMA rows.
-    lhs_scale_t = pad(pad(lhs_scale, 1, blocks_p, _SCALE_IDENTITY), 0, rows_p).T
-    rhs_scale_t = pad(pad(rhs_scale, 2, blocks_p, _SCALE_IDENTITY), 1, cols_p).transpose(0, 2, 1)
+    lhs_scale_t = common.pad_axis(
+        common.pad_axis(lhs_scale, 1, blocks_p, _SCALE_IDENTITY), 0, rows_p
+    ).T
+    rhs_scale_t = common.pad_axis(
+        common.pad_axis(rhs_scale, 2, blocks_p, _SCALE_IDENTITY), 1, cols_p
+    ).transpose(0, 2, 1)
 
     codes_transforms = common.smem_transforms(MX_BLOCK, lhs.dtype)  # whole 32-wide blocks
     bf16_transforms = common.smem_transforms(MX_BLOCK, jnp.bfloat16)

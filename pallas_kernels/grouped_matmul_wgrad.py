@@ -116,14 +116,6 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
 )
 
 
-def _pad_axis(array: jax.Array, axis: int, size: int) -> jax.Array:
-    if array.shape[axis] >= size:
-        return array
-    widths = [(0, 0)] * array.ndim
-    widths[axis] = (0, size - array.shape[axis])
-    return jnp.pad(array, widths)
-
-
 def _fit_default(config: GroupedWgradConfig, sizes: tuple[int, int, int]) -> GroupedWgradConfig:
     while config.smem_bytes(*sizes) > SMEM_BYTES:
         if config.epi_tile_n > 32:
@@ -219,8 +211,8 @@ def grouped_matmul_wgrad(
     rows_p = common.round_up(max(num_out_rows, tile_m), 8)
     cols_p = common.round_up(max(num_out_cols, 2 * tile_n), 8)
     tokens_p = common.round_up(max(num_tokens, tile_t), common.swizzle_elems(tile_t, lhs.dtype))
-    lhs_p = _pad_axis(_pad_axis(lhs, 0, rows_p), 1, tokens_p)
-    rhs_p = _pad_axis(_pad_axis(rhs, 0, cols_p), 1, tokens_p)
+    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, tokens_p)
+    rhs_p = common.pad_axis(common.pad_axis(rhs, 0, cols_p), 1, tokens_p)
     operands = [lhs_p, rhs_p]
     lhs_scale_kind = rhs_scale_kind = None
     if lhs_scale is not None:
@@ -228,14 +220,14 @@ def grouped_matmul_wgrad(
         operands.append(
             lhs_scale.reshape(1)
             if lhs_scale.ndim == 0
-            else _pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m))
+            else common.pad_axis(lhs_scale, 0, common.round_up(rows_p, tile_m))
         )
     if rhs_scale is not None:
         rhs_scale_kind = "tensor" if rhs_scale.ndim == 0 else "col"
         operands.append(
             rhs_scale.reshape(1)
             if rhs_scale.ndim == 0
-            else _pad_axis(rhs_scale, 0, common.round_up(cols_p, 2 * tile_n))
+            else common.pad_axis(rhs_scale, 0, common.round_up(cols_p, 2 * tile_n))
         )
 
     out = _wgrad_call(

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig
 from pallas_kernels.grouped_matmul_mx import DEFAULT_MXFP8_CONFIG, grouped_matmul_mxfp8
 from tests.pallas_kernels.test_grouped_matmul import (
     BF16,
     E4M3,
     E5M2,
+    TINY_FWD,
     _lower_for_h200,
     assert_close,
     keys,
@@ -28,15 +28,7 @@ from tests.pallas_kernels.test_grouped_matmul import (
     ref_ragged_rows,
 )
 
-TINY_MX = GroupedMatmulConfig(
-    tile_m=64,
-    tile_n=64,
-    tile_k=64,
-    max_concurrent_steps=2,
-    epi_tile_n=32,
-    num_sms=2,
-    grid_tile_width=1,
-)
+TINY_MX = TINY_FWD  # the forward kernels' tiny tiles: tile_k=64 is one MX step
 
 
 def random_mxfp8(key, shape, dtype, low: int = 117, high: int = 137):
