@@ -7,7 +7,9 @@ Each kernel config's output is compared with an f32 XLA reference on the same
 (dequantized) operands (relative Frobenius error), so a fast wrong config shows.
 Peers run in the same process: lax.ragged_dot / ragged_dot_general (bf16), XLA dense
 bf16 and fp8 GEMMs of the same total size (ceilings), torch._grouped_mm and
-torch._scaled_grouped_mm where torch has them.
+torch._scaled_grouped_mm where torch has them, and the Mosaic GPU kernels that ship inside
+the jax wheel (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu`,
+`transposed_ragged_dot_mgpu`, `hopper_matmul_mgpu`), a few of their own tuning configs each.
 
     PYTHONPATH=. python3 benchmarks/bench_grouped_matmul.py OUT_DIR [BUDGET_SECONDS] [--small]
         [--sections=g8,quantized,wgrad,g64,dense_block,skewed]
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
     grouped_matmul,
@@ -106,6 +108,7 @@ def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4, buffers=2):
 
 # CPU smoke test of this script (--small): tiny shapes through the Pallas interpreter.
 INTERPRET = False
+DENSE_BF16_CONFIG = None  # dense_matmul's own default; --small gives it the tiny config
 
 # Sweeps, most promising first (the budget may cut the tail). The epilogue rows must
 # span 128 bytes (epi_tile_n 64 for bf16 outputs, 32 for f32).
@@ -358,6 +361,60 @@ def torch_peers(bench: Bench, shape: str, sets, g, m, k, n, flops):
     torch.cuda.empty_cache()
 
 
+# The Mosaic GPU kernels shipped in the jax wheel: what a JAX user has without us. Their
+# tuning configs are picked from the sweeps in each file's main() (each needs N to be a
+# multiple of grid_block_n * block_n); they need a GPU (no interpreter run here).
+JAX_RAGGED_DOT_CONFIGS = [
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4),
+    dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8),
+]
+JAX_TRANSPOSED_RAGGED_DOT_CONFIGS = [
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8),
+]
+
+
+def jax_mgpu_peer_available(bench: Bench, shape: str, op: str) -> bool:
+    if INTERPRET or jax.default_backend() != "gpu":
+        bench.record(
+            shape=shape,
+            op=op,
+            impl="jax.experimental Mosaic GPU kernels",
+            status="skipped (needs a GPU)",
+        )
+        return False
+    return True
+
+
+def jax_ragged_dot_peers(bench: Bench, shape: str, op: str, flops, arg_sets, ref):
+    """`ragged_dot_mgpu.ragged_dot` (one warpgroup per CTA, persistent) on lhs (M, K) and
+    rhs (G, N, K) (`transpose_rhs=True`: our layout); bf16 out."""
+    if not jax_mgpu_peer_available(bench, shape, op):
+        return
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    n = arg_sets[0][1].shape[1]
+    for cfg in JAX_RAGGED_DOT_CONFIGS:
+        if n % (cfg["grid_block_n"] * cfg["block_n"]):
+            continue
+        label = "x".join(str(cfg[f]) for f in ("block_m", "block_n", "block_k"))
+        measure(
+            bench,
+            shape=shape,
+            op=op,
+            impl=f"jax ragged_dot_mgpu bf16 {label} s{cfg['max_concurrent_steps']} "
+            f"g{cfg['grid_block_n']}",
+            flops=flops,
+            fn=lambda a, b, s, cfg=cfg: ragged_dot_mgpu.ragged_dot(
+                a, b, group_sizes=s, transpose_rhs=True, **cfg
+            ),
+            arg_sets=arg_sets,
+            ref=ref,
+        )
+
+
 def xla_dense_peers(bench: Bench, shape: str, m, k, n):
     flops = 2 * m * k * n
     keys = jax.random.split(jax.random.key(7), 4)
@@ -374,6 +431,48 @@ def xla_dense_peers(bench: Bench, shape: str, m, k, n):
         fn=lambda a, b: a @ b,
         arg_sets=bf,
     )
+    # Our own kernel as one group, and the dense Mosaic GPU kernel that ships with jax (two
+    # consumer warpgroups, warp-specialized like ours): does the grouped kernel lose to its
+    # own dense form, and does the dense form lose to jax's?
+    bf_nk = [(a, b.T) for a, b in bf]
+    measure(
+        bench,
+        shape=shape,
+        op="dense",
+        impl="pallas bf16 dense_matmul (default config)",
+        flops=flops,
+        fn=lambda a, b_nk: dense_matmul(a, b_nk, config=DENSE_BF16_CONFIG, interpret=INTERPRET),
+        arg_sets=bf_nk,
+    )
+    del bf_nk
+    if jax_mgpu_peer_available(bench, shape, "dense"):
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+        for tile_m, wg_dim, minor, width in (
+            (128, hm.MatmulDimension.N, hm.MatmulDimension.N, 8),
+            (128, hm.MatmulDimension.N, hm.MatmulDimension.M, 8),
+            (128, hm.MatmulDimension.M, hm.MatmulDimension.N, 8),
+        ):
+            config = hm.TuningConfig(
+                tile_m=tile_m,
+                tile_n=128,
+                tile_k=64,
+                max_concurrent_steps=4,
+                epi_tile_n=64,
+                epi_tile_m=64,
+                grid_minor_dim=minor,
+                grid_tile_width=width,
+                wg_dimension=wg_dim,
+            )
+            measure(
+                bench,
+                shape=shape,
+                op="dense",
+                impl=f"jax hopper_matmul_mgpu bf16 wg={wg_dim.name} minor={minor.name} w{width}",
+                flops=flops,
+                fn=lambda a, b, config=config: hm.matmul(a, b, None, config),
+                arg_sets=bf,
+            )
     f8 = [(a.astype(E4M3), b.T.astype(E4M3)) for a, b in bf]
 
     def fp8_nt(a, b_nk):
@@ -442,6 +541,9 @@ def forward_suite(
             fn=lambda a, b, s: lax.ragged_dot(a, b, s),
             arg_sets=rows_kn,
             ref=ref,
+        )
+        jax_ragged_dot_peers(
+            bench, shape, op, flops, [(x["lhs"], x["rhs"], x["sizes"]) for x in sets], ref
         )
     best_bf16 = best(bf16_rows, 1e-2)
     if best_bf16 is not None and peers:
@@ -645,6 +747,25 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
             arg_sets=[(x["x"].T, x["dy"].T, x["sizes"]) for x in sets],
             ref=ref,
         )
+        if jax_mgpu_peer_available(bench, shape, "wgrad"):
+            from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
+
+            token_major = [(x["x"].T, x["dy"].T, x["sizes"]) for x in sets]  # outside the timing
+            for cfg in JAX_TRANSPOSED_RAGGED_DOT_CONFIGS:
+                measure(
+                    bench,
+                    shape=shape,
+                    op="wgrad",
+                    impl=f"jax transposed_ragged_dot_mgpu bf16 {cfg['block_m']}x"
+                    f"{cfg['block_n']}x{cfg['block_k']} g{cfg['grid_block_n']}",
+                    flops=flops,
+                    fn=lambda a, b, s, cfg=cfg: trd.transposed_ragged_dot(
+                        a, b, group_sizes=s, **cfg
+                    ),
+                    arg_sets=token_major,
+                    ref=ref,
+                )
+            del token_major
     del ref
     ref8 = wgrad_ref(
         s0["x8"].astype(jnp.float32) * s0["xs"][:, None], s0["dy8"].astype(jnp.float32), s0["sizes"]
@@ -738,7 +859,7 @@ def main(
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         raise ValueError(f"sections must be a non-empty subset of {list(SECTIONS)}, got {unknown}")
-    global INTERPRET
+    global INTERPRET, DENSE_BF16_CONFIG
     # Leave GPU memory for torch's peers (read when the backend starts, below).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     out = Path(out_dir or "bench_out")
@@ -787,6 +908,7 @@ def main(
             tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
         )
         bf16_fwd = fp8_fwd = narrow = narrow8 = [tiny]
+        DENSE_BF16_CONFIG = tiny
         block = [tiny_block]
         bf16_wgrad = fp8_wgrad = [tiny_wgrad]
         dense_size = 256

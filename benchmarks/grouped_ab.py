@@ -10,9 +10,14 @@ for the run's clocks) are timed batch by batch in alternation
   (`swizzled_epilogue=True`, the default) or through the plain view;
 * ``schedule``: the pipeline kept running across output tiles (`persistent_pipeline`) and
   2-CTA clusters that multicast the lhs tile (`cluster_n=2`), alone and together, against
-  the best configs of the earlier sweeps.
+  the best configs of the earlier sweeps;
+* ``grouping``: what grouping itself costs. The same kernel and config on the balanced
+  8-group split, on all rows in group 0 of the same (G, N, K) weights (one weight, but the
+  grouped bookkeeping), through `dense_matmul` (G = 1), and the balanced split under other
+  tile orders (`grid_minor_dim`, `grid_tile_width`), which decide how often a wave of CTAs
+  moves on to the next expert's weight. Only the balanced variants compute the same sums.
 
-    python -m benchmarks.grouped_ab [--out DIR] [--variants epilogue|schedule] [--small]
+    python -m benchmarks.grouped_ab [--out DIR] [--variants epilogue|schedule|grouping] [--small]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -29,7 +34,7 @@ import numpy as np
 
 from benchmarks.bench_grouped_matmul import E4M3, fwd_config, random_operands
 from benchmarks.timing import device_description, interleaved_seconds, report
-from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
     grouped_matmul,
@@ -82,7 +87,71 @@ def schedule_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulCon
     return variants
 
 
-VARIANT_SETS = {"epilogue": epilogue_variants, "schedule": schedule_variants}
+VARIANT_SETS = {
+    "epilogue": epilogue_variants,
+    "schedule": schedule_variants,
+    "grouping": None,  # not config variants: see grouping_cases
+}
+
+
+def tile_order_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    replace = dataclasses.replace
+    return {
+        "balanced": config,
+        "balanced, rows minor, width 16": replace(config, grid_minor_dim=0, grid_tile_width=16),
+        "balanced, rows minor, width 4": replace(config, grid_minor_dim=0, grid_tile_width=4),
+        "balanced, columns minor, width 8": replace(config, grid_minor_dim=1, grid_tile_width=8),
+    }
+
+
+def grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret) -> None:
+    """Balanced split vs one group vs dense_matmul, bf16 and FP8 rowwise (see the docstring)."""
+    g, m, k, n, sizes = shapes["G8 balanced"]
+    flops = 2 * m * k * n
+    sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
+    one_group = jnp.zeros((g,), jnp.int32).at[0].set(m)
+    xla_dense = (jax.jit(lambda a, b: a @ b), [(x["lhs"], x["rhs"][0].T) for x in sets])
+    for kind, config in (("bf16", bf16_config), ("fp8 rowwise", fp8_config)):
+        lhs_key, rhs_key = ("lhs", "rhs") if kind == "bf16" else ("lhs8", "rhs8")
+        scales = (
+            (lambda x: {})
+            if kind == "bf16"
+            else (lambda x: dict(lhs_scale=x["lhs_row_scale"], rhs_scale=x["rhs_col_scale"]))
+        )
+
+        def grouped(c, sizes_of, lhs_key=lhs_key, rhs_key=rhs_key, scales=scales):
+            fn = jax.jit(
+                lambda a, b, s, extra, c=c: grouped_matmul(
+                    a, b, s, config=c, interpret=interpret, **extra
+                )
+            )
+            return fn, [(x[lhs_key], x[rhs_key], sizes_of(x), scales(x)) for x in sets]
+
+        candidates = {
+            f"{kind} {name}": grouped(c, lambda x: x["sizes"])
+            for name, c in tile_order_variants(config).items()
+        }
+        candidates[f"{kind} one group of {g}"] = grouped(config, lambda x: one_group)
+        dense_scales = (
+            (lambda x: {})
+            if kind == "bf16"
+            else (lambda x: dict(lhs_scale=x["lhs_row_scale"], rhs_scale=x["rhs_col_scale"][0]))
+        )
+        candidates[f"{kind} dense_matmul"] = (
+            jax.jit(
+                lambda a, b, extra, c=config: dense_matmul(
+                    a, b, config=c, interpret=interpret, **extra
+                )
+            ),
+            [(x[lhs_key], x[rhs_key][0], dense_scales(x)) for x in sets],
+        )
+        candidates["XLA dense bf16"] = xla_dense
+        run_case(
+            f"G8 balanced fwd {kind} grouping",
+            flops,
+            candidates,
+            compare=[f"{kind} {name}" for name in tile_order_variants(config)],
+        )
 
 
 def main(
@@ -93,7 +162,7 @@ def main(
 ) -> str:
     if variants not in VARIANT_SETS:
         raise ValueError(f"variants must be one of {sorted(VARIANT_SETS)}, got {variants!r}")
-    variant_configs = VARIANT_SETS[variants]
+    variant_configs = VARIANT_SETS[variants] or epilogue_variants
     shapes, dense_size, interpret = SHAPES, DENSE_SIZE, False
     bf16_config, fp8_config, block_config = BF16_CONFIG, FP8_CONFIG, BLOCK_CONFIG
     if small:
@@ -106,9 +175,10 @@ def main(
 
     rows = []
 
-    def run_case(case: str, flops: float, candidates: dict) -> None:
-        # Every variant computes the same sums in the same order: same bits as the first.
-        kernels = [name for name in candidates if not name.startswith("XLA")]
+    def run_case(case: str, flops: float, candidates: dict, compare=None) -> None:
+        # Every variant computes the same sums in the same order: same bits as the first
+        # (only the names in `compare`, when given).
+        kernels = compare or [name for name in candidates if not name.startswith("XLA")]
         first_fn, first_args = candidates[kernels[0]]
         expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
         same_bits = {
@@ -139,6 +209,10 @@ def main(
                 )
             )
             print(f"{case:34s} {name:30s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f} {same}")
+
+    if variants == "grouping":
+        grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret)
+        shapes, dense_size = {}, 0
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         flops = 2 * m * k * n
@@ -195,6 +269,8 @@ def main(
         del sets, dense_sets, block_sets, candidates, xla_dense
 
     size = dense_size
+    if not size:  # the grouping cases have no dense block-FP8 part
+        return _report(out_dir, variants, rows, rounds)
     keys = jax.random.split(jax.random.key(8), 2)
     a8 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(E4M3)
     b8 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(E4M3)
@@ -214,7 +290,10 @@ def main(
     }
     candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [(a16, b16)])
     run_case(f"dense {size}^3", 2 * size**3, candidates)
+    return _report(out_dir, variants, rows, rounds)
 
+
+def _report(out_dir, variants: str, rows: list[dict], rounds: int) -> str:
     lines = [
         f"Device: {device_description()}; {rounds} alternating rounds per case.",
         "",

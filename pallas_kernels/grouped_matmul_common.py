@@ -17,9 +17,16 @@ Each (pseudo-)group is cut into row tiles of ``tile_m`` rows aligned to multiple
 once per group and each visit stores only its own rows. A group with rows touches
 ``cdiv(end, tile_m) - start // tile_m`` tiles, so the ``G + 1`` (pseudo-)groups need
 at most ``cdiv(M, tile_m) + G`` tile visits. Visits are numbered group by group, so
-the visits of real groups come first and the tail's last; the kernels read both
-counts from ``group_sizes`` on the device (:func:`visit_counts`) and loop over
-exactly those.
+the visits of real groups come first and the tail's last.
+
+The ragged-row kernels get the schedule as a small int32 table computed by XLA from
+``group_sizes`` before the launch (:func:`visit_table`): both visit counts, then one
+row per visit (group, first row of the tile, first row and row count of the group in
+it). A kernel loop reads the counts and, per work item, four scalars of its visit.
+Computing the schedule in the kernel instead kept ``2 (G + 1)`` group bounds live in
+every thread and unrolled a ``G + 1``-way lookup per item: at 168 registers that
+spilled (ptxas, H200: 200 bytes for G = 8, ~1 KB for G = 64, none for G = 1) and ran
+the 8-group GEMM 5% (bf16) to 16% (FP8) slower than the same kernel with one group.
 """
 
 from __future__ import annotations
@@ -119,45 +126,63 @@ def group_bounds(group_sizes_gmem, num_groups: int, num_rows: int):
     return starts, ends
 
 
-def _group_visits(start: jax.Array, end: jax.Array, tile_m: int) -> jax.Array:
-    """Row tiles a (pseudo-)group with rows ``[start, end)`` touches (0 when empty)."""
+def max_visits(num_rows: int, num_groups: int, tile_m: int) -> int:
+    """Upper bound on the row-tile visits of ``num_groups`` groups and the tail."""
+    return pl.cdiv(num_rows, tile_m) + num_groups
+
+
+def visit_table(group_sizes: jax.Array, num_groups: int, num_rows: int, tile_m: int) -> jax.Array:
+    """The row-tile schedule as an int32 table (jnp, run by XLA before the kernel).
+
+    Shape ``(1 + max_visits(num_rows, num_groups, tile_m), 4)``. Row 0 holds
+    ``(visits of the real groups, visits of the tail, 0, 0)``; row ``1 + v`` holds visit
+    ``v``'s ``(group, block, row_begin, num_rows)`` (see :class:`RowTile`; group
+    ``num_groups`` is the tail; the tile index ``block``, not its first row, so that the
+    kernel's ``block * tile_m`` is provably a multiple of the tile, which Mosaic GPU's layout
+    inference needs for the TMA windows). Rows past the last visit are zeros and never read.
+    Group bounds are clamped as the module docstring says, with a saturating running sum
+    (``min(a + b, M)`` is associative for non-negative terms and cannot overflow).
+    """
+    total = jnp.uint32(num_rows)
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows).astype(jnp.uint32)
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, total), sizes)
+    ends = ends.astype(jnp.int32)
+    zero = jnp.zeros((1,), jnp.int32)
+    # G + 1 (pseudo-)groups: the real ones, then the tail [end_{G-1}, M).
+    starts = jnp.concatenate([zero, ends])
+    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
     tile = jnp.int32(tile_m)
-    touched = lax.div(end + tile - 1, tile) - lax.div(start, tile)
-    return jnp.where(end > start, touched, jnp.int32(0))
-
-
-def visit_counts(starts, ends, tile_m: int) -> tuple[jax.Array, jax.Array]:
-    """(visits of the real groups, visits of the zero-filled tail), as traced int32."""
-    group_visits = jnp.int32(0)
-    for start, end in zip(starts[:-1], ends[:-1], strict=True):
-        group_visits = group_visits + _group_visits(start, end, tile_m)
-    return group_visits, _group_visits(starts[-1], ends[-1], tile_m)
-
-
-def row_tile_for_visit(visit: jax.Array, starts, ends, tile_m: int) -> RowTile:
-    """Maps a row-tile visit index to its (pseudo-)group, tile and row range."""
-    tile = jnp.int32(tile_m)
-    zero = jnp.int32(0)
-    group = block = row_lo = row_hi = zero
-    first_visit = zero
-    for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
-        first_block = lax.div(start, tile)
-        num_tiles = _group_visits(start, end, tile_m)
-        hit = (visit >= first_visit) & (visit < first_visit + num_tiles)
-        group = jnp.where(hit, jnp.int32(i), group)
-        block = jnp.where(hit, first_block + (visit - first_visit), block)
-        row_lo = jnp.where(hit, start, row_lo)
-        row_hi = jnp.where(hit, end, row_hi)
-        first_visit = first_visit + num_tiles
+    visits = jnp.where(ends > starts, (ends + tile - 1) // tile - starts // tile, 0)
+    last_visit = jnp.cumsum(visits)  # one past each (pseudo-)group's last visit
+    first_visit = last_visit - visits
+    visit = jnp.arange(max_visits(num_rows, num_groups, tile_m), dtype=jnp.int32)
+    # The owner of visit v: the (pseudo-)groups whose visits all come before v.
+    owner = jnp.sum(last_visit[None, :] <= visit[:, None], axis=1, dtype=jnp.int32)
+    valid = owner <= num_groups
+    owner = jnp.minimum(owner, num_groups)
+    block = starts[owner] // tile + visit - first_visit[owner]
     block_start = block * tile
-    begin = jnp.maximum(row_lo, block_start)
-    stop = jnp.minimum(row_hi, block_start + tile)
-    num_rows = jnp.maximum(stop - begin, zero)
+    begin = jnp.maximum(starts[owner], block_start)
+    stop = jnp.minimum(ends[owner], block_start + tile)
+    rows = jnp.stack([owner, block, begin - block_start, jnp.maximum(stop - begin, 0)], axis=1)
+    rows = jnp.where(valid[:, None], rows, 0)
+    header = jnp.stack([last_visit[num_groups - 1], visits[num_groups], 0, 0])[None]
+    return jnp.concatenate([header, rows]).astype(jnp.int32)
+
+
+def visit_counts(table_gmem) -> tuple[jax.Array, jax.Array]:
+    """(visits of the real groups, visits of the zero-filled tail) from a visit table."""
+    return table_gmem[0, 0], table_gmem[0, 1]
+
+
+def row_tile_for_visit(table_gmem, visit: jax.Array, tile_m: int) -> RowTile:
+    """Visit ``visit``'s group, tile and row range: four scalar loads from the table."""
+    row = visit + 1
     return RowTile(
-        group=group,
-        block_start=block_start,
-        row_begin=begin - block_start,
-        num_rows=num_rows,
+        group=table_gmem[row, 0],
+        block_start=table_gmem[row, 1] * jnp.int32(tile_m),
+        row_begin=table_gmem[row, 2],
+        num_rows=table_gmem[row, 3],
     )
 
 

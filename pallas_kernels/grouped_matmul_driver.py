@@ -5,9 +5,10 @@ CTA tile is ``tile_m x (2 * tile_n)``: both consumers share the ``tile_m`` lhs r
 each owns ``tile_n`` output columns, so both see the same group boundaries and the
 same row mask. Each CTA loops over *work items*, (row-tile visit, column item) pairs,
 in a planar-snake order (for L2 reuse of the rhs tile of a group). Only visits of real
-groups are items (their count is read from ``group_sizes`` on the device, see
-grouped_matmul_common for the schedule); the tail rows past the last group are
-zero-filled by the consumers in a second loop, without the producer.
+groups are items (their count and each visit's rows come from the visit table that XLA
+computes from ``group_sizes`` before the launch, see grouped_matmul_common); the tail rows
+past the last group are zero-filled by the consumers in a second loop, without the
+producer.
 
 Two options change how the items run:
 
@@ -186,10 +187,9 @@ def ragged_rows_call(
             shape = (*operand.shape[1:-1], tile_n)
         prefetch_types.append((shape, operand.dtype))
 
-    def body(group_sizes_gmem, *refs):
+    def body(visit_table_gmem, *refs):
         operand_refs, out_gmem = refs[:-1], refs[-1]
-        starts, ends = common.group_bounds(group_sizes_gmem, num_groups, num_rows)
-        num_group_visits, num_tail_visits = common.visit_counts(starts, ends, tile_m)
+        num_group_visits, num_tail_visits = common.visit_counts(visit_table_gmem)
         cta = lax.axis_index("cluster") if cluster_n > 1 else jnp.int32(0)
 
         def make_pipeline(step_fn, compute_context, pipeline_state=None):
@@ -309,7 +309,7 @@ def ragged_rows_call(
                     schedule.grid_minor_dim,
                     schedule.grid_tile_width,
                 )
-                row_tile = common.row_tile_for_visit(visit, starts, ends, tile_m)
+                row_tile = common.row_tile_for_visit(visit_table_gmem, visit, tile_m)
                 col_tile = col_item * cluster_n + cta
                 slices = prefetch_slices(row_tile, col_tile, wg)
                 ctx = TileContext(
@@ -349,7 +349,7 @@ def ragged_rows_call(
                 visit = num_group_visits + lax.div(linear, jnp.int32(num_col_items))
                 col_tile = lax.rem(linear, jnp.int32(num_col_items)) * cluster_n + cta
                 ctx = TileContext(
-                    row_tile=common.row_tile_for_visit(visit, starts, ends, tile_m),
+                    row_tile=common.row_tile_for_visit(visit_table_gmem, visit, tile_m),
                     col_tile=col_tile,
                     consumer=wg,
                 )
@@ -371,7 +371,7 @@ def ragged_rows_call(
     if schedule.profile_dir:
         # Ranges per consumer trace: two per item and one per tail tile, for the most items
         # one CTA can get, with room to spare; past that the trace is cut, not corrupted.
-        max_items = (pl.cdiv(num_rows, tile_m) + num_groups) * num_col_items
+        max_items = common.max_visits(num_rows, num_groups, tile_m) * num_col_items
         ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_n) + 8
         profile_args = dict(
             profile_space=ranges,
@@ -392,7 +392,8 @@ def ragged_rows_call(
         kernel_name=name,
         **cluster_args,
     )
-    return varying_like(kernel(group_sizes, *operands), group_sizes, *operands)
+    visit_table = common.visit_table(group_sizes, num_groups, num_rows, tile_m)
+    return varying_like(kernel(visit_table, *operands), group_sizes, *operands)
 
 
 def wgmma_zeros(shape: tuple[int, int]) -> jax.Array:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
+from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
@@ -375,6 +376,45 @@ def test_run_time_group_sizes_are_clamped():
     out = grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=TINY_FWD, interpret=True)
     assert clamped_bounds(sizes, 160) == [(0, 0), (0, 100), (100, 160), (160, 160)]
     assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
+
+
+def python_visits(group_sizes, num_rows: int, tile_m: int) -> list[tuple[int, int, int, int]]:
+    """The schedule of grouped_matmul_common's docstring, visit by visit, in plain Python:
+    (group, tile index, row_begin, num_rows); the tail pseudo-group is group G."""
+    bounds = clamped_bounds(group_sizes, num_rows)
+    bounds.append((bounds[-1][1], num_rows))
+    visits = []
+    for group, (start, end) in enumerate(bounds):
+        if end <= start:
+            continue
+        for block in range(start // tile_m, -(-end // tile_m)):
+            lo, hi = max(start, block * tile_m), min(end, (block + 1) * tile_m)
+            visits.append((group, block, lo - block * tile_m, hi - lo))
+    return visits
+
+
+@pytest.mark.parametrize(
+    "sizes, num_rows, tile_m",
+    [
+        ([2048] * 8, 16384, 128),  # balanced, whole tiles
+        ([16384, 0, 0, 0], 16384, 128),  # one group, empty ones after it
+        ([100, 0, 28, 300, 1], 512, 64),  # boundaries inside tiles, a tail
+        ([-5, 100, 200, 7], 160, 64),  # negative, then the sum runs past M
+        ([0, 0, 0], 200, 64),  # only the tail
+        ([2**31 - 1, 2**31 - 1], 1000, 128),  # sizes whose plain sum overflows int32
+        ([1] * 70, 96, 64),  # more groups than rows: most start past M
+    ],
+)
+def test_visit_table_is_the_documented_schedule(sizes, num_rows, tile_m):
+    table = np.asarray(
+        common.visit_table(jnp.asarray(sizes, jnp.int32), len(sizes), num_rows, tile_m)
+    )
+    expected = python_visits(sizes, num_rows, tile_m)
+    group_visits = sum(1 for v in expected if v[0] < len(sizes))
+    assert table.shape == (1 + common.max_visits(num_rows, len(sizes), tile_m), 4)
+    assert table[0].tolist() == [group_visits, len(expected) - group_visits, 0, 0]
+    assert [tuple(row) for row in table[1 : 1 + len(expected)].tolist()] == expected
+    assert not table[1 + len(expected) :].any()
 
 
 # ------------------------------------------------------------------------------- wgrad

@@ -1,0 +1,111 @@
+"""Registers, spills and shared memory of our Mosaic GPU kernels, as ptxas reports them.
+
+Occupancy decides how much latency a one-warpgroup quantize CTA can hide: a CTA of 128 threads
+using R registers each fits min(64K / (128 R), 227 KiB / smem) times on an SM. This compiles
+each kernel once on the GPU with Mosaic GPU's dump switches (read when jax starts, so this
+script sets them before importing jax) and collects ptxas's "Used N registers" lines.
+
+    PYTHONPATH=. python3 benchmarks/kernel_resources.py OUT_DIR
+
+writes OUT_DIR/kernel_resources.md (one row per kernel) and leaves the raw dumps in
+OUT_DIR/mosaic_dump/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+PTXAS_LINE = re.compile(r"Used (\d+) registers")
+SPILL_LINE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def kernel_cases():
+    """(name, thunk) for each kernel whose resources we want; imported after the env is set."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.float32).astype(jnp.bfloat16)
+    # Grouped GEMMs: the group count changes the kernel's scalar code (the row-tile lookup is
+    # unrolled over the groups), so the same GEMM is compiled for several G.
+    lhs = x[:, :512]
+    x8 = lhs.astype(jnp.float8_e4m3fn)
+    row_scale = jnp.ones((1024,), jnp.float32)
+
+    def grouped(g: int, fp8: bool):
+        rhs = jnp.ones((g, 512, 512), jnp.bfloat16)
+        sizes = jnp.full((g,), 1024 // g, jnp.int32)
+        if not fp8:
+            return lambda: pk.grouped_matmul(lhs, rhs, sizes)
+        return lambda: pk.grouped_matmul(
+            x8,
+            rhs.astype(jnp.float8_e4m3fn),
+            sizes,
+            lhs_scale=row_scale,
+            rhs_scale=jnp.ones((g, 512), jnp.float32),
+        )
+
+    grouped_cases = [
+        (f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G={g}", grouped(g, fp8))
+        for fp8 in (False, True)
+        for g in (1, 8, 64)
+    ]
+    return [
+        *grouped_cases,
+        ("mxfp8 row+col", lambda: pk.quantize_mxfp8(x, rowwise=True, columnwise=True)),
+        ("mxfp8 row", lambda: pk.quantize_mxfp8(x, rowwise=True, columnwise=False)),
+        (
+            "fp8 block 1x128 row+col",
+            lambda: pk.quantize_fp8_block(x, block_shape=(1, 128), rowwise=True, columnwise=True),
+        ),
+        (
+            "fp8 block 128x128 row+col",
+            lambda: pk.quantize_fp8_block(x, block_shape=(128, 128), rowwise=True, columnwise=True),
+        ),
+    ]
+
+
+def main(out_dir: str) -> str:
+    out = Path(out_dir)
+    dump = out / "mosaic_dump"
+    rows = [
+        "| kernel | registers / thread | spill stores / loads (bytes) | dump files |",
+        "|---|---:|---|---|",
+    ]
+    import jax
+
+    for name, thunk in kernel_cases():
+        case_dir = dump / re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+        case_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["MOSAIC_GPU_DUMP_TO"] = str(case_dir)
+        print(f"=== compiling {name}", file=sys.stderr, flush=True)
+        try:
+            jax.block_until_ready(thunk())
+        except Exception as e:  # record and go on
+            rows.append(f"| {name} | error {type(e).__name__}: {str(e)[:80]} | | |")
+            continue
+        text = "\n".join(
+            p.read_text(errors="replace") for p in sorted(case_dir.rglob("*")) if p.is_file()
+        )
+        regs = PTXAS_LINE.findall(text)
+        spills = SPILL_LINE.findall(text)
+        spill_text = "; ".join("/".join(s) for s in spills) or "?"
+        files = len(list(case_dir.rglob("*")))
+        rows.append(f"| {name} | {', '.join(regs) or '?'} | {spill_text} | {files} |")
+        print(rows[-1], flush=True)
+    table = "\n".join(rows) + "\n"
+    (out / "kernel_resources.md").write_text(table)
+    return table
+
+
+if __name__ == "__main__":
+    # Read by Mosaic GPU at compile time; set before jax starts.
+    os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
+    os.environ.setdefault("MOSAIC_GPU_DUMP_PTX", "1")
+    os.environ.setdefault("MOSAIC_GPU_DUMP_SASS", "1")
+    os.environ.setdefault("MOSAIC_GPU_DUMP_RESOURCES", "1")
+    print(main(sys.argv[1] if len(sys.argv) > 1 else "bench_out"))
