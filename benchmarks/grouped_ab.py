@@ -15,9 +15,13 @@ for the run's clocks) are timed batch by batch in alternation
   8-group split, on all rows in group 0 of the same (G, N, K) weights (one weight, but the
   grouped bookkeeping), through `dense_matmul` (G = 1), and the balanced split under other
   tile orders (`grid_minor_dim`, `grid_tile_width`), which decide how often a wave of CTAs
-  moves on to the next expert's weight. Only the balanced variants compute the same sums.
+  moves on to the next expert's weight. Only the balanced variants compute the same sums;
+* ``defaults``: each kernel's default config against its wgmma-overlap and pipeline-depth
+  neighbours (after the visit-table change, where single sweeps ranked them differently),
+  the balanced shape and the dense block-FP8 GEMM only.
 
-    python -m benchmarks.grouped_ab [--out DIR] [--variants epilogue|schedule|grouping] [--small]
+    python -m benchmarks.grouped_ab [--out DIR] [--small]
+        [--variants epilogue|schedule|grouping|defaults]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -36,7 +40,10 @@ from benchmarks.bench_grouped_matmul import E4M3, fwd_config, random_operands
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
+    DEFAULT_BF16_CONFIG,
+    DEFAULT_FP8_CONFIG,
     GroupedMatmulConfig,
+    fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
@@ -87,10 +94,37 @@ def schedule_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulCon
     return variants
 
 
+def default_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The config, with and without a wgmma in flight, 3 or 4 stages, 1 or 2 epilogue buffers
+    (only the combinations that fit in shared memory), and the persistent pipeline."""
+    replace = dataclasses.replace
+    variants = {"default": config}
+    for in_flight, stages, buffers in ((0, 4, 1), (0, 3, 2), (1, 4, 1), (1, 3, 2)):
+        variant = replace(
+            config,
+            wgmma_in_flight=in_flight,
+            max_concurrent_steps=stages,
+            epilogue_buffers=buffers,
+        )
+        if variant != config and not (config.tile_k == 64 and stages == 4 and buffers == 2):
+            variants[f"in flight {in_flight}, {stages} stages, {buffers} buffers"] = variant
+    persistent = replace(
+        config,
+        wgmma_in_flight=0,
+        max_concurrent_steps=4,
+        epilogue_buffers=1,
+        persistent_pipeline=True,
+    )
+    if persistent != config:
+        variants["persistent, 4 stages, 1 buffer"] = persistent
+    return variants
+
+
 VARIANT_SETS = {
     "epilogue": epilogue_variants,
     "schedule": schedule_variants,
     "grouping": None,  # not config variants: see grouping_cases
+    "defaults": default_variants,
 }
 
 
@@ -179,6 +213,16 @@ def main(
         # Every variant computes the same sums in the same order: same bits as the first
         # (only the names in `compare`, when given).
         kernels = compare or [name for name in candidates if not name.startswith("XLA")]
+        for name in list(
+            candidates
+        ):  # a variant that cannot run (e.g. SMEM) is reported, not timed
+            try:
+                jax.block_until_ready(candidates[name][0](*candidates[name][1][0]))
+            except Exception as e:
+                print(f"{case:34s} {name:30s} skipped: {type(e).__name__}: {str(e)[:120]}")
+                rows.append(dict(case=case, variant=name, ms=None, tflops=None, same_bits=None))
+                del candidates[name]
+                kernels = [k for k in kernels if k != name]
         first_fn, first_args = candidates[kernels[0]]
         expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
         same_bits = {
@@ -213,6 +257,11 @@ def main(
     if variants == "grouping":
         grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret)
         shapes, dense_size = {}, 0
+    if variants == "defaults":
+        shapes = {"G8 balanced": shapes["G8 balanced"]}
+        if not small:
+            bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
+            block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         flops = 2 * m * k * n
@@ -300,8 +349,9 @@ def _report(out_dir, variants: str, rows: list[dict], rounds: int) -> str:
         "| case | variant | ms | TFLOP/s | same bits as the first |",
         "|---|---|---:|---:|---|",
         *(
-            f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-            f"{'' if r['same_bits'] is None else ('yes' if r['same_bits'] else '**NO**')} |"
+            f"| {r['case']} | {r['variant']} | "
+            + (f"{r['ms']:.3f} | {r['tflops']:.0f} | " if r["ms"] else "did not run | | ")
+            + f"{'' if r['same_bits'] is None else ('yes' if r['same_bits'] else '**NO**')} |"
             for r in rows
         ),
     ]

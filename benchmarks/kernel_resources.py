@@ -49,7 +49,11 @@ def kernel_cases():
             rhs_scale=jnp.ones((g, 512), jnp.float32),
         )
 
-    grouped_cases = [
+    def wgrad(g: int):
+        sizes = jnp.full((g,), 1024 // g, jnp.int32)
+        return lambda: pk.grouped_matmul_wgrad(lhs.T, x[:, :256].T, sizes)
+
+    grouped_cases = [(f"grouped wgrad bf16 G={g}", wgrad(g)) for g in (1, 8, 64)] + [
         (f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G={g}", grouped(g, fp8))
         for fp8 in (False, True)
         for g in (1, 8, 64)

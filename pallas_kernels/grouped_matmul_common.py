@@ -106,24 +106,18 @@ class RowTile:
     num_rows: jax.Array  # rows of this group inside the tile (> 0 for every visit)
 
 
-def group_bounds(group_sizes_gmem, num_groups: int, num_rows: int):
-    """Reads ``group_sizes`` once and returns the clamped (start, end) of every group.
+def group_bounds(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """The clamped ``(start, end)`` of every group as an int32 ``(G, 2)`` array (jnp, for XLA).
 
-    The returned lists have ``num_groups + 1`` entries, the last one being the tail
-    pseudo-group ``[end_{G-1}, M)``.
+    Negative sizes count as 0 and the running sum stops at ``num_rows`` (module docstring),
+    with a saturating running sum: ``min(a + b, M)`` is associative for non-negative terms,
+    and in uint32 ``a + b <= 2 M`` cannot overflow.
     """
-    total = jnp.int32(num_rows)
-    starts, ends = [], []
-    end = jnp.int32(0)
-    for i in range(num_groups):
-        start = end
-        size = jnp.maximum(group_sizes_gmem[i], jnp.int32(0))
-        end = jnp.minimum(start + size, total)
-        starts.append(start)
-        ends.append(end)
-    starts.append(end)
-    ends.append(total)
-    return starts, ends
+    total = jnp.uint32(num_rows)
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows).astype(jnp.uint32)
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, total), sizes).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return jnp.stack([starts, ends], axis=1)
 
 
 def max_visits(num_rows: int, num_groups: int, tile_m: int) -> int:
@@ -140,17 +134,12 @@ def visit_table(group_sizes: jax.Array, num_groups: int, num_rows: int, tile_m: 
     ``num_groups`` is the tail; the tile index ``block``, not its first row, so that the
     kernel's ``block * tile_m`` is provably a multiple of the tile, which Mosaic GPU's layout
     inference needs for the TMA windows). Rows past the last visit are zeros and never read.
-    Group bounds are clamped as the module docstring says, with a saturating running sum
-    (``min(a + b, M)`` is associative for non-negative terms and cannot overflow).
+    Group bounds are clamped as the module docstring says (:func:`group_bounds`).
     """
-    total = jnp.uint32(num_rows)
-    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows).astype(jnp.uint32)
-    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, total), sizes)
-    ends = ends.astype(jnp.int32)
-    zero = jnp.zeros((1,), jnp.int32)
+    bounds = group_bounds(group_sizes, num_rows)
     # G + 1 (pseudo-)groups: the real ones, then the tail [end_{G-1}, M).
-    starts = jnp.concatenate([zero, ends])
-    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    starts = jnp.concatenate([bounds[:, 0], bounds[-1:, 1]])
+    ends = jnp.concatenate([bounds[:, 1], jnp.full((1,), num_rows, jnp.int32)])
     tile = jnp.int32(tile_m)
     visits = jnp.where(ends > starts, (ends + tile - 1) // tile - starts // tile, 0)
     last_visit = jnp.cumsum(visits)  # one past each (pseudo-)group's last visit

@@ -293,13 +293,12 @@ def _wgrad_call(
         ),
     )
 
-    def body(group_sizes_gmem, *refs):
+    def body(group_bounds_gmem, *refs):
         lhs_gmem, rhs_gmem = refs[0], refs[1]
         scale_refs = list(refs[2:-1])
         out_gmem = refs[-1]
         lhs_scale_ref = scale_refs.pop(0) if lhs_scale_kind else None
         rhs_scale_ref = scale_refs.pop(0) if rhs_scale_kind else None
-        starts, ends = common.group_bounds(group_sizes_gmem, num_groups, valid_tokens)
 
         def make_pipeline(step_fn, compute_context, num_steps):
             return plgpu.emit_pipeline_warp_specialized(
@@ -346,12 +345,11 @@ def _wgrad_call(
                     config.grid_minor_dim,
                     config.grid_tile_width,
                 )
-                # Token range of the group: the same unrolled select chain in every
-                # warpgroup (G is small), so the producer and consumers agree.
-                tok_begin = tok_end = jnp.int32(0)
-                for i in range(num_groups):
-                    tok_begin = jnp.where(group == i, starts[i], tok_begin)
-                    tok_end = jnp.where(group == i, ends[i], tok_end)
+                # Token range of the group, from the bounds XLA computed before the launch
+                # (all groups' bounds kept in registers and picked by an unrolled select
+                # chain made the forward kernels spill: see grouped_matmul_common).
+                tok_begin = group_bounds_gmem[group, 0]
+                tok_end = group_bounds_gmem[group, 1]
                 first_chunk = lax.div(tok_begin, jnp.int32(tile_t))
                 num_steps = jnp.where(
                     tok_end > tok_begin,
@@ -487,4 +485,5 @@ def _wgrad_call(
         interpret=common.interpret_params(interpret),
         kernel_name="grouped_matmul_wgrad",
     )
-    return varying_like(kernel(group_sizes, *operands), group_sizes, *operands)
+    bounds = common.group_bounds(group_sizes, valid_tokens)
+    return varying_like(kernel(bounds, *operands), group_sizes, *operands)
