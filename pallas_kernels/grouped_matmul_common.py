@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config  # the forced-interpret-mode flag
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -52,14 +53,25 @@ OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 SMEM_BYTES = 227 * 1024 - 1024
 
 
+# Persistent CTAs when the kernels run in the interpreter under `plgpu.force_gpu_interpret_mode`
+# (the library's kernels on a CPU, in tests and notebooks) with the default config: the
+# interpreter simulates every CTA, and 132 mostly idle ones made a small grouped layer's
+# forward + backward take over a minute. Each CTA runs whole work items, so the results do
+# not depend on the count; with 4, CTAs still loop over several items.
+INTERPRETER_NUM_SMS = 4
+
+
 def num_sms_default() -> int:
-    """SM count of the target: the abstract device when cross-lowering, else the device."""
+    """SM count of the target: the abstract device when cross-lowering, else the device
+    (INTERPRETER_NUM_SMS in forced interpret mode on a machine without a GPU)."""
     abstract_device = jax.sharding.get_abstract_mesh().abstract_device
     if abstract_device is not None and abstract_device.num_cores:
         return int(abstract_device.num_cores)
     device = jax.devices()[0]
     if device.platform == "gpu":
         return int(device.core_count)
+    if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+        return INTERPRETER_NUM_SMS
     return H200_NUM_SMS
 
 
