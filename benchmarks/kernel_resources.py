@@ -22,6 +22,14 @@ PTXAS_LINE = re.compile(r"Used (\d+) registers")
 SPILL_LINE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def summarize(ptxas_text: str) -> tuple[str, str]:
+    """(registers per thread, spill stores / loads in bytes) of every function ptxas reports,
+    comma / semicolon separated; "?" where the dump has no such line."""
+    regs = ", ".join(PTXAS_LINE.findall(ptxas_text)) or "?"
+    spills = "; ".join("/".join(pair) for pair in SPILL_LINE.findall(ptxas_text)) or "?"
+    return regs, spills
+
+
 def kernel_cases():
     """(name, thunk) for each kernel whose resources we want; imported after the env is set."""
     import jax
@@ -95,11 +103,9 @@ def main(out_dir: str) -> str:
         text = "\n".join(
             p.read_text(errors="replace") for p in sorted(case_dir.rglob("*")) if p.is_file()
         )
-        regs = PTXAS_LINE.findall(text)
-        spills = SPILL_LINE.findall(text)
-        spill_text = "; ".join("/".join(s) for s in spills) or "?"
+        regs, spill_text = summarize(text)
         files = len(list(case_dir.rglob("*")))
-        rows.append(f"| {name} | {', '.join(regs) or '?'} | {spill_text} | {files} |")
+        rows.append(f"| {name} | {regs} | {spill_text} | {files} |")
         print(rows[-1], flush=True)
     table = "\n".join(rows) + "\n"
     (out / "kernel_resources.md").write_text(table)

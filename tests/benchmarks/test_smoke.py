@@ -175,3 +175,14 @@ def test_grouped_mx_ab_runs_small_with_its_ablations(tmp_path):
     assert all(d == 0 for impl, d in diffs.items() if impl.startswith("in-kernel"))
     assert all(d > 0 for impl, d in diffs.items() if impl.startswith("ablation"))
     assert "XLA dense bf16" in diffs and "| G2 tiny" in text
+
+
+def test_kernel_resources_reads_ptxas_reports():
+    from benchmarks import kernel_resources
+
+    report = """ptxas info    : Compiling entry function 'anonymous_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for anonymous_mosaic_gpu_kernel
+    0 bytes stack frame, 200 bytes spill stores, 292 bytes spill loads
+ptxas info    : Used 168 registers, used 2 barriers, 1 bytes smem"""
+    assert kernel_resources.summarize(report) == ("168", "200/292")
+    assert kernel_resources.summarize("nothing here") == ("?", "?")
