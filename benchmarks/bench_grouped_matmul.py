@@ -448,27 +448,27 @@ def xla_dense_peers(bench: Bench, shape: str, m, k, n):
     if jax_mgpu_peer_available(bench, shape, "dense"):
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-        for tile_m, wg_dim, minor, width in (
-            (128, hm.MatmulDimension.N, hm.MatmulDimension.N, 8),
-            (128, hm.MatmulDimension.N, hm.MatmulDimension.M, 8),
-            (128, hm.MatmulDimension.M, hm.MatmulDimension.N, 8),
+        for wg_dim, minor in (
+            (hm.MatmulDimension.N, hm.MatmulDimension.N),
+            (hm.MatmulDimension.N, hm.MatmulDimension.M),
+            (hm.MatmulDimension.M, hm.MatmulDimension.N),
         ):
             config = hm.TuningConfig(
-                tile_m=tile_m,
+                tile_m=128,
                 tile_n=128,
                 tile_k=64,
                 max_concurrent_steps=4,
                 epi_tile_n=64,
                 epi_tile_m=64,
                 grid_minor_dim=minor,
-                grid_tile_width=width,
+                grid_tile_width=8,
                 wg_dimension=wg_dim,
             )
             measure(
                 bench,
                 shape=shape,
                 op="dense",
-                impl=f"jax hopper_matmul_mgpu bf16 wg={wg_dim.name} minor={minor.name} w{width}",
+                impl=f"jax hopper_matmul_mgpu bf16 wg={wg_dim.name} minor={minor.name} w8",
                 flops=flops,
                 fn=lambda a, b, config=config: hm.matmul(a, b, None, config),
                 arg_sets=bf,

@@ -38,9 +38,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config  # the forced-interpret-mode flag
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import quantize_common
 
 H200_NUM_SMS = 132
 
@@ -70,7 +71,7 @@ def num_sms_default() -> int:
     device = jax.devices()[0]
     if device.platform == "gpu":
         return int(device.core_count)
-    if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+    if quantize_common.interpreting(False):  # forced interpret mode
         return INTERPRETER_NUM_SMS
     return H200_NUM_SMS
 
