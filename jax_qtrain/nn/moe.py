@@ -102,7 +102,12 @@ def _dispatch_tokens_bwd(top_k, residuals, row_grads):
     (inverse,) = residuals
     per_slot = jnp.take(row_grads, inverse, axis=0).astype(jnp.float32)
     per_slot = per_slot.reshape(-1, top_k, row_grads.shape[-1])
-    return jnp.sum(per_slot, axis=1).astype(row_grads.dtype), None, None
+    # A left fold of elementwise adds, not jnp.sum: XLA's GPU reduction picks its own order
+    # (1 ulp off the slot order for k = 3 on the H200), and adds are never reassociated.
+    total = per_slot[:, 0]
+    for slot in range(1, top_k):
+        total = total + per_slot[:, slot]
+    return total.astype(row_grads.dtype), None, None
 
 
 _dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
