@@ -5,10 +5,10 @@ using R registers each fits min(64K / (128 R), 227 KiB / smem) times on an SM. T
 each kernel once on the GPU with Mosaic GPU's dump switches (read when jax starts, so this
 script sets them before importing jax) and collects ptxas's "Used N registers" lines.
 
-    PYTHONPATH=. python3 benchmarks/kernel_resources.py OUT_DIR
+    PYTHONPATH=. python3 benchmarks/kernel_resources.py OUT_DIR [NAME_PART]
 
-writes OUT_DIR/kernel_resources.md (one row per kernel) and leaves the raw dumps in
-OUT_DIR/mosaic_dump/.
+writes OUT_DIR/kernel_resources.md (one row per kernel whose name contains NAME_PART, default
+all) and leaves the raw dumps in OUT_DIR/mosaic_dump/.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def kernel_cases():
     import pallas_kernels as pk
 
     x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.float32).astype(jnp.bfloat16)
-    # Grouped GEMMs: the group count changes the kernel's scalar code (the row-tile lookup is
-    # unrolled over the groups), so the same GEMM is compiled for several G.
+    # Grouped GEMMs: the same GEMM compiled for several G (the group count used to change the
+    # kernel's scalar code; since the visit table it should not).
+    reuse = dict(reuse_input_tile=True)
     lhs = x[:, :512]
     x8 = lhs.astype(jnp.float8_e4m3fn)
     row_scale = jnp.ones((1024,), jnp.float32)
@@ -71,6 +72,10 @@ def kernel_cases():
         ("mxfp8 row+col", lambda: pk.quantize_mxfp8(x, rowwise=True, columnwise=True)),
         ("mxfp8 row", lambda: pk.quantize_mxfp8(x, rowwise=True, columnwise=False)),
         (
+            "mxfp8 row+col reuse_input_tile",
+            lambda: pk.quantize_mxfp8(x, columnwise=True, config=pk.MXFP8QuantizeConfig(**reuse)),
+        ),
+        (
             "fp8 block 1x128 row+col",
             lambda: pk.quantize_fp8_block(x, block_shape=(1, 128), rowwise=True, columnwise=True),
         ),
@@ -78,10 +83,20 @@ def kernel_cases():
             "fp8 block 128x128 row+col",
             lambda: pk.quantize_fp8_block(x, block_shape=(128, 128), rowwise=True, columnwise=True),
         ),
+        (
+            "fp8 block 128x128 row+col reuse_input_tile",
+            lambda: pk.quantize_fp8_block(
+                x,
+                block_shape=(128, 128),
+                columnwise=True,
+                config=pk.FP8BlockQuantizeConfig(**reuse),
+            ),
+        ),
     ]
 
 
-def main(out_dir: str) -> str:
+def main(out_dir: str, only: str = "") -> str:
+    """ptxas's registers and spills of every case whose name contains `only`."""
     out = Path(out_dir)
     dump = out / "mosaic_dump"
     rows = [
@@ -91,6 +106,8 @@ def main(out_dir: str) -> str:
     import jax
 
     for name, thunk in kernel_cases():
+        if only not in name:
+            continue
         case_dir = dump / re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
         case_dir.mkdir(parents=True, exist_ok=True)
         os.environ["MOSAIC_GPU_DUMP_TO"] = str(case_dir)
@@ -118,4 +135,4 @@ if __name__ == "__main__":
     os.environ.setdefault("MOSAIC_GPU_DUMP_PTX", "1")
     os.environ.setdefault("MOSAIC_GPU_DUMP_SASS", "1")
     os.environ.setdefault("MOSAIC_GPU_DUMP_RESOURCES", "1")
-    print(main(sys.argv[1] if len(sys.argv) > 1 else "bench_out"))
+    print(main(*(sys.argv[1:3] if len(sys.argv) > 1 else ["bench_out"])))

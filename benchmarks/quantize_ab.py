@@ -8,9 +8,10 @@ OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
 (`lean_arithmetic=False`, the baseline), each variant (`split_copies`, `lean_arithmetic` (now
-the default), both), the row+col E4M3 cast
-skeleton of bench_quantize.py (the same tiles, loads and stores without block scaling: the
-ceiling of this structure) and XLA's `x + 1` (the copy floor). They are timed with
+the default), both, `reuse_input_tile`), the row+col E4M3 cast skeleton of bench_quantize.py
+(the same tiles, loads and stores without block scaling: the ceiling of this structure), the
+skeleton with `reuse_input_tile` (the codes staged in the input tile's memory: half the shared
+memory per CTA) and XLA's `x + 1` (the copy floor). They are timed with
 `benchmarks.timing.interleaved_seconds` (batches of calls, alternating between candidates, so
 clock drift hits all alike). Before timing, each variant's four outputs are compared with the
 baseline's on the device, bit for bit, on the timed input and on one with NaN / Inf / huge /
@@ -38,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import pallas_kernels as pk
 from benchmarks.bench_quantize import pallas_cast_skeleton
 from benchmarks.timing import device_description, interleaved_seconds, report
+from pallas_kernels import quantize_common as qc
 
 SHAPES = ((8192, 8192), (16384, 4096))
 SMALL_SHAPES = ((2048, 2048), (4096, 1024))
@@ -48,14 +50,17 @@ VARIANTS: dict[str, pk.MXFP8QuantizeConfig] = {
     "split_copies": pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=False),
     "lean_arithmetic (default)": pk.MXFP8QuantizeConfig(),
     "split_copies + lean_arithmetic": pk.MXFP8QuantizeConfig(split_copies=True),
+    "reuse_input_tile + lean_arithmetic": pk.MXFP8QuantizeConfig(reuse_input_tile=True),
 }
 FP8_BLOCK_BASELINE = "exact arithmetic (the first kernel)"
 FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
     FP8_BLOCK_BASELINE: pk.FP8BlockQuantizeConfig(lean_arithmetic=False),
     "lean_arithmetic (default)": pk.FP8BlockQuantizeConfig(),
+    "reuse_input_tile + lean_arithmetic": pk.FP8BlockQuantizeConfig(reuse_input_tile=True),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128")
 SKELETON = "row+col e4m3 cast skeleton"
+SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
 XLA_COPY = "x + 1 (XLA fusion)"
 
 
@@ -162,8 +167,10 @@ def run_shape(shape: tuple[int, int], timing: dict, kernel: str = "mxfp8") -> li
             candidates[name] = (fn, [(x,) for x in inputs])
         out.append(row)
     # Structure ceilings: bytes are what they read and write (2 + 2 per element, bf16 in).
+    reuse = qc.TileConfig(reuse_input_tile=True)
     for name, fn in (
         (SKELETON, jax.jit(pallas_cast_skeleton)),
+        (SKELETON_REUSE, jax.jit(lambda v: pallas_cast_skeleton(v, reuse))),
         (XLA_COPY, jax.jit(lambda v: v + 1)),
     ):
         row = dict(shape=f"{rows}x{cols}", variant=name, config="", bits="—", bytes=4 * rows * cols)

@@ -41,6 +41,11 @@ class DequantizeConfig(qc.TileConfig):
             raise ValueError(f"steps_per_cta must be 1 for dequantize, got {self.steps_per_cta}")
         if not self.stage_outputs:
             raise ValueError("stage_outputs must be True for dequantize (tiles always go by TMA)")
+        if self.reuse_input_tile:
+            raise ValueError(
+                "reuse_input_tile must be False for dequantize (its staged output is larger "
+                "than its input tile)"
+            )
 
 
 def _check_out_dtype(out_dtype) -> jnp.dtype:

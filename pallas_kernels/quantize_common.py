@@ -265,6 +265,12 @@ class TileConfig:
         TMA (whole 128-byte lines), instead of storing each thread's row straight to global
         memory (16-byte pieces of 32 different lines per warp store). Scales are always stored
         directly (they are 1/16 to 1/32 of the codes).
+      reuse_input_tile: stage the codes in the input tile's own shared memory (a `RefUnion`)
+        instead of in buffers of their own. The codes wait in registers until every thread
+        has read the tile (one warpgroup barrier), then go to shared memory and out by TMA.
+        A CTA then needs only its input tile (bf16 128×128: 32 KiB instead of 66 KiB with
+        both copies staged), so more CTAs share an SM, at the cost of the registers that hold
+        a tile's codes (32 per copy for 1-byte codes). One-tile CTAs with staged outputs only.
     """
 
     tile_m: int = TILE
@@ -272,6 +278,7 @@ class TileConfig:
     steps_per_cta: int = 1
     max_concurrent_steps: int = 2
     stage_outputs: bool = True
+    reuse_input_tile: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_k", "steps_per_cta", "max_concurrent_steps"):
@@ -287,8 +294,15 @@ class TileConfig:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
             )
-        if not isinstance(self.stage_outputs, bool):
-            raise TypeError(f"stage_outputs must be a bool, got {self.stage_outputs!r}")
+        for name in ("stage_outputs", "reuse_input_tile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reuse_input_tile and (self.steps_per_cta != 1 or not self.stage_outputs):
+            raise ValueError(
+                "reuse_input_tile needs one-tile CTAs with staged outputs (steps_per_cta=1, "
+                f"stage_outputs=True), got steps_per_cta={self.steps_per_cta}, "
+                f"stage_outputs={self.stage_outputs}"
+            )
 
     def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
@@ -349,24 +363,49 @@ def data_outputs(rowwise: bool, columnwise: bool, elements_per_byte: int = 1) ->
 @dataclasses.dataclass(frozen=True)
 class TileDest:
     """Where a tile's codes go: a shared-memory tile buffer (origin 0, 0) or the global output
-    at the tile's origin. `cols(start, width)` is the (lines, width) view at column `start`."""
+    at the tile's origin. `cols(start, width)` is the (lines, width) view at column `start`.
+
+    `held`: with `TileConfig.reuse_input_tile` the buffer is the input tile's memory, which
+    may not be written before every thread has read the tile; `cols` then returns a
+    `HeldStore` that records the value in this list, and `for_each_tile` writes them all
+    after the barrier."""
 
     ref: object
     line0: object
     col0: object
     lines: int
+    held: list | None = None
 
     def cols(self, start: int, width: int):
-        return self.ref.at[pl.ds(self.line0, self.lines), pl.ds(self.col0 + start, width)]
+        view = self.ref.at[pl.ds(self.line0, self.lines), pl.ds(self.col0 + start, width)]
+        return view if self.held is None else HeldStore(view, self.held)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldStore:
+    """A shared-memory view whose `view[...] = value` stores are held back: the value is kept
+    (in registers) in `held` until `for_each_tile` writes it. Only plain stores are held, so
+    a body must not store into it under `pl.when` (the value would escape the branch)."""
+
+    view: object
+    held: list
+
+    def __setitem__(self, index, value) -> None:
+        self.held.append((self.view, index, value))
 
 
 def _staged(config: TileConfig, outputs) -> bool:
     return config.stage_outputs and bool(outputs)
 
 
+def _reuses_input(config: TileConfig, outputs) -> bool:
+    return config.reuse_input_tile and _staged(config, outputs)
+
+
 def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
     """Scratch for `for_each_tile`: the input tile buffer and its barrier (one-tile CTAs; the
-    pipeline allocates its own), then the staged output tiles."""
+    pipeline allocates its own), then the staged output tiles; with `reuse_input_tile`, one
+    `RefUnion` of the input tile and the staged output tiles, then the barrier."""
     staged = [
         plgpu.SMEM(out.block(config), jnp.uint8, transforms=OUT_TRANSFORMS)
         for out in (outputs if _staged(config, outputs) else ())
@@ -374,6 +413,8 @@ def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
     if config.steps(cols) > 1:
         return tuple(staged)
     smem = plgpu.SMEM((config.tile_m, config.tile_k), dtype, transforms=tile_transforms(dtype))
+    if _reuses_input(config, outputs):
+        return (plgpu.RefUnion(smem, staged), plgpu.Barrier())
     return (smem, plgpu.Barrier(), *staged)
 
 
@@ -384,7 +425,9 @@ def check_smem(config: TileConfig, dtype, cols: int, outputs=()) -> None:
     """ValueError naming the config when its buffers do not fit in one SM's shared memory."""
     stages = 1 if config.steps(cols) == 1 else min(config.max_concurrent_steps, config.steps(cols))
     needed = stages * config.smem_bytes(dtype)
-    if _staged(config, outputs):
+    if _reuses_input(config, outputs):
+        needed = max(needed, sum(math.prod(out.block(config)) for out in outputs))
+    elif _staged(config, outputs):
         needed += sum(math.prod(out.block(config)) for out in outputs)
     if needed > H100_SMEM_BYTES - 4096:  # leave room for barriers and reduction scratch
         raise ValueError(
@@ -396,6 +439,8 @@ def check_smem(config: TileConfig, dtype, cols: int, outputs=()) -> None:
 
 def split_refs(refs, config: TileConfig, cols: int, outputs=()) -> tuple[list, tuple]:
     """(output refs, scratch refs) of a kernel that used `tile_scratch`."""
+    if _reuses_input(config, outputs):
+        return list(refs[:-2]), tuple(refs[-2:])
     n_scratch = (0 if config.steps(cols) > 1 else 2) + (
         len(outputs) if _staged(config, outputs) else 0
     )
@@ -435,7 +480,11 @@ def for_each_tile(
     steps = config.steps(cols)
     staged = _staged(config, outputs)
     i, j = lax.axis_index("m"), lax.axis_index("k")
-    if steps == 1:
+    reuse = _reuses_input(config, outputs)
+    if reuse:
+        union, barrier = scratch
+        x_smem, out_smems = union
+    elif steps == 1:
         x_smem, barrier, *out_smems = scratch
     else:
         out_smems = list(scratch)
@@ -451,11 +500,18 @@ def for_each_tile(
             return
         # The previous tile's output copies must have finished reading the buffers.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        held = [] if reuse else None
         dests = [
-            TileDest(smem, 0, 0, out.block(config)[0])
+            TileDest(smem, 0, 0, out.block(config)[0], held)
             for smem, (_, out) in zip(out_smems, outputs, strict=True)
         ]
         body(x_smem, m0, k0, dests)
+        if reuse:
+            # Every thread has read the input tile (a warpgroup barrier: the CTA is one
+            # warpgroup) before any code overwrites it.
+            plgpu.commit_smem()
+            for view, index, value in held:
+                view[index] = value
         plgpu.commit_smem()
         for smem, (gmem, out) in zip(out_smems, outputs, strict=True):
             rows, width = out.block(config)
@@ -489,8 +545,11 @@ def for_each_tile(
 
 
 def _for_each_tile_by_warpgroup(x_gmem, scratch, config: TileConfig, cols: int, body, outputs):
-    if config.steps(cols) != 1:
-        raise ValueError("one warpgroup per output needs one-tile CTAs (steps_per_cta=1)")
+    if config.steps(cols) != 1 or config.reuse_input_tile:
+        raise ValueError(
+            "one warpgroup per output needs one-tile CTAs (steps_per_cta=1) with their own "
+            "output buffers (reuse_input_tile=False)"
+        )
     tm, tk = config.tile_m, config.tile_k
     staged = _staged(config, outputs)
     i, j = lax.axis_index("m"), lax.axis_index("k")

@@ -63,6 +63,10 @@ class FP8BlockQuantizeConfig(qc.TileConfig):
         super().__post_init__()
         if not isinstance(self.lean_arithmetic, bool):
             raise TypeError(f"lean_arithmetic must be a bool, got {self.lean_arithmetic!r}")
+        if self.reuse_input_tile and not self.lean_arithmetic:
+            # The exact path stores its codes under a per-tile NaN branch (`pl.when`), and
+            # held stores cannot leave a branch.
+            raise ValueError("reuse_input_tile needs lean_arithmetic=True")
 
 
 class FP8BlockQuantized(NamedTuple):

@@ -67,6 +67,11 @@ class MXFP8QuantizeConfig(qc.TileConfig):
                 "split_copies needs one-tile CTAs (steps_per_cta=1), got "
                 f"steps_per_cta={self.steps_per_cta}"
             )
+        if self.split_copies and self.reuse_input_tile:
+            raise ValueError(
+                "split_copies and reuse_input_tile cannot be combined: each warpgroup would "
+                "overwrite the tile the other is still reading"
+            )
 
 
 class MXFP8Quantized(NamedTuple):

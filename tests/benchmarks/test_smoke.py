@@ -85,6 +85,7 @@ def test_quantize_ab_runs_small(tmp_path):
     assert {r["variant"] for r in rows} == {
         *quantize_ab.VARIANTS,
         quantize_ab.SKELETON,
+        quantize_ab.SKELETON_REUSE,
         quantize_ab.XLA_COPY,
     }
     assert all(
@@ -106,6 +107,7 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
     assert {r["variant"] for r in rows} == {
         *quantize_ab.FP8_BLOCK_VARIANTS,
         quantize_ab.SKELETON,
+        quantize_ab.SKELETON_REUSE,
         quantize_ab.XLA_COPY,
     }
     assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic (default)"] == ["identical"]

@@ -177,6 +177,9 @@ def check_mxfp8(x, fp8_dtype, config=None):
 MXFP8_SPLIT = pk.MXFP8QuantizeConfig(split_copies=True)
 MXFP8_EXACT = pk.MXFP8QuantizeConfig(lean_arithmetic=False)
 MXFP8_SPLIT_EXACT = pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=False)
+# Codes staged in the input tile's shared memory once it has been read. The interpreter keeps
+# RefUnion members apart, so only the GPU tests can see a code written too early.
+MXFP8_REUSE = pk.MXFP8QuantizeConfig(reuse_input_tile=True)
 
 
 def mxfp8_edge_matrix() -> np.ndarray:
@@ -227,6 +230,7 @@ def check_fp8_block(x, fp8_dtype, block, pow2, config=None, eps=0.0):
 
 # FP8 block's exact arithmetic (lean_arithmetic is the default): the same bits.
 FP8_BLOCK_EXACT = pk.FP8BlockQuantizeConfig(lean_arithmetic=False)
+FP8_BLOCK_REUSE = pk.FP8BlockQuantizeConfig(reuse_input_tile=True)
 
 
 def fp8_block_edge_matrix() -> np.ndarray:
@@ -272,7 +276,7 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_EXACT, MXFP8_SPLIT_EXACT])
+@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE])
 @pytest.mark.parametrize(
     "shape, dtype, fp8_dtype, seed",
     [
@@ -286,7 +290,7 @@ def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed, config):
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_EXACT])
+@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_REUSE])
 def test_mxfp8_interpret_edge_blocks(config):
     x = mxfp8_edge_matrix()
     for fp8_dtype in (E4M3, E5M2):
@@ -392,6 +396,8 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
         ((1, 128), E5M2, True, (128, 256), jnp.float32, None),
         ((128, 128), E4M3, False, (256, 128), jnp.bfloat16, None),
         ((128, 128), E5M2, True, (128, 256), jnp.float32, None),
+        ((1, 128), E4M3, True, (200, 130), jnp.bfloat16, FP8_BLOCK_REUSE),  # padding
+        ((128, 128), E5M2, True, (256, 256), jnp.float32, FP8_BLOCK_REUSE),
     ],
 )
 def test_fp8_block_interpret(block, fp8_dtype, pow2, shape, dtype, config):
@@ -533,6 +539,29 @@ def test_pipelined_tiles_interpret():
 
 
 @cpu_only
+def test_reuse_input_tile_interpret():
+    # The codes of each copy held in registers, then staged in the input tile's memory: NVFP4
+    # (Hadamard, stochastic rounding), the cast-transpose and one copy at a time. (MXFP8 and
+    # FP8 block: in their interpreter tests above.)
+    x = sample((256, 384), jnp.bfloat16, 16, block=16)
+    want, amaxes = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
+    config = pk.NVFP4QuantizeConfig(reuse_input_tile=True)
+    got = run_nvfp4(x, rht=True, sr=True, amaxes=amaxes, seeds=SEEDS, config=config)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"reuse_input_tile nvfp4 {name}")
+    config = pk.CastTransposeConfig(reuse_input_tile=True)
+    check_cast_transpose(scaled_sample((200, 136), jnp.float32, 17), E5M2, config)
+    want = ref_mxfp8(x, E4M3)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        got = pk.quantize_mxfp8(
+            x, rowwise=rowwise, columnwise=columnwise, config=MXFP8_REUSE, interpret=INTERPRET
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"reuse_input_tile, one copy: mxfp8 {name}")
+
+
+@cpu_only
 def test_dequantize_interpret():
     x = sample((128, 256), jnp.float32, 5, block=32)
     d, s, *_ = ref_mxfp8(x, E5M2)
@@ -578,6 +607,18 @@ def test_wrappers_reject_bad_arguments():
         pk.MXFP8QuantizeConfig(lean_arithmetic="yes")
     with pytest.raises(ValueError, match="split_copies needs one-tile CTAs"):
         pk.MXFP8QuantizeConfig(split_copies=True, steps_per_cta=2)
+    with pytest.raises(TypeError, match="reuse_input_tile must be a bool"):
+        pk.MXFP8QuantizeConfig(reuse_input_tile=1)
+    with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
+        pk.NVFP4QuantizeConfig(reuse_input_tile=True, steps_per_cta=2)
+    with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
+        pk.CastTransposeConfig(reuse_input_tile=True, stage_outputs=False)
+    with pytest.raises(ValueError, match="split_copies and reuse_input_tile cannot be combined"):
+        pk.MXFP8QuantizeConfig(split_copies=True, reuse_input_tile=True)
+    with pytest.raises(ValueError, match="reuse_input_tile needs lean_arithmetic=True"):
+        pk.FP8BlockQuantizeConfig(reuse_input_tile=True, lean_arithmetic=False)
+    with pytest.raises(ValueError, match="reuse_input_tile must be False for dequantize"):
+        pk.DequantizeConfig(reuse_input_tile=True)
     with pytest.raises(ValueError, match="rowwise_amax is required"):
         pk.quantize_nvfp4(x)
     with pytest.raises(ValueError, match="columnwise_seed is required"):
@@ -709,6 +750,14 @@ CROSS_LOWERED = {
             config=pk.MXFP8QuantizeConfig(split_copies=True, stage_outputs=False, tile_m=256),
         ),
         jnp.bfloat16,
+    ),
+    "mxfp8 row+col reuse_input_tile": (
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_REUSE),
+        jnp.bfloat16,
+    ),
+    "fp8 block 1x128 e5m2 row+col reuse_input_tile": (
+        lambda x: pk.quantize_fp8_block(x, columnwise=True, fp8_dtype=E5M2, config=FP8_BLOCK_REUSE),
+        jnp.float32,
     ),
     "mxfp8 row 256x256 tiles": (
         lambda x: pk.quantize_mxfp8(x, config=pk.MXFP8QuantizeConfig(**_TILE_256)),
@@ -938,6 +987,8 @@ def gpu_inputs(dtype, seed, block):
         (jnp.bfloat16, E5M2, pk.MXFP8QuantizeConfig(tile_m=256, tile_k=128)),
         (jnp.bfloat16, E4M3, pk.MXFP8QuantizeConfig(stage_outputs=False)),
         (jnp.bfloat16, E4M3, MXFP8_SPLIT),
+        (jnp.bfloat16, E4M3, MXFP8_REUSE),
+        (jnp.float32, E5M2, MXFP8_REUSE),
         (jnp.bfloat16, E4M3, MXFP8_EXACT),
         (jnp.float32, E5M2, MXFP8_EXACT),
         (jnp.bfloat16, E4M3, MXFP8_SPLIT_EXACT),
@@ -954,7 +1005,7 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT])
+@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE])
 def test_gpu_mxfp8_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up, one subnormal multiplier
     # for Inf blocks) meets the blocks it depends on: Inf blocks with huge finite values, NaN
@@ -982,6 +1033,7 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, None, (1, 16)),
         (True, True, jnp.float32, None, (1, 16)),
         (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
+        (True, True, jnp.bfloat16, pk.NVFP4QuantizeConfig(reuse_input_tile=True), (1, 16)),
         (False, False, jnp.bfloat16, None, (16, 16)),
         (False, True, jnp.float32, PIPELINED["nvfp4"], (16, 16)),
     ],
@@ -1008,6 +1060,8 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         ((1, 128), E5M2, False, jnp.float32, None),
         ((128, 128), E4M3, False, jnp.bfloat16, None),
         ((1, 128), E4M3, True, jnp.bfloat16, PIPELINED["fp8_block"]),
+        ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_REUSE),
+        ((128, 128), E5M2, True, jnp.float32, FP8_BLOCK_REUSE),
         ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, False, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, True, jnp.float32, FP8_BLOCK_EXACT),
@@ -1040,7 +1094,7 @@ def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, FP8_BLOCK_EXACT])
+@pytest.mark.parametrize("config", [None, FP8_BLOCK_EXACT, FP8_BLOCK_REUSE])
 def test_gpu_fp8_block_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up: cvt.rn.satfinite) and its
     # scale shortcut meet the blocks they depend on: NaN of both signs, Inf among huge finite
@@ -1084,6 +1138,7 @@ def test_gpu_fp8_block_edge_blocks_bit_exact(config):
         (jnp.float32, E4M3, None),
         (jnp.float32, E5M2, PIPELINED["cast_transpose"]),
         (jnp.bfloat16, E4M3, pk.CastTransposeConfig(stage_outputs=False)),
+        (jnp.float32, E4M3, pk.CastTransposeConfig(reuse_input_tile=True)),
     ],
 )
 def test_gpu_cast_transpose_bit_exact(dtype, fp8_dtype, config):
