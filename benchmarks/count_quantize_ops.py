@@ -1,6 +1,6 @@
 """ALU operations per element of the quantize kernels, counted in the module lowered for an H200.
 
-    PYTHONPATH=. python3 benchmarks/count_quantize_ops.py [--kernel fp8_block|mxfp8]
+    PYTHONPATH=. python3 benchmarks/count_quantize_ops.py [--kernel fp8_block|mxfp8|nvfp4]
 
 Runs on the CPU: each kernel variant is cross-lowered for an H200 (`jax.export`, abstract mesh)
 and the Mosaic GPU module is captured just before it is serialized. In lane semantics each op
@@ -155,15 +155,52 @@ def mxfp8_rows() -> list[tuple[str, float]]:
     return out
 
 
+def nvfp4_rows() -> list[tuple[str, float]]:
+    """1×16 blocks, bf16 input: each copy alone (the columnwise one with the Hadamard
+    transform, as TransformerEngine quantizes activations / gradients), row+col, with and
+    without stochastic rounding; both arithmetic paths."""
+    amax = jnp.float32(3.0)
+    out = []
+    for lean in (False, True):
+        config = pk.NVFP4QuantizeConfig(lean_arithmetic=lean)
+        for rowwise, columnwise in ((True, False), (False, True), (True, True)):
+            for stochastic in (False, True):
+                copies = "+".join(c for c, w in (("row", rowwise), ("col+rht", columnwise)) if w)
+                name = (
+                    f"nvfp4 bfloat16 {'lean' if lean else 'exact'} {copies}"
+                    f"{' sr' if stochastic else ''}"
+                )
+
+                def fn(x, c=config, r=rowwise, k=columnwise, sr=stochastic):
+                    return pk.quantize_nvfp4(
+                        x,
+                        rowwise=r,
+                        columnwise=k,
+                        rowwise_amax=amax,
+                        columnwise_amax=amax,
+                        hadamard_columnwise=k,
+                        stochastic_rounding=sr,
+                        rowwise_seed=jnp.uint32(1) if sr else None,
+                        columnwise_seed=jnp.uint32(2) if sr else None,
+                        config=c,
+                    )
+
+                out.append((name, per_element(fn, jnp.bfloat16)))
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("fp8_block", "mxfp8"), default="fp8_block")
+    parser.add_argument("--kernel", choices=("fp8_block", "mxfp8", "nvfp4"), default="fp8_block")
     parser.add_argument(
         "--skip-nan-branch",
         action="store_true",
         help="FP8 block: count the exact path of a tile without NaN (one side of its pl.when)",
     )
     args = parser.parse_args()
-    rows = fp8_block_rows(args.skip_nan_branch) if args.kernel == "fp8_block" else mxfp8_rows()
+    if args.kernel == "fp8_block":
+        rows = fp8_block_rows(args.skip_nan_branch)
+    else:
+        rows = mxfp8_rows() if args.kernel == "mxfp8" else nvfp4_rows()
     for name, ops in rows:
         print(f"{name:55s} {ops:6.2f} ops / element")

@@ -70,10 +70,25 @@ _T, _S_DEC = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4QuantizeConfig(qc.TileConfig):
-    """Tuning knobs of the NVFP4 kernels (see `qc.TileConfig`)."""
+    """Tuning knobs of the NVFP4 kernels (see `qc.TileConfig`).
+
+    Attributes (besides `qc.TileConfig`'s):
+      lean_arithmetic: the same bits with fewer operations per element of the round-to-nearest
+        path (counted in the lowered module by benchmarks/count_quantize_ops.py). NaN codes are
+        fixed per block, not per element: a product fp32(x·enc) is NaN only in a block whose
+        amax is NaN (an Inf element meets a finite, nonzero enc), so one mask per block clears
+        the packed codes of such blocks. On the hardware (not in the interpreter) the sign
+        nibble bit is fp32(x·enc) < 0 (Hopper's mul.f32 keeps subnormal products, so that is
+        the reference's "negative and nonzero"; XLA:CPU flushes them, so the interpreter keeps
+        the reference's (x·2^64)·enc test). Off by default until it has run on the H200.
+    """
+
+    lean_arithmetic: bool = False
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.lean_arithmetic, bool):
+            raise TypeError(f"lean_arithmetic must be a bool, got {self.lean_arithmetic!r}")
 
 
 class NVFP4Quantized(NamedTuple):
@@ -154,9 +169,18 @@ def e2m1_magnitude_stochastic(a: jax.Array, uniforms: jax.Array) -> jax.Array:
     return lower + jnp.where(uniforms < frac, jnp.uint32(1), jnp.uint32(0))
 
 
+_HASH_ROW_FACTOR = 0x9E3779B1
+_HASH_COL_FACTOR = 0x85EBCA77
+
+
 def hash_uniforms(rows: jax.Array, cols: jax.Array, seed: jax.Array) -> jax.Array:
     """The reference's counter-based uniforms in [0, 1) (24 bits) for uint32 (row, col)."""
-    h = (rows * jnp.uint32(0x9E3779B1)) ^ (cols * jnp.uint32(0x85EBCA77)) ^ seed
+    h = (rows * jnp.uint32(_HASH_ROW_FACTOR)) ^ (cols * jnp.uint32(_HASH_COL_FACTOR)) ^ seed
+    return mixed_uniforms(h)
+
+
+def mixed_uniforms(h: jax.Array) -> jax.Array:
+    """`hash_uniforms` from its first word h = (row·A) ^ (col·B) ^ seed (uint32)."""
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x7FEB352D)
     h = h ^ (h >> 15)
@@ -169,6 +193,46 @@ _TWO_POW_64 = np.float32(2.0**64)
 _MAGIC_FLOOR_BITS = (22 + 127) << 23  # 2^22, whose float32 ulp is 0.5
 
 
+def _e2m1_round(p: jax.Array) -> tuple[jax.Array, ...]:
+    """(a = min(|p|, 6), C, a + C, nearest code) of `e2m1_nearest`'s magic-number rounding."""
+    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
+    a_bits = lax.bitcast_convert_type(a, jnp.uint32)
+    magic_bits = jnp.maximum(
+        (a_bits & jnp.uint32(qc.F32_INF_BITS)) + jnp.uint32(22 << 23),
+        jnp.uint32(_MAGIC_FLOOR_BITS),
+    )
+    magic = qc.f32_from_bits(magic_bits)
+    rounded = a + magic
+    binade_offset = (magic_bits - jnp.uint32(_MAGIC_FLOOR_BITS)) >> 22
+    code = (lax.bitcast_convert_type(rounded, jnp.uint32) - magic_bits) + binade_offset
+    return a, magic, rounded, code
+
+
+def e2m1_stochastic(p: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """`e2m1_magnitude_stochastic(|clip(p, ±6)|, uniforms)` for non-NaN p, from the nearest
+    rounding instead of threshold counts (~22 operations instead of ~48).
+
+    a + C − C is the nearest grid value exactly; C·2^-23 is the grid step in a's binade (0.5
+    below 2, then 1, then 2), which is also the step above the lower neighbour. So the lower
+    neighbour is the nearest one, or one step below it when that is above a, and
+    frac = (a − lower) / step, with 1/step a power of two built from C's bits: the reference's
+    values and inverse steps, the same float operations. (For a = 6 the reference's inverse
+    step is 1, this one 1/2: frac is 0 either way.) NaN p gives garbage: the caller clears NaN
+    blocks."""
+    a, magic, rounded, nearest = _e2m1_round(p)
+    nearest_value = rounded - magic
+    step = magic * jnp.float32(2.0**-23)
+    # 1/step = 2^23 / C: exponent 150 − (C's), i.e. bits (277 << 23) − bits(C).
+    inverse_step = qc.f32_from_bits(
+        jnp.uint32(277 << 23) - lax.bitcast_convert_type(magic, jnp.uint32)
+    )
+    above = nearest_value > a
+    lower = nearest - jnp.where(above, jnp.uint32(1), jnp.uint32(0))
+    lower_value = jnp.where(above, nearest_value - step, nearest_value)
+    frac = (a - lower_value) * inverse_step
+    return lower + jnp.where(uniforms < frac, jnp.uint32(1), jnp.uint32(0))
+
+
 def e2m1_nearest(p: jax.Array) -> jax.Array:
     """E2M1 magnitude code (0..7, uint32) of clamp(p, ±6) rounded to nearest even.
 
@@ -178,23 +242,16 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
     k + 2·log2(C / 2^22): the same ties as TransformerEngine's thresholds (.25, 1.25, 2.5, 5
     go down; .75, 1.75, 3.5 up), in 8 integer/float operations instead of 7 compares and
     selects. NaN is handled by the caller."""
-    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
-    a_bits = lax.bitcast_convert_type(a, jnp.uint32)
-    magic_bits = jnp.maximum(
-        (a_bits & jnp.uint32(qc.F32_INF_BITS)) + jnp.uint32(22 << 23),
-        jnp.uint32(_MAGIC_FLOOR_BITS),
-    )
-    rounded_bits = lax.bitcast_convert_type(a + qc.f32_from_bits(magic_bits), jnp.uint32)
-    binade_offset = (magic_bits - jnp.uint32(_MAGIC_FLOOR_BITS)) >> 22
-    return (rounded_bits - magic_bits) + binade_offset
+    return _e2m1_round(p)[3]
 
 
 def quantize_block_lines(
-    v, layout, t, s_dec, uniforms=None, block_amax_bits=None
+    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False, on_hardware=False
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
-    row (16×16 blocks); default the row's own amax.
+    row (16×16 blocks); default the row's own amax. `lean` / `on_hardware`: see
+    `NVFP4QuantizeConfig.lean_arithmetic` (the sign shortcut needs both).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None:
@@ -206,13 +263,20 @@ def quantize_block_lines(
     )
     encode_b = qc.broadcast_rows(encode, v.shape, layout)
     p = v * encode_b
-    # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc so
-    # that a product XLA:CPU would flush to -0 still counts. Only the sign comes from it: XLA
-    # may reassociate that product, and 2^64·enc can overflow.
-    negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
+    if lean and on_hardware:
+        # Hopper keeps subnormal products: fp32(x·enc) itself is negative and nonzero.
+        negative = p < jnp.float32(0.0)
+    else:
+        # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc
+        # so that a product XLA:CPU would flush to -0 still counts. Only the sign comes from
+        # it: XLA may reassociate that product, and 2^64·enc can overflow.
+        negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     if uniforms is None:
         magnitude = e2m1_nearest(p)
-        magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p)), jnp.uint32(0), magnitude)
+        if not lean:  # lean: NaN blocks are cleared after packing
+            magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p)), jnp.uint32(0), magnitude)
+    elif lean:  # NaN blocks are cleared after packing
+        magnitude = e2m1_stochastic(p, uniforms)
     else:
         a = jnp.abs(jnp.clip(p, -E2M1_MAX, E2M1_MAX))
         magnitude = e2m1_magnitude_stochastic(a, uniforms)
@@ -221,8 +285,13 @@ def quantize_block_lines(
     )
     low = qc.concat_columns([codes[:, i : i + 1] for i in range(0, BLOCK, 2)])
     high = qc.concat_columns([codes[:, i : i + 1] for i in range(1, BLOCK, 2)])
-    packed = (low | (high << 4)).astype(jnp.uint8)
-    return packed, block_scale
+    packed = low | (high << 4)
+    if lean:
+        # Only a NaN-amax block has NaN products (whose lean codes are garbage): its codes are
+        # all 0, like the reference's. One mask per block instead of a test per element.
+        keep = jnp.where(qc.is_nan_bits(block_amax_bits), jnp.uint32(0), jnp.uint32(0xFF))
+        packed = packed & qc.broadcast_rows(keep, packed.shape, qc.RPT1)
+    return packed.astype(jnp.uint8), block_scale
 
 
 _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
@@ -242,6 +311,8 @@ def _quantize_copy(
     hadamard,
     block_amax_gmem=None,
     position=None,
+    lean=False,
+    on_hardware=False,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
@@ -256,6 +327,17 @@ def _quantize_copy(
         # Thread t gets its line's n_blocks amaxes: a plain global load of a few words each.
         line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
     scales, packed_group = [], []
+    block_shape = (lines, BLOCK)
+    if seed is not None and lean:
+        # The hash's first word (row·A) ^ (col·B) ^ seed with its row part (row·A) ^ seed made
+        # once per line, and col·B = col_0·B + j·B (uint32 ring): a scalar per block plus the
+        # constants j·B, so each element pays one add and one xor instead of two iotas, two
+        # adds, two multiplies and two xors.
+        line_index = qc.iota(block_shape, 0, layout) + line0.astype(jnp.uint32)
+        if position is not None:
+            line_index = line_index + position[0]
+        row_word = (line_index * jnp.uint32(_HASH_ROW_FACTOR)) ^ seed
+        col_steps = qc.iota(block_shape, 1, layout) * jnp.uint32(_HASH_COL_FACTOR)
     for p in range(n_blocks // 2):
         pair = load_pair(p)
         for half in range(2):
@@ -264,17 +346,23 @@ def _quantize_copy(
             if hadamard:
                 v = hadamard16_lines(v)
             uniforms = None
-            if seed is not None:
+            first_col = (col0 + b * BLOCK).astype(jnp.uint32)
+            if position is not None:  # uint32 adds wrap, as the reference's positions do
+                first_col = first_col + position[1]
+            if seed is not None and lean:
+                col_word = col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)
+                uniforms = mixed_uniforms(row_word ^ col_word)
+            elif seed is not None:
                 rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
-                cols = qc.iota(v.shape, 1, layout) + (col0 + b * BLOCK).astype(jnp.uint32)
-                if position is not None:  # uint32 adds wrap, as the reference's positions do
-                    rows, cols = rows + position[0], cols + position[1]
+                if position is not None:
+                    rows = rows + position[0]
+                cols = qc.iota(v.shape, 1, layout) + first_col
                 uniforms = hash_uniforms(rows, cols, seed)
             block_amax_bits = None
             if line_amaxes is not None:
                 block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
             packed, block_scale = quantize_block_lines(
-                v, layout, t, s_dec, uniforms, block_amax_bits
+                v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean, on_hardware=on_hardware
             )
             packed_group.append(packed)
             scales.append(qc.column(block_scale))
@@ -343,8 +431,10 @@ def _tile(
     in_dtype,
     hadamard,
     stochastic,
+    on_hardware,
 ):
     tm, tk = config.tile_m, config.tile_k
+    arithmetic = dict(lean=config.lean_arithmetic, on_hardware=on_hardware)
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
@@ -371,6 +461,7 @@ def _tile(
                 hadamard=False,
                 block_amax_gmem=block_amax_gmems[0],
                 position=position,
+                **arithmetic,
             )
         else:
 
@@ -391,6 +482,7 @@ def _tile(
                 hadamard=hadamard,
                 block_amax_gmem=block_amax_gmems[1],
                 position=position,
+                **arithmetic,
             )
 
 
@@ -543,6 +635,7 @@ def quantize_nvfp4(
         positioned=positioned,
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
+        on_hardware=not qc.interpreting(interpret),
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.

@@ -143,6 +143,28 @@ def test_count_quantize_ops_counts_the_lean_fp8_block_path():
     assert 0 < 2 * lean < exact
 
 
+def test_count_quantize_ops_counts_the_lean_nvfp4_stochastic_rounding():
+    # NVFP4's lean arithmetic cuts the rowwise copy's stochastic rounding by at least a third
+    # (80.7 -> 50.8 counted on 2026-11-30).
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from benchmarks import count_quantize_ops
+
+    def stochastic_row(lean):
+        return lambda x: pk.quantize_nvfp4(
+            x,
+            rowwise_amax=jnp.float32(3.0),
+            stochastic_rounding=True,
+            rowwise_seed=jnp.uint32(1),
+            config=pk.NVFP4QuantizeConfig(lean_arithmetic=lean),
+        )
+
+    exact = count_quantize_ops.per_element(stochastic_row(False), jnp.bfloat16)
+    lean = count_quantize_ops.per_element(stochastic_row(True), jnp.bfloat16)
+    assert 0 < 3 * lean < 2 * exact
+
+
 def test_profile_grouped_summarizes_a_trace_and_runs_small(tmp_path):
     from benchmarks import profile_grouped
 

@@ -207,13 +207,20 @@ def mxfp8_edge_matrix() -> np.ndarray:
     return x
 
 
-def check_nvfp4(x, rht, sr, block=(1, 16), positions=(None, None)):
+def check_nvfp4(x, rht, sr, block=(1, 16), positions=(None, None), config=None):
     want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=block, positions=positions)
     got = run_nvfp4(
-        x, rht=rht, sr=sr, amaxes=amaxes, seeds=SEEDS, block_shape=block, positions=positions
+        x,
+        rht=rht,
+        sr=sr,
+        amaxes=amaxes,
+        seeds=SEEDS,
+        block_shape=block,
+        positions=positions,
+        config=config,
     )
     for g, w, name in zip(got, want, NAMES, strict=True):
-        assert_same_bits(g, w, f"nvfp4 {name}")
+        assert_same_bits(g, w, f"nvfp4 {name} ({config})")
     kernel_amaxes = jax.jit(
         lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht, interpret=INTERPRET)
     )(x)
@@ -347,7 +354,13 @@ def test_mxfp8_scale_byte_without_division_matches_reference():
         assert_same_bits(got.astype(jnp.uint8), want, f"{fp8_dtype} E8M0 byte")
 
 
+# NVFP4's lean arithmetic (a per-block NaN mask, stochastic rounding from the nearest rounding,
+# the hash's row part made once per line); its hardware-only sign test runs on the GPU only.
+NVFP4_LEAN = pk.NVFP4QuantizeConfig(lean_arithmetic=True)
+
+
 @cpu_only
+@pytest.mark.parametrize("config", [None, NVFP4_LEAN])
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -359,8 +372,38 @@ def test_mxfp8_scale_byte_without_division_matches_reference():
         (False, True, jnp.float32, (144, 200), (16, 16)),  # padding, stochastic rounding
     ],
 )
-def test_nvfp4_interpret(rht, sr, dtype, shape, block):
-    check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block)
+def test_nvfp4_interpret(rht, sr, dtype, shape, block, config):
+    check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block, config=config)
+
+
+def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
+    # e2m1_stochastic (from the nearest rounding) against e2m1_magnitude_stochastic (threshold
+    # counts, the reference's order) on every grid value, each midpoint and ±1 ulp around them,
+    # the clip at 6, random magnitudes, and uniforms at 0, just below / at each fraction, ~1.
+    kernel_nvfp4 = importlib.import_module("pallas_kernels.quantize_nvfp4")
+    grid = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    points = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2, [7.0, 1e30, 2.0**-140]])
+    points = np.concatenate(
+        [points, np.nextafter(points, np.float32(0)), np.nextafter(points, np.float32(np.inf))]
+    )
+    rng = np.random.default_rng(0)
+    points = np.concatenate([points, rng.uniform(0, 6.5, 4000).astype(np.float32)])
+    p = np.concatenate([points, -points]).astype(np.float32)
+    a = np.minimum(np.abs(p), np.float32(6.0))
+    lower_value = grid[np.searchsorted(grid, a, side="right") - 1]
+    step = np.where(a < 2, 0.5, np.where(a < 4, 1.0, 2.0)).astype(np.float32)
+    frac = ((a - lower_value) / step).astype(np.float32)
+    for uniforms in (
+        np.zeros_like(p),
+        np.nextafter(frac, np.float32(0)),
+        frac,
+        np.full_like(p, 1 - 2.0**-24),
+        rng.uniform(0, 1, p.shape).astype(np.float32),
+    ):
+        p_, u_ = jnp.asarray(p), jnp.asarray(uniforms.astype(np.float32))
+        want = kernel_nvfp4.e2m1_magnitude_stochastic(jnp.abs(jnp.clip(p_, -6.0, 6.0)), u_)
+        got = kernel_nvfp4.e2m1_stochastic(p_, u_)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # A shard's copies placed in a larger tensor: the rowwise copy's lines start at row 4096, the
@@ -375,6 +418,7 @@ POSITIONS = (
 def test_nvfp4_stochastic_rounding_positions_interpret():
     x = sample((144, 160), jnp.float32, 8, block=16)
     check_nvfp4(x, True, True, positions=POSITIONS)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_LEAN)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -607,6 +651,8 @@ def test_wrappers_reject_bad_arguments():
         pk.MXFP8QuantizeConfig(lean_arithmetic="yes")
     with pytest.raises(ValueError, match="split_copies needs one-tile CTAs"):
         pk.MXFP8QuantizeConfig(split_copies=True, steps_per_cta=2)
+    with pytest.raises(TypeError, match="lean_arithmetic must be a bool"):
+        pk.NVFP4QuantizeConfig(lean_arithmetic=1)
     with pytest.raises(TypeError, match="reuse_input_tile must be a bool"):
         pk.MXFP8QuantizeConfig(reuse_input_tile=1)
     with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
@@ -710,7 +756,7 @@ _X = {dt: jax.ShapeDtypeStruct((256, 384), dt) for dt in (jnp.bfloat16, jnp.floa
 _TILE_256 = dict(tile_m=256, tile_k=256)
 
 
-def _nvfp4_rht_sr(x, **positions):
+def _nvfp4_rht_sr(x, **options):
     """Both NVFP4 copies, Hadamard on the columnwise one, stochastic rounding (gradients)."""
     return pk.quantize_nvfp4(
         x,
@@ -721,7 +767,7 @@ def _nvfp4_rht_sr(x, **positions):
         stochastic_rounding=True,
         rowwise_seed=jnp.uint32(1),
         columnwise_seed=jnp.uint32(2),
-        **positions,
+        **options,
     )
 
 
@@ -749,6 +795,10 @@ CROSS_LOWERED = {
             columnwise=True,
             config=pk.MXFP8QuantizeConfig(split_copies=True, stage_outputs=False, tile_m=256),
         ),
+        jnp.bfloat16,
+    ),
+    "nvfp4 row+col rht sr lean arithmetic": (
+        lambda x: _nvfp4_rht_sr(x, config=pk.NVFP4QuantizeConfig(lean_arithmetic=True)),
         jnp.bfloat16,
     ),
     "mxfp8 row+col reuse_input_tile": (
@@ -1034,6 +1084,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, True, jnp.float32, None, (1, 16)),
         (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
         (True, True, jnp.bfloat16, pk.NVFP4QuantizeConfig(reuse_input_tile=True), (1, 16)),
+        (True, False, jnp.bfloat16, NVFP4_LEAN, (1, 16)),
+        (True, True, jnp.float32, NVFP4_LEAN, (1, 16)),
+        (False, True, jnp.bfloat16, NVFP4_LEAN, (16, 16)),
         (False, False, jnp.bfloat16, None, (16, 16)),
         (False, True, jnp.float32, PIPELINED["nvfp4"], (16, 16)),
     ],
