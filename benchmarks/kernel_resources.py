@@ -13,6 +13,7 @@ all) and leaves the raw dumps in OUT_DIR/mosaic_dump/.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -28,6 +29,25 @@ def summarize(ptxas_text: str) -> tuple[str, str]:
     regs = ", ".join(PTXAS_LINE.findall(ptxas_text)) or "?"
     spills = "; ".join("/".join(pair) for pair in SPILL_LINE.findall(ptxas_text)) or "?"
     return regs, spills
+
+
+def nvfp4_row_col_rht(x, *, stochastic: bool, lean: bool):
+    """NVFP4 row + Hadamard col (TransformerEngine's activation / gradient copies)."""
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    return pk.quantize_nvfp4(
+        x,
+        columnwise=True,
+        rowwise_amax=jnp.float32(4.0),
+        columnwise_amax=jnp.float32(4.0),
+        hadamard_columnwise=True,
+        stochastic_rounding=stochastic,
+        rowwise_seed=jnp.uint32(1) if stochastic else None,
+        columnwise_seed=jnp.uint32(2) if stochastic else None,
+        config=pk.NVFP4QuantizeConfig(lean_arithmetic=lean),
+    )
 
 
 def kernel_cases():
@@ -83,6 +103,14 @@ def kernel_cases():
             "fp8 block 128x128 row+col",
             lambda: pk.quantize_fp8_block(x, block_shape=(128, 128), rowwise=True, columnwise=True),
         ),
+        *[
+            (
+                f"nvfp4 row+col rht{' sr' if sr else ''}{' lean' if lean else ''}",
+                functools.partial(nvfp4_row_col_rht, x, stochastic=sr, lean=lean),
+            )
+            for sr in (False, True)
+            for lean in (False, True)
+        ],
         (
             "fp8 block 128x128 row+col reuse_input_tile",
             lambda: pk.quantize_fp8_block(

@@ -3,7 +3,9 @@
     PYTHONPATH=. python3 benchmarks/quantize_ab.py OUT_DIR [--small] [--kernel KERNEL]
 
 `--kernel fp8_block_1x128` / `fp8_block_128x128`: the FP8 block kernel (E4M3, power-of-2
-scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default); written to
+scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
+`--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
+the default exact arithmetic against the opt-in `lean_arithmetic`; written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
@@ -58,7 +60,12 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
     "lean_arithmetic (default)": pk.FP8BlockQuantizeConfig(),
     "reuse_input_tile + lean_arithmetic": pk.FP8BlockQuantizeConfig(reuse_input_tile=True),
 }
-KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128")
+NVFP4_BASELINE = "exact arithmetic (default)"
+NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
+    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(),
+    "lean_arithmetic": pk.NVFP4QuantizeConfig(lean_arithmetic=True),
+}
+KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"
 SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
 XLA_COPY = "x + 1 (XLA fusion)"
@@ -91,8 +98,46 @@ def fp8_block_bytes(block: tuple[int, int]) -> Callable[[int, int], int]:
     return lambda rows, cols: 2 * rows * cols + 2 * (rows * cols + 4 * (rows * cols // per_scale))
 
 
+def nvfp4_row_col(stochastic: bool) -> Callable:
+    """NVFP4 row + Hadamard-rotated col (TransformerEngine's activation / gradient copies) with
+    fixed global amaxes (the amax pass is a separate kernel, the same for every variant)."""
+
+    def make(config: pk.NVFP4QuantizeConfig) -> Callable:
+        seeds = dict(rowwise_seed=jnp.uint32(1), columnwise_seed=jnp.uint32(2))
+        return jax.jit(
+            lambda x: pk.quantize_nvfp4(
+                x,
+                columnwise=True,
+                rowwise_amax=jnp.float32(8.0),
+                columnwise_amax=jnp.float32(16.0),
+                hadamard_columnwise=True,
+                stochastic_rounding=stochastic,
+                config=config,
+                **(seeds if stochastic else {}),
+            )
+        )
+
+    return make
+
+
+def nvfp4_bytes(rows: int, cols: int) -> int:
+    """x (bf16) read once; both copies' packed codes (half a byte) and E4M3 scales written."""
+    n = rows * cols
+    return 2 * n + 2 * (n // 2 + n // 16)
+
+
 def kernel_setup(kernel: str) -> dict:
     """What `run_shape` compares for `kernel` (one of KERNELS)."""
+    if kernel in ("nvfp4", "nvfp4_sr"):
+        stochastic = kernel == "nvfp4_sr"
+        return dict(
+            title="NVFP4 (Hadamard on col" + (", stochastic rounding)" if stochastic else ")"),
+            baseline=NVFP4_BASELINE,
+            variants=NVFP4_VARIANTS,
+            make=nvfp4_row_col(stochastic),
+            nbytes=nvfp4_bytes,
+            width=16,
+        )
     if kernel == "mxfp8":
         return dict(
             title="MXFP8 E4M3",
