@@ -73,14 +73,18 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     """Tuning knobs of the NVFP4 kernels (see `qc.TileConfig`).
 
     Attributes (besides `qc.TileConfig`'s):
-      lean_arithmetic: the same bits with fewer operations per element of the round-to-nearest
-        path (counted in the lowered module by benchmarks/count_quantize_ops.py). NaN codes are
-        fixed per block, not per element: a product fp32(x·enc) is NaN only in a block whose
-        amax is NaN (an Inf element meets a finite, nonzero enc), so one mask per block clears
-        the packed codes of such blocks. On the hardware (not in the interpreter) the sign
-        nibble bit is fp32(x·enc) < 0 (Hopper's mul.f32 keeps subnormal products, so that is
-        the reference's "negative and nonzero"; XLA:CPU flushes them, so the interpreter keeps
-        the reference's (x·2^64)·enc test). Off by default until it has run on the H200.
+      lean_arithmetic: the same bits with fewer operations per element (counted in the lowered
+        module by benchmarks/count_quantize_ops.py: -14% rounding to nearest, -36% with
+        stochastic rounding). NaN codes are fixed per block, not per element: a product
+        fp32(x·enc) is NaN only in a block whose amax is NaN (elsewhere enc is finite and
+        nonzero, so an Inf element gives ±Inf; a NaN global amax gives S_enc = FLT_MAX through
+        fmin, not NaN), so one mask per block clears the packed codes of such blocks.
+        Stochastic rounding comes from the nearest-even rounding (`e2m1_stochastic`) and the
+        hash's row word is made once per line. On the hardware (not in the interpreter) the
+        sign nibble bit is fp32(x·enc) < 0 (Hopper's mul.f32 keeps subnormal products, so
+        that is the reference's "negative and nonzero"; XLA:CPU flushes them, so the
+        interpreter keeps the reference's (x·2^64)·enc test). Off by default until it has run
+        on the H200.
     """
 
     lean_arithmetic: bool = False
