@@ -8,6 +8,9 @@
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
 #   bash benchmarks/h200.sh ab      grouped GEMM variants timed in alternation (AB_VARIANTS=schedule|epilogue)
+#   bash benchmarks/h200.sh quantize   the quantize kernels' `gpu` tests, their ptxas resources and
+#                                      their variants timed in alternation ($AB_KERNELS, default
+#                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -59,10 +62,23 @@ elif [[ $STAGE == sharding ]]; then
     --out "$OUT/sharding_strategies.md" 2>&1 | tee "$OUT/sharding_strategies.log" | tail -12
 elif [[ $STAGE == ab ]]; then
   timeout "${AB_BUDGET:-150}" python3 -m benchmarks.grouped_ab --out "$OUT" --variants "${AB_VARIANTS:-schedule}" 2>&1 | tail -30
+elif [[ $STAGE == quantize ]]; then
+  timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -q -n "${WORKERS:-8}" -p no:cacheprovider \
+    -rfE tests/pallas_kernels/test_quantize.py > "$OUT/gpu_quantize_tests.log" 2>&1
+  echo "pytest exit $?" >> "$OUT/gpu_quantize_tests.log"
+  tail -3 "$OUT/gpu_quantize_tests.log"
+  scratch=$(mktemp -d)
+  timeout 90 python3 benchmarks/kernel_resources.py "$scratch" "row+col" > /dev/null 2>&1
+  cp "$scratch/kernel_resources.md" "$OUT/" 2>/dev/null && cat "$OUT/kernel_resources.md"
+  for kernel in ${AB_KERNELS:-nvfp4 nvfp4_sr mxfp8 fp8_block_128x128}; do
+    timeout "${AB_BUDGET:-100}" python3 benchmarks/quantize_ab.py "$scratch" --kernel "$kernel" 2>&1 | tail -12
+  done
+  cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
   wait
 else
-  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, sharding or split)" >&2; exit 2
+  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, quantize, sharding or split)" >&2
+  exit 2
 fi
