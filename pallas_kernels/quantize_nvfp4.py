@@ -74,17 +74,14 @@ class NVFP4QuantizeConfig(qc.TileConfig):
 
     Attributes (besides `qc.TileConfig`'s):
       lean_arithmetic: the same bits with fewer operations per element (counted in the lowered
-        module by benchmarks/count_quantize_ops.py: -14% rounding to nearest, -36% with
+        module by benchmarks/count_quantize_ops.py: -7% rounding to nearest, -33% with
         stochastic rounding). NaN codes are fixed per block, not per element: a product
         fp32(x·enc) is NaN only in a block whose amax is NaN (elsewhere enc is finite and
         nonzero, so an Inf element gives ±Inf; a NaN global amax gives S_enc = FLT_MAX through
         fmin, not NaN), so one mask per block clears the packed codes of such blocks.
         Stochastic rounding comes from the nearest-even rounding (`e2m1_stochastic`) and the
-        hash's row word is made once per line. On the hardware (not in the interpreter) the
-        sign nibble bit is fp32(x·enc) < 0 (Hopper's mul.f32 keeps subnormal products, so
-        that is the reference's "negative and nonzero"; XLA:CPU flushes them, so the
-        interpreter keeps the reference's (x·2^64)·enc test). Off by default until it has run
-        on the H200.
+        hash's row word is made once per line. The same operations in the interpreter and on
+        the hardware (no hardware-only shortcut). Off by default until it has run on the H200.
     """
 
     lean_arithmetic: bool = False
@@ -250,12 +247,12 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
 
 
 def quantize_block_lines(
-    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False, on_hardware=False
+    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
-    row (16×16 blocks); default the row's own amax. `lean` / `on_hardware`: see
-    `NVFP4QuantizeConfig.lean_arithmetic` (the sign shortcut needs both).
+    row (16×16 blocks); default the row's own amax. `lean`: see
+    `NVFP4QuantizeConfig.lean_arithmetic`.
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None:
@@ -267,14 +264,12 @@ def quantize_block_lines(
     )
     encode_b = qc.broadcast_rows(encode, v.shape, layout)
     p = v * encode_b
-    if lean and on_hardware:
-        # Hopper keeps subnormal products: fp32(x·enc) itself is negative and nonzero.
-        negative = p < jnp.float32(0.0)
-    else:
-        # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc
-        # so that a product XLA:CPU would flush to -0 still counts. Only the sign comes from
-        # it: XLA may reassociate that product, and 2^64·enc can overflow.
-        negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
+    # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc so
+    # that a product XLA:CPU would flush to -0 still counts. Only the sign comes from it: XLA
+    # may reassociate that product, and 2^64·enc can overflow. (Not `p < 0` even where
+    # subnormals are kept: the two round differently when x·enc is within 2^-24 relative of
+    # -2^-150, e.g. x = -3·2^-149, enc = fp32(1/6): p = -2^-149 but (x·2^64)·enc = -2^-86.)
+    negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     if uniforms is None:
         magnitude = e2m1_nearest(p)
         if not lean:  # lean: NaN blocks are cleared after packing
@@ -316,7 +311,6 @@ def _quantize_copy(
     block_amax_gmem=None,
     position=None,
     lean=False,
-    on_hardware=False,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
@@ -366,7 +360,7 @@ def _quantize_copy(
             if line_amaxes is not None:
                 block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
             packed, block_scale = quantize_block_lines(
-                v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean, on_hardware=on_hardware
+                v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean
             )
             packed_group.append(packed)
             scales.append(qc.column(block_scale))
@@ -435,10 +429,9 @@ def _tile(
     in_dtype,
     hadamard,
     stochastic,
-    on_hardware,
 ):
     tm, tk = config.tile_m, config.tile_k
-    arithmetic = dict(lean=config.lean_arithmetic, on_hardware=on_hardware)
+    arithmetic = dict(lean=config.lean_arithmetic)
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
@@ -639,7 +632,6 @@ def quantize_nvfp4(
         positioned=positioned,
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
-        on_hardware=not qc.interpreting(interpret),
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.

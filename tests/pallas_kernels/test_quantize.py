@@ -1106,6 +1106,25 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
 
 
 @gpu_cases
+@pytest.mark.parametrize("config", [None, NVFP4_LEAN])
+def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config):
+    # Global amax 2688 (S_enc = 1) and a block maximum of 36 give s_b = 6 and enc = fp32(1/6),
+    # so x = -3·2^-149 has x·enc = -2^-150·(1 + 2^-25): fp32(x·enc) = -2^-149, while the
+    # reference's (x·2^64)·enc rounds to -2^-86 exactly, i.e. "not negative" (code 0). Only the
+    # GPU keeps the subnormal x (XLA:CPU flushes it), so only here can a sign shortcut show.
+    x = np.zeros((128, 128), np.float32)
+    x[0, 0] = 2688.0
+    x[1:, 0] = 36.0
+    x[1:, 1] = np.float32(-3 * 2.0**-149)
+    x = jnp.asarray(x)
+    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS)
+    poison_device_memory(2 * x.size)
+    got = run_nvfp4(x, rht=False, sr=False, amaxes=amaxes, seeds=SEEDS, config=config)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 {name} ({config})")
+
+
+@gpu_cases
 @pytest.mark.parametrize(
     "block, fp8_dtype, pow2, dtype, config",
     [
