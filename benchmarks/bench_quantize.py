@@ -122,6 +122,31 @@ def pallas_cast_skeleton(x: jax.Array, config: qc.TileConfig | None = None):
     )(x)
 
 
+def nvfp4_fixed_amax(
+    x: jax.Array,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    stochastic: bool = False,
+    config: pk.NVFP4QuantizeConfig | None = None,
+):
+    """The NVFP4 quantize kernel alone, as TransformerEngine quantizes activations / gradients
+    (the columnwise copy Hadamard-rotated, stochastic rounding with fixed seeds if asked), with
+    fixed global amaxes: the amax pass is its own kernel, the same for every variant compared."""
+    return pk.quantize_nvfp4(
+        x,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        rowwise_amax=jnp.float32(8.0),
+        columnwise_amax=jnp.float32(8.0),
+        hadamard_columnwise=columnwise,
+        stochastic_rounding=stochastic,
+        rowwise_seed=jnp.uint32(1) if stochastic else None,
+        columnwise_seed=jnp.uint32(2) if stochastic else None,
+        config=config,
+    )
+
+
 # --- cases --------------------------------------------------------------------------------------
 def _nvfp4_xla_amaxes(x, rht: bool):
     """What jax_qtrain.quantize computes before calling the kernel: jnp amaxes of x and of the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib
 import re
 
@@ -27,6 +28,7 @@ from jax._src import mesh as mesh_lib
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
 import pallas_kernels as pk
+from benchmarks.bench_quantize import nvfp4_fixed_amax
 
 _CAPTURED: list[str] = []
 _LINE = re.compile(r"^\s*(?:(%[\w#:]+(?:, %[\w#:]+)*) = )?\"?([a-z_0-9]+\.[a-z_0-9.]+)\"?(.*)$")
@@ -159,7 +161,6 @@ def nvfp4_rows() -> list[tuple[str, float]]:
     """1×16 blocks, bf16 input: each copy alone (the columnwise one with the Hadamard
     transform, as TransformerEngine quantizes activations / gradients), row+col, with and
     without stochastic rounding; both arithmetic paths."""
-    amax = jnp.float32(3.0)
     out = []
     for lean in (False, True):
         config = pk.NVFP4QuantizeConfig(lean_arithmetic=lean)
@@ -171,19 +172,13 @@ def nvfp4_rows() -> list[tuple[str, float]]:
                     f"{' sr' if stochastic else ''}"
                 )
 
-                def fn(x, c=config, r=rowwise, k=columnwise, sr=stochastic):
-                    return pk.quantize_nvfp4(
-                        x,
-                        rowwise=r,
-                        columnwise=k,
-                        rowwise_amax=amax,
-                        columnwise_amax=amax,
-                        hadamard_columnwise=k,
-                        stochastic_rounding=sr,
-                        rowwise_seed=jnp.uint32(1) if sr else None,
-                        columnwise_seed=jnp.uint32(2) if sr else None,
-                        config=c,
-                    )
+                fn = functools.partial(
+                    nvfp4_fixed_amax,
+                    rowwise=rowwise,
+                    columnwise=columnwise,
+                    stochastic=stochastic,
+                    config=config,
+                )
 
                 out.append((name, per_element(fn, jnp.bfloat16)))
     return out

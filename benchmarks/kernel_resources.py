@@ -31,31 +31,13 @@ def summarize(ptxas_text: str) -> tuple[str, str]:
     return regs, spills
 
 
-def nvfp4_row_col_rht(x, *, stochastic: bool, lean: bool):
-    """NVFP4 row + Hadamard col (TransformerEngine's activation / gradient copies)."""
-    import jax.numpy as jnp
-
-    import pallas_kernels as pk
-
-    return pk.quantize_nvfp4(
-        x,
-        columnwise=True,
-        rowwise_amax=jnp.float32(4.0),
-        columnwise_amax=jnp.float32(4.0),
-        hadamard_columnwise=True,
-        stochastic_rounding=stochastic,
-        rowwise_seed=jnp.uint32(1) if stochastic else None,
-        columnwise_seed=jnp.uint32(2) if stochastic else None,
-        config=pk.NVFP4QuantizeConfig(lean_arithmetic=lean),
-    )
-
-
 def kernel_cases():
     """(name, thunk) for each kernel whose resources we want; imported after the env is set."""
     import jax
     import jax.numpy as jnp
 
     import pallas_kernels as pk
+    from benchmarks.bench_quantize import nvfp4_fixed_amax
 
     x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.float32).astype(jnp.bfloat16)
     # Grouped GEMMs: the same GEMM compiled for several G (the group count used to change the
@@ -106,7 +88,12 @@ def kernel_cases():
         *[
             (
                 f"nvfp4 row+col rht{' sr' if sr else ''}{' lean' if lean else ''}",
-                functools.partial(nvfp4_row_col_rht, x, stochastic=sr, lean=lean),
+                functools.partial(
+                    nvfp4_fixed_amax,
+                    x,
+                    stochastic=sr,
+                    config=pk.NVFP4QuantizeConfig(lean_arithmetic=lean),
+                ),
             )
             for sr in (False, True)
             for lean in (False, True)

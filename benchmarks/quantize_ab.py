@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels as pk
-from benchmarks.bench_quantize import pallas_cast_skeleton
+from benchmarks.bench_quantize import nvfp4_fixed_amax, pallas_cast_skeleton
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels import quantize_common as qc
 
@@ -99,23 +99,10 @@ def fp8_block_bytes(block: tuple[int, int]) -> Callable[[int, int], int]:
 
 
 def nvfp4_row_col(stochastic: bool) -> Callable:
-    """NVFP4 row + Hadamard-rotated col (TransformerEngine's activation / gradient copies) with
-    fixed global amaxes (the amax pass is a separate kernel, the same for every variant)."""
+    """NVFP4 row + Hadamard-rotated col (`bench_quantize.nvfp4_fixed_amax`)."""
 
     def make(config: pk.NVFP4QuantizeConfig) -> Callable:
-        seeds = dict(rowwise_seed=jnp.uint32(1), columnwise_seed=jnp.uint32(2))
-        return jax.jit(
-            lambda x: pk.quantize_nvfp4(
-                x,
-                columnwise=True,
-                rowwise_amax=jnp.float32(8.0),
-                columnwise_amax=jnp.float32(16.0),
-                hadamard_columnwise=True,
-                stochastic_rounding=stochastic,
-                config=config,
-                **(seeds if stochastic else {}),
-            )
-        )
+        return jax.jit(lambda x: nvfp4_fixed_amax(x, stochastic=stochastic, config=config))
 
     return make
 

@@ -344,9 +344,10 @@ def _quantize_copy(
             if hadamard:
                 v = hadamard16_lines(v)
             uniforms = None
-            first_col = (col0 + b * BLOCK).astype(jnp.uint32)
-            if position is not None:  # uint32 adds wrap, as the reference's positions do
-                first_col = first_col + position[1]
+            if seed is not None:
+                first_col = (col0 + b * BLOCK).astype(jnp.uint32)
+                if position is not None:  # uint32 adds wrap, as the reference's positions do
+                    first_col = first_col + position[1]
             if seed is not None and lean:
                 col_word = col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)
                 uniforms = mixed_uniforms(row_word ^ col_word)

@@ -798,7 +798,7 @@ CROSS_LOWERED = {
         jnp.bfloat16,
     ),
     "nvfp4 row+col rht sr lean arithmetic": (
-        lambda x: _nvfp4_rht_sr(x, config=pk.NVFP4QuantizeConfig(lean_arithmetic=True)),
+        lambda x: _nvfp4_rht_sr(x, config=NVFP4_LEAN),
         jnp.bfloat16,
     ),
     "mxfp8 row+col reuse_input_tile": (
