@@ -5,7 +5,7 @@
 `--kernel fp8_block_1x128` / `fp8_block_128x128`: the FP8 block kernel (E4M3, power-of-2
 scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
-the default exact arithmetic against the opt-in `lean_arithmetic`; written to
+its exact arithmetic against `lean_arithmetic` (the default since stop 22); written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
@@ -60,10 +60,10 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
     "lean_arithmetic (default)": pk.FP8BlockQuantizeConfig(),
     "reuse_input_tile + lean_arithmetic": pk.FP8BlockQuantizeConfig(reuse_input_tile=True),
 }
-NVFP4_BASELINE = "exact arithmetic (default)"
+NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
-    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(),
-    "lean_arithmetic": pk.NVFP4QuantizeConfig(lean_arithmetic=True),
+    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(lean_arithmetic=False),
+    "lean_arithmetic (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

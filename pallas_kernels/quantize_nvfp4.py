@@ -81,10 +81,12 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         fmin, not NaN), so one mask per block clears the packed codes of such blocks.
         Stochastic rounding comes from the nearest-even rounding (`e2m1_stochastic`) and the
         hash's row word is made once per line. The same operations in the interpreter and on
-        the hardware (no hardware-only shortcut). Off by default until it has run on the H200.
+        the hardware (no hardware-only shortcut). The default since stop 22: bit-identical on
+        the H200 and 1.06-1.08x faster (1.40x with stochastic rounding) in alternation timing;
+        False keeps the first kernel's arithmetic (the reference's operations one for one).
     """
 
-    lean_arithmetic: bool = False
+    lean_arithmetic: bool = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -118,13 +118,13 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_quantize_ab_nvfp4_runs_small(tmp_path):
-    # NVFP4 with stochastic rounding: the lean arithmetic checked bit for bit against the
-    # default (NaN / Inf / tiny blocks too) before it is timed, in the interpreter.
+    # NVFP4 with stochastic rounding: the lean arithmetic (the default) checked bit for bit
+    # against the exact one (NaN / Inf / tiny blocks too) before it is timed, in the interpreter.
     from benchmarks import quantize_ab
 
     text = quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_sr")
     rows = json.loads((tmp_path / "quantize_ab_nvfp4_sr.json").read_text())
-    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic"] == ["identical"]
+    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic (default)"] == ["identical"]
     assert all(r["us"] > 0 for r in rows) and "NVFP4 (Hadamard on col, stochastic" in text
 
 

@@ -354,13 +354,14 @@ def test_mxfp8_scale_byte_without_division_matches_reference():
         assert_same_bits(got.astype(jnp.uint8), want, f"{fp8_dtype} E8M0 byte")
 
 
-# NVFP4's lean arithmetic (a per-block NaN mask, stochastic rounding from the nearest rounding,
-# the hash's row part made once per line); its hardware-only sign test runs on the GPU only.
-NVFP4_LEAN = pk.NVFP4QuantizeConfig(lean_arithmetic=True)
+# NVFP4's first arithmetic (the reference's operations one for one); the default since stop 22
+# is lean_arithmetic (a per-block NaN mask, stochastic rounding from the nearest rounding, the
+# hash's row part made once per line): both must give the reference's bits.
+NVFP4_EXACT = pk.NVFP4QuantizeConfig(lean_arithmetic=False)
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, NVFP4_LEAN])
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT])
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -418,7 +419,7 @@ POSITIONS = (
 def test_nvfp4_stochastic_rounding_positions_interpret():
     x = sample((144, 160), jnp.float32, 8, block=16)
     check_nvfp4(x, True, True, positions=POSITIONS)
-    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_LEAN)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -797,8 +798,8 @@ CROSS_LOWERED = {
         ),
         jnp.bfloat16,
     ),
-    "nvfp4 row+col rht sr lean arithmetic": (
-        lambda x: _nvfp4_rht_sr(x, config=NVFP4_LEAN),
+    "nvfp4 row+col rht sr exact arithmetic": (
+        lambda x: _nvfp4_rht_sr(x, config=NVFP4_EXACT),
         jnp.bfloat16,
     ),
     "mxfp8 row+col reuse_input_tile": (
@@ -1084,9 +1085,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, True, jnp.float32, None, (1, 16)),
         (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
         (True, True, jnp.bfloat16, pk.NVFP4QuantizeConfig(reuse_input_tile=True), (1, 16)),
-        (True, False, jnp.bfloat16, NVFP4_LEAN, (1, 16)),
-        (True, True, jnp.float32, NVFP4_LEAN, (1, 16)),
-        (False, True, jnp.bfloat16, NVFP4_LEAN, (16, 16)),
+        (True, False, jnp.bfloat16, NVFP4_EXACT, (1, 16)),
+        (True, True, jnp.float32, NVFP4_EXACT, (1, 16)),
+        (False, True, jnp.bfloat16, NVFP4_EXACT, (16, 16)),
         (False, False, jnp.bfloat16, None, (16, 16)),
         (False, True, jnp.float32, PIPELINED["nvfp4"], (16, 16)),
     ],
@@ -1106,7 +1107,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, NVFP4_LEAN])
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT])
 def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config):
     # Global amax 2688 (S_enc = 1) and a block maximum of 36 give s_b = 6 and enc = fp32(1/6),
     # so x = -3·2^-149 has x·enc = -2^-150·(1 + 2^-25): fp32(x·enc) = -2^-149, while the
