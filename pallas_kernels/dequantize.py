@@ -105,6 +105,8 @@ def _run(body, out_shape, out_dtype, codes, operands, code_cols, config, interpr
     launch = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        # "dequantize_mxfp8" etc. in profiler traces (the nested function is just "kernel").
+        kernel_name="dequantize" + body.func.__name__.removesuffix("_body"),
         scratch_types=(
             plgpu.SMEM((tm, code_cols), jnp.uint8, transforms=qc.OUT_TRANSFORMS),
             plgpu.SMEM((tm, tk), out_dtype, transforms=qc.tile_transforms(out_dtype)),

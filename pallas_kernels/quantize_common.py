@@ -622,6 +622,9 @@ def run_tiles(
     launch = plgpu.kernel(
         body,
         out_type=tuple(out_types),
+        # Named after the kernel's module (e.g. "quantize_nvfp4"), so profiler traces say which
+        # kernel ran (otherwise every `functools.partial` body is "anonymous").
+        kernel_name=kernel.__module__.rsplit(".", 1)[-1],
         scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
         interpret=interpret_params(interpret),
         compiler_params=kernel_params(config, cols),

@@ -713,6 +713,7 @@ def nvfp4_amax(
             _amax_kernel, config=config, in_dtype=jnp.dtype(x.dtype), hadamard=hadamard_columnwise
         ),
         out_type=jax.ShapeDtypeStruct((*grid["grid"], 2), jnp.uint32),
+        kernel_name="nvfp4_amax",
         scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
         interpret=qc.interpret_params(interpret),
         compiler_params=qc.kernel_params(config, padded_cols),

@@ -222,3 +222,61 @@ ptxas info    : Function properties for anonymous_mosaic_gpu_kernel
 ptxas info    : Used 168 registers, used 2 barriers, 1 bytes smem"""
     assert kernel_resources.summarize(report) == ("168", "200/292")
     assert kernel_resources.summarize("nothing here") == ("?", "?")
+
+
+def test_profile_step_sums_device_kernels_by_kind():
+    from benchmarks import profile_step
+
+    # A GPU process with one CUDA stream line and an "XLA Ops" line repeating the same time
+    # (must not count twice), plus a host process whose events are not kernels.
+    def meta(kind, pid, name, tid=None):
+        event = dict(ph="M", pid=pid, name=kind, args=dict(name=name))
+        return event if tid is None else {**event, "tid": tid}
+
+    def kernel(pid, tid, name, dur, hlo_op=""):
+        return dict(ph="X", pid=pid, tid=tid, ts=0.0, dur=dur, name=name, args=dict(hlo_op=hlo_op))
+
+    events = [
+        meta("process_name", 1, "/device:GPU:0 NVIDIA H200"),
+        meta("thread_name", 1, "Stream #13(Compute)", tid=13),
+        meta("thread_name", 1, "XLA Ops", tid=2),
+        meta("process_name", 7, "/host:CPU"),
+        kernel(1, 13, "grouped_matmul_bf16", 3000.0),
+        kernel(1, 13, "mosaic_gpu_kernel", 500.0, hlo_op="quantize_nvfp4"),
+        kernel(1, 13, "sm90_xmma_gemm_bf16bf16", 1000.0),
+        kernel(1, 13, "loop_multiply_fusion", 250.0),
+        kernel(1, 13, "loop_multiply_fusion", 250.0),
+        kernel(1, 2, "fusion.3", 9999.0),
+        kernel(7, 5, "PjitFunction(train_step)", 9999.0),
+    ]
+    found = profile_step.device_kernel_events({"traceEvents": events})
+    assert len(found) == 5
+    summary = profile_step.summarize_kernels(found, steps=2)
+    assert summary["kernel_ms_per_step"] == 2.5
+    assert summary["by_kind"] == {
+        "Pallas GEMM (grouped / dense)": 1.5,
+        "XLA GEMM (cuBLAS / cuDNN / Triton)": 0.5,
+        "Pallas quantize / amax": 0.25,
+        "XLA fusions and other kernels": 0.25,
+    }
+    fusion = [k for k in summary["top_kernels"] if k["name"] == "loop_multiply_fusion"]
+    assert fusion == [
+        dict(
+            name="loop_multiply_fusion",
+            kind="XLA fusions and other kernels",
+            ms_per_step=0.25,
+            launches_per_step=1.0,
+            labels=dict(hlo_op=""),
+        )
+    ]
+    rows = [
+        dict(recipe="nvfp4", step_ms=74.0, compile_s=120.0, kernels=summary),
+        dict(recipe="bf16", step_ms=1.0, compile_s=1.0, kernels=None),
+    ]
+    text = profile_step.markdown(rows)
+    assert "| nvfp4 | 74.0 | 120 | 2.50 | 1.50 | 0.00 | 0.25 | 0.50 |" in text
+    assert "no device kernels in the trace" in text and "`grouped_matmul_bf16`" in text
+    with pytest.raises(ValueError, match="recipes must be"):
+        profile_step.main(recipes=["fp16"])
+    with pytest.raises(ValueError, match="steps must be"):
+        profile_step.main(recipes=["bf16"], steps=0)
