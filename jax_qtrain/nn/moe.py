@@ -45,10 +45,20 @@ def route_top_k(
     return probs, top_probs, top_experts.astype(jnp.int32)
 
 
+def expert_counts(top_experts: jax.Array, num_experts: int) -> jax.Array:
+    """(E,) int32: how many of the assignments `top_experts` (any shape) chose each expert.
+
+    `jnp.bincount`'s counts, as a compare-and-sum (one fused reduction) instead of its
+    scatter-add, whose atomics on the GPU all land on E addresses."""
+    flat = top_experts.reshape(-1, 1)
+    chosen = flat == jnp.arange(num_experts, dtype=flat.dtype)
+    return jnp.sum(chosen, axis=0, dtype=jnp.int32)
+
+
 def load_balancing_loss(probs: jax.Array, top_experts: jax.Array) -> jax.Array:
     """E · Σ_e f_e · P_e (Switch / GShard), f_e from the top-k assignments, P_e = mean probs."""
     num_experts = probs.shape[-1]
-    counts = jnp.bincount(top_experts.reshape(-1), length=num_experts)
+    counts = expert_counts(top_experts, num_experts)
     fraction = lax.stop_gradient(counts / top_experts.size)
     return num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
 
@@ -60,8 +70,13 @@ def permute_by_expert(
     group_sizes (E,) int32) for the T·k assignments in row-major (token, slot) order."""
     flat = top_experts.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    # `order` is a permutation: each slot written once (no atomics needed).
+    inverse = (
+        jnp.zeros_like(order)
+        .at[order]
+        .set(jnp.arange(order.size, dtype=jnp.int32), unique_indices=True)
+    )
+    group_sizes = expert_counts(flat, num_experts)
     return order, inverse, group_sizes
 
 
@@ -111,6 +126,53 @@ def _dispatch_tokens_bwd(top_k, residuals, row_grads):
 
 
 _dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
+
+
+def permute_rows(rows: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """rows[index] for a permutation `index` of rows' first axis, `inverse` its inverse.
+
+    Same values as `jnp.take(rows, index, axis=0)`, but the transpose is the gather
+    `grads[inverse]` instead of `jnp.take`'s scatter-add: a permutation puts exactly one row
+    gradient in each row, so nothing is summed, and on the GPU XLA's scatter-add of 16-bit
+    rows is an atomic loop (the h200 preset's MoE combine spent 0.9 ms a layer in it; stop 22,
+    docs/benchmarks.md). `permute_by_expert`'s `order` and `inverse` are such a pair.
+    """
+    if rows.ndim < 1 or index.shape != (rows.shape[0],) or inverse.shape != index.shape:
+        raise ValueError(
+            f"index and inverse must both have shape ({rows.shape[0] if rows.ndim else '?'},) "
+            f"(rows' first axis), got {tuple(index.shape)} and {tuple(inverse.shape)} for rows "
+            f"of shape {tuple(rows.shape)}"
+        )
+    for name, indices in (("index", index), ("inverse", inverse)):
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an int array, got {indices.dtype}")
+    return _permute_rows(rows, index, inverse)
+
+
+@jax.custom_vjp
+def _permute_rows(rows, index, inverse):
+    return jnp.take(rows, index, axis=0)
+
+
+def _permute_rows_fwd(rows, index, inverse):
+    # Residuals: (inverse (R,) int,).
+    return jnp.take(rows, index, axis=0), (inverse,)
+
+
+def _permute_rows_bwd(residuals, grads):
+    (inverse,) = residuals
+    return jnp.take(grads, inverse, axis=0), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def combine_slots(expert_out: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int):
+    """(T, H): each token's k expert rows (`expert_out` (T·k, H) in expert order, already scaled
+    by the router probabilities) summed in float32 in slot order, in expert_out's dtype."""
+    per_slot = permute_rows(expert_out, inverse, order)
+    per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
+    return jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
 
 
 def _latest(previous, new):
@@ -213,11 +275,9 @@ class MoE(nnx.Module):
         expert_out = self.experts(
             dispatch_tokens(tokens, order, inverse, self.top_k),
             group_sizes,
-            jnp.take(top_probs.reshape(-1), order, axis=0),
+            permute_rows(top_probs.reshape(-1), order, inverse),
         )
-        per_slot = jnp.take(expert_out, inverse, axis=0)
-        per_slot = per_slot.reshape(-1, self.top_k, expert_out.shape[-1]).astype(jnp.float32)
-        y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
+        y = combine_slots(expert_out, order, inverse, self.top_k)
 
         aux_loss = self.aux_loss_coef * load_balancing_loss(probs, top_experts)
         # The latest call's values (flax's default appends to a tuple: a growing structure).

@@ -16,9 +16,12 @@ from jax.sharding import PartitionSpec
 from jax_qtrain.nn.grouped import default_expert_kernel_init, keep_quantized, refresh_mlp_kernels
 from jax_qtrain.nn.linear import Linear
 from jax_qtrain.nn.moe import (
+    combine_slots,
     default_router_init,
     dispatch_tokens,
+    expert_counts,
     permute_by_expert,
+    permute_rows,
     route_top_k,
 )
 from jax_qtrain.ops.activations import check_activation, is_gated
@@ -313,7 +316,7 @@ class ShardedMoE(nnx.Module):
         }
         if kept:  # the kernels in the dtype the kept copies were made from
             fc1, fc2 = fc1.astype(kept["fc1"].dtype), fc2.astype(kept["fc2"].dtype)
-        row_probs = jnp.take(top_probs.reshape(-1), order, axis=0)
+        row_probs = permute_rows(top_probs.reshape(-1), order, inverse)
         if self.expert_parallel:
             expert_out = expert_parallel_mlp(
                 x,
@@ -346,12 +349,10 @@ class ShardedMoE(nnx.Module):
                 quantized_fc1_shard=kept.get("fc1"),
                 quantized_fc2_shard=kept.get("fc2"),
             )
-        per_slot = jnp.take(expert_out, inverse, axis=0)
-        per_slot = per_slot.reshape(-1, top_k, expert_out.shape[-1]).astype(jnp.float32)
-        y = jnp.sum(per_slot, axis=1).astype(expert_out.dtype)
+        y = combine_slots(expert_out, order, inverse, top_k)
 
         # The whole batch's load-balancing loss (nn.moe.load_balancing_loss on all tokens).
-        counts = lax.psum(jnp.bincount(top_experts.reshape(-1), length=num_experts), axes)
+        counts = lax.psum(expert_counts(top_experts, num_experts), axes)
         fraction = lax.stop_gradient(counts / jnp.sum(counts))
         probs_sum = psum(jnp.sum(probs, axis=0), axes, deterministic=deterministic)
         mean_probs = probs_sum / lax.psum(probs.shape[0], axes)

@@ -8,7 +8,14 @@ import pytest
 from flax import nnx
 
 import jax_qtrain as jq
-from jax_qtrain.nn.moe import dispatch_tokens, load_balancing_loss, permute_by_expert
+from jax_qtrain.nn.moe import (
+    combine_slots,
+    dispatch_tokens,
+    expert_counts,
+    load_balancing_loss,
+    permute_by_expert,
+    permute_rows,
+)
 
 from .gpu_compare import assert_same_result
 from .grouped_common import ON_GPU, RECIPES, assert_bits_equal
@@ -158,6 +165,58 @@ def test_dispatch_rejects_bad_arguments():
     for arguments, message in cases:
         with pytest.raises(ValueError, match=message):
             dispatch_tokens(*arguments)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_permute_rows_transposes_by_a_gather(dtype):
+    """permute_rows is jnp.take(rows, index) forward; its transpose is the gather by the
+    inverse permutation (jnp.take's would be a scatter-add: an atomic loop for 16-bit rows on
+    the GPU), with the same values, -0.0 kept."""
+    rng = np.random.default_rng(1)
+    order, inverse, _ = permute_by_expert(jnp.asarray(rng.integers(0, 4, (10, 3)), jnp.int32), 4)
+    rows = jnp.asarray(rng.normal(size=(30, 8)), dtype)
+    grads = jnp.asarray(rng.normal(size=(30, 8)), dtype).at[3, 2].set(-0.0)
+    permuted, vjp = jax.vjp(lambda r: permute_rows(r, inverse, order), rows)
+    np.testing.assert_array_equal(permuted, jnp.take(rows, inverse, axis=0))
+    (row_grads,) = vjp(grads)
+    _, take_vjp = jax.vjp(lambda r: jnp.take(r, inverse, axis=0), rows)
+    np.testing.assert_array_equal(row_grads, take_vjp(grads)[0])
+    assert row_grads.dtype == dtype
+    # grads[3] is rows[inverse[3]]'s gradient; its -0.0 comes back as -0.0 (a scatter-add
+    # onto zeros would give +0.0).
+    negative_zero = np.asarray(row_grads, np.float32)[int(inverse[3]), 2]
+    assert negative_zero == 0 and np.signbit(negative_zero)
+    assert "scatter" not in str(jax.make_jaxpr(vjp)(grads))
+    # 1-D (the router probabilities) too.
+    probs = jnp.asarray(rng.uniform(size=30), jnp.float32)
+    _, probs_vjp = jax.vjp(lambda p: permute_rows(p, order, inverse), probs)
+    np.testing.assert_array_equal(probs_vjp(probs)[0], jnp.take(probs, inverse, axis=0))
+    with pytest.raises(ValueError, match=r"index and inverse must both have shape \(30,\)"):
+        permute_rows(rows, order[:5], inverse)
+    with pytest.raises(ValueError, match="inverse must be an int array"):
+        permute_rows(rows, order, inverse.astype(jnp.float32))
+
+
+def test_expert_counts_equal_bincount_without_a_scatter():
+    top_experts = jnp.asarray(np.random.default_rng(3).integers(0, 6, (50, 2)), jnp.int32)
+    counts = expert_counts(top_experts, 8)  # experts 6 and 7 never chosen
+    np.testing.assert_array_equal(counts, jnp.bincount(top_experts.reshape(-1), length=8))
+    assert counts.dtype == jnp.int32
+    assert "scatter" not in str(jax.make_jaxpr(lambda t: expert_counts(t, 8))(top_experts))
+    order, inverse, group_sizes = permute_by_expert(top_experts, 8)
+    np.testing.assert_array_equal(group_sizes, counts)
+    np.testing.assert_array_equal(inverse, np.argsort(np.asarray(order)))
+
+
+def test_combine_slots_sums_each_tokens_rows_in_slot_order():
+    rng = np.random.default_rng(2)
+    order, inverse, _ = permute_by_expert(jnp.asarray(rng.integers(0, 4, (10, 2)), jnp.int32), 4)
+    expert_out = jnp.asarray(rng.normal(size=(20, 8)), jnp.bfloat16)
+    y = combine_slots(expert_out, order, inverse, 2)
+    by_slot = np.asarray(expert_out, np.float32)[np.asarray(inverse)].reshape(10, 2, 8)
+    np.testing.assert_array_equal(y, (by_slot[:, 0] + by_slot[:, 1]).astype(jnp.bfloat16))
+    _, vjp = jax.vjp(lambda e: combine_slots(e, order, inverse, 2), expert_out)
+    assert "scatter" not in str(jax.make_jaxpr(vjp)(y))
 
 
 def test_moe_with_a_recipe_trains():
