@@ -64,8 +64,10 @@ _RNE_THRESHOLDS = (
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # 1 / (distance to the next E2M1 value); exact powers of two.
 _E2M1_INVERSE_STEPS = (2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 0.5, 1.0)
-# Rows of the per-copy scalar table passed to the kernel.
+# Rows of the per-copy scalar table passed to the kernel; also the columns of the per-group
+# tables (`group_table`): bits of t and S_dec, then the seed and the hashed position.
 _T, _S_DEC = 0, 1
+_SEED, _POSITION = 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +297,48 @@ def quantize_block_lines(
     return packed.astype(jnp.uint8), block_scale
 
 
+def _line_uniforms(line_row, line_seed, lines, layout, lean):
+    """Stochastic rounding with a seed and a hashed row per line ((lines,) uint32 each: the
+    grouped rowwise copy, each token its group's seed and its row in the group). Returns
+    `uniforms(first_col, _)` for a block whose first hashed column is `first_col`; the same
+    words as `hash_uniforms`, the row part made once per line like the lean path's."""
+    block_shape = (lines, BLOCK)
+    col_steps = qc.iota(block_shape, 1, layout)
+    if lean:
+        row_word = qc.broadcast_rows(
+            (line_row * jnp.uint32(_HASH_ROW_FACTOR)) ^ line_seed, block_shape, layout
+        )
+        col_steps = col_steps * jnp.uint32(_HASH_COL_FACTOR)
+        return lambda first_col, _: mixed_uniforms(
+            row_word ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR))
+        )
+    rows = qc.broadcast_rows(line_row, block_shape, layout)
+    seeds = qc.broadcast_rows(line_seed, block_shape, layout)
+    return lambda first_col, _: hash_uniforms(rows, col_steps + first_col, seeds)
+
+
+def _block_uniforms(line0, lines, layout, lean):
+    """Stochastic rounding with a seed and a first hashed column per 16-column block (the
+    grouped columnwise copy: 16 tokens of one group), rows = the copy's line index. Returns
+    `uniforms(first_col, seed)` (uint32 scalars of the block); the same words as
+    `hash_uniforms`: (row·A ^ seed) made per line and block, col·B = first_col·B + j·B."""
+    block_shape = (lines, BLOCK)
+    if lean:
+        line_index = jnp.max(qc.iota((lines, 1), 0, qc.RPT1), axis=1) + line0.astype(jnp.uint32)
+        row_part = line_index * jnp.uint32(_HASH_ROW_FACTOR)
+        col_steps = qc.iota(block_shape, 1, layout) * jnp.uint32(_HASH_COL_FACTOR)
+
+        def uniforms(first_col, seed):
+            row_word = qc.broadcast_rows(row_part ^ seed, block_shape, layout)
+            return mixed_uniforms(row_word ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)))
+
+        return uniforms
+    rows = qc.iota(block_shape, 0, layout) + line0.astype(jnp.uint32)
+    return lambda first_col, seed: hash_uniforms(
+        rows, qc.iota(block_shape, 1, layout) + first_col, seed
+    )
+
+
 _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
 
 
@@ -313,22 +357,44 @@ def _quantize_copy(
     block_amax_gmem=None,
     position=None,
     lean=False,
+    line_table=None,
+    block_table=None,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
     `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array.
     `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
     1×16 blocks. `position`: uint32 (line, col) of the copy's first element in a larger
-    tensor, added to the positions stochastic rounding hashes (None: 0, 0)."""
+    tensor, added to the positions stochastic rounding hashes (None: 0, 0).
+
+    Grouped tensors (`group_table`): `line_table` (lines of the copy, 4) uint32 gives each
+    line its own t, S_dec, seed and hashed row (the rowwise copy: a line is one token);
+    `block_table` (16-column blocks of the copy, 4) the same per block, the position being the
+    hashed column of the block's first element (the columnwise copy: a block is 16 tokens of
+    one group, the same for every line). They replace `scalars`, `seed` (then only a flag
+    that stochastic rounding is on) and `position`."""
     t, s_dec = scalars
     line_amaxes = None
     if block_amax_gmem is not None:
         window = block_amax_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)]
         # Thread t gets its line's n_blocks amaxes: a plain global load of a few words each.
         line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
+    group_uniforms = None  # grouped tensors' stochastic rounding: (first_col, seed) → uniforms
+    if line_table is not None:
+        # Thread t gets its line's four words, like the 16×16 block amaxes above.
+        entries = plgpu.load(line_table.at[pl.ds(line0, lines), :], layout=qc.RPT1, optimized=False)
+
+        def entry(k):  # (lines,), in the row layout of every per-line value of the copy
+            return jnp.max(entries[:, k : k + 1], axis=1)
+
+        t, s_dec = qc.f32_from_bits(entry(_T)), qc.f32_from_bits(entry(_S_DEC))
+        if seed is not None:
+            group_uniforms = _line_uniforms(entry(_POSITION), entry(_SEED), lines, layout, lean)
+    elif block_table is not None and seed is not None:
+        group_uniforms = _block_uniforms(line0, lines, layout, lean)
     scales, packed_group = [], []
     block_shape = (lines, BLOCK)
-    if seed is not None and lean:
+    if seed is not None and lean and group_uniforms is None:
         # The hash's first word (row·A) ^ (col·B) ^ seed with its row part (row·A) ^ seed made
         # once per line, and col·B = col_0·B + j·B (uint32 ring): a scalar per block plus the
         # constants j·B, so each element pays one add and one xor instead of two iotas, two
@@ -346,19 +412,31 @@ def _quantize_copy(
             if hadamard:
                 v = hadamard16_lines(v)
             uniforms = None
-            if seed is not None:
+            if block_table is not None:
+                # One group per 16 tokens: this block's t, S_dec, seed and first hashed column
+                # are the same for every line (uniform scalar loads).
+                block = col0 // BLOCK + b
+                t = qc.f32_from_bits(block_table[block, _T])
+                s_dec = qc.f32_from_bits(block_table[block, _S_DEC])
+            if group_uniforms is not None:
+                if block_table is not None:
+                    first_col, block_seed = block_table[block, _POSITION], block_table[block, _SEED]
+                else:
+                    first_col, block_seed = (col0 + b * BLOCK).astype(jnp.uint32), None
+                uniforms = group_uniforms(first_col, block_seed)
+            elif seed is not None:
                 first_col = (col0 + b * BLOCK).astype(jnp.uint32)
                 if position is not None:  # uint32 adds wrap, as the reference's positions do
                     first_col = first_col + position[1]
-            if seed is not None and lean:
-                col_word = col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)
-                uniforms = mixed_uniforms(row_word ^ col_word)
-            elif seed is not None:
-                rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
-                if position is not None:
-                    rows = rows + position[0]
-                cols = qc.iota(v.shape, 1, layout) + first_col
-                uniforms = hash_uniforms(rows, cols, seed)
+                if lean:
+                    col_word = col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)
+                    uniforms = mixed_uniforms(row_word ^ col_word)
+                else:
+                    rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
+                    if position is not None:
+                        rows = rows + position[0]
+                    cols = qc.iota(v.shape, 1, layout) + first_col
+                    uniforms = hash_uniforms(rows, cols, seed)
             block_amax_bits = None
             if line_amaxes is not None:
                 block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
@@ -389,6 +467,7 @@ def _kernel(
     columnwise,
     two_d,
     positioned,
+    grouped=(False, False),
     **options,
 ):
     data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
@@ -398,6 +477,11 @@ def _kernel(
     # 16×16 blocks: two more inputs, the per-line block amaxes of each copy.
     block_amax_gmems = refs[:2] if two_d else (None, None)
     refs = refs[2:] if two_d else refs
+    # Grouped tensors: one more input per grouped copy, its `group_table`.
+    group_gmems = []
+    for is_grouped in grouped:
+        group_gmems.append(refs[0] if is_grouped else None)
+        refs = refs[1:] if is_grouped else refs
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
@@ -407,6 +491,7 @@ def _kernel(
         positions_gmem=positions_gmem,
         scale_gmems=scale_gmems,
         block_amax_gmems=block_amax_gmems,
+        group_gmems=group_gmems,
         copies=[o.columnwise for o in data_outputs],
         config=config,
         **options,
@@ -427,6 +512,7 @@ def _tile(
     positions_gmem,
     scale_gmems,
     block_amax_gmems,
+    group_gmems,
     copies,
     config,
     in_dtype,
@@ -461,6 +547,7 @@ def _tile(
                 hadamard=False,
                 block_amax_gmem=block_amax_gmems[0],
                 position=position,
+                line_table=group_gmems[0],
                 **arithmetic,
             )
         else:
@@ -482,6 +569,7 @@ def _tile(
                 hadamard=hadamard,
                 block_amax_gmem=block_amax_gmems[1],
                 position=position,
+                block_table=group_gmems[1],
                 **arithmetic,
             )
 
@@ -516,6 +604,84 @@ def _check_position(value, name: str) -> jax.Array:
     return jnp.stack(parts)
 
 
+def group_table(global_amax: jax.Array, seed: jax.Array, position: jax.Array) -> jax.Array:
+    """(n, 4) uint32 rows [bits(t), bits(S_dec), seed, position] of a grouped copy's lines or
+    blocks, from their global amaxes (n,) float32 (each its group's), seeds and hashed
+    positions (n,) uint32: t and S_dec are `copy_scalars`' expressions, elementwise."""
+    s_enc = global_encode_scale(global_amax)
+    t = s_enc * ONE_SIXTH
+    s_dec = divide(jnp.float32(1.0), s_enc)
+    as_bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint32)
+    return jnp.stack([as_bits(t), as_bits(s_dec), seed, position], axis=1)
+
+
+def _check_vector(value, name: str, length: int, kind: str, what: str) -> jax.Array:
+    """A (length,) float (→ float32) or uint32 array, else an error naming it."""
+    shaped = hasattr(value, "shape") and hasattr(value, "dtype")
+    ok = shaped and tuple(value.shape) == (length,)
+    if ok and kind == "float":
+        ok = jnp.issubdtype(value.dtype, jnp.floating)
+    elif ok:
+        ok = jnp.dtype(value.dtype) == jnp.uint32
+    if not ok:
+        got = f"{value.dtype}{tuple(value.shape)}" if shaped else type(value).__name__
+        expected = "float32" if kind == "float" else "uint32"
+        raise TypeError(f"{name} must be a ({length},) {expected} array ({what}), got {got}")
+    return value.astype(jnp.float32) if kind == "float" else value
+
+
+def _grouped_copy_table(
+    usage: str,
+    per: str,
+    length: int,
+    padded_length: int,
+    position_step: int,
+    *,
+    wanted: bool,
+    two_d: bool,
+    stochastic: bool,
+    amax,
+    seed,
+    position,
+    scalar_forms: dict,
+):
+    """The `group_table` of one copy of a grouped tensor (padded to `padded_length` rows of
+    zeros), or None when its per-`per` arguments are not given; clear errors otherwise. The
+    default positions are i·`position_step` (those of the ungrouped copy)."""
+    names = {k: f"{usage}_{per}_{k}" for k in ("amax", "seed", "position")}
+    what = "one per line of the rowwise copy" if per == "line" else "one per 16 rows of x"
+    if amax is None:
+        for key in ("seed", "position"):
+            if (seed, position)[key == "position"] is not None:
+                raise ValueError(f"{names[key]} needs {names['amax']} (per-group global amaxes)")
+        return None
+    if not wanted:
+        raise ValueError(f"{names['amax']} is given but {usage}=False")
+    if two_d:
+        raise ValueError(f"{names['amax']} applies to 1×16 blocks only, not 16×16")
+    for scalar_name, value in scalar_forms.items():
+        if value is not None:
+            raise ValueError(
+                f"{scalar_name} and {names['amax']} are mutually exclusive: with per-{per} "
+                f"global amaxes, pass the per-{per} forms ({names['seed']}, {names['position']})"
+            )
+    amax = _check_vector(amax, names["amax"], length, "float", what)
+    if stochastic:
+        if seed is None:
+            raise ValueError(f"{names['seed']} is required with stochastic_rounding=True")
+        seed = _check_vector(seed, names["seed"], length, "uint32", what)
+        if position is None:
+            position = jnp.arange(length, dtype=jnp.uint32) * jnp.uint32(position_step)
+        position = _check_vector(position, names["position"], length, "uint32", what)
+    else:
+        if seed is not None or position is not None:
+            raise ValueError(f"{names['seed']} / {names['position']} apply to stochastic_rounding")
+        seed = position = jnp.zeros((length,), jnp.uint32)
+    pad = padded_length - length
+    amax, seed, position = (jnp.pad(a, (0, pad)) for a in (amax, seed, position))
+    return group_table(amax, seed, position)
+
+
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, BLOCK))
 
 
@@ -543,6 +709,12 @@ def quantize_nvfp4(
     columnwise_seed: jax.Array | None = None,
     rowwise_position: tuple[jax.Array, jax.Array] | None = None,
     columnwise_position: tuple[jax.Array, jax.Array] | None = None,
+    rowwise_line_amax: jax.Array | None = None,
+    rowwise_line_seed: jax.Array | None = None,
+    rowwise_line_position: jax.Array | None = None,
+    columnwise_block_amax: jax.Array | None = None,
+    columnwise_block_seed: jax.Array | None = None,
+    columnwise_block_position: jax.Array | None = None,
     config: NVFP4QuantizeConfig | None = None,
     interpret: bool = False,
 ) -> NVFP4Quantized:
@@ -557,6 +729,20 @@ def quantize_nvfp4(
     rounded up to 16: 1×16 blocks give rowwise data (M, K16/2) uint8 and scales (M, K16/16)
     float8_e4m3fn, columnwise (K, M16/2) and (K, M16/16); 16×16 blocks give (M16, K16/2) and
     (M16/16, K16/16), columnwise (K16, M16/2) and (K16/16, M16/16).
+
+    Grouped tensors (MoE experts in the aligned layout: the rows of x in groups that start on
+    multiples of 16, each group quantized as a tensor of its own; 1×16 blocks only):
+    `rowwise_line_amax` (M,) float32 gives each row of x (each line of the rowwise copy) its
+    own global amax, and with stochastic rounding `rowwise_line_seed` (M,) uint32 its seed and
+    `rowwise_line_position` (M,) uint32 the row its elements hash (default: the row index; the
+    column hashed is the column). `columnwise_block_amax` (M16/16,) float32 gives each 16 rows
+    of x (a block column of the columnwise copy, which must lie in one group) its global amax
+    (after the Hadamard rotation), `columnwise_block_seed` (M16/16,) uint32 its seed and
+    `columnwise_block_position` (M16/16,) uint32 the column hashed for its first element
+    (default 16·b; the row hashed is the line, x's column). t and S_dec are computed here, per
+    line or block, with the scalar path's expressions (`group_table`). Each excludes the scalar
+    form of the same copy (`rowwise_amax`, `rowwise_seed`, `rowwise_position`; likewise
+    columnwise).
     """
     qc.check_input(x)
     qc.check_copies(rowwise, columnwise)
@@ -578,11 +764,52 @@ def quantize_nvfp4(
     config = qc.resolve_config(config, NVFP4QuantizeConfig)
     scalars = [jnp.ones((2,), jnp.float32), jnp.ones((2,), jnp.float32)]
     seeds = [jnp.uint32(0), jnp.uint32(0)]
-    if rowwise:
+    rows, cols = x.shape
+    padded_rows, padded_cols = config.padded_shape(rows, cols)
+    row_blocks = qc.round_up(rows, BLOCK) // BLOCK
+    flags = dict(two_d=two_d, stochastic=stochastic_rounding)
+    group_tables = [
+        _grouped_copy_table(
+            "rowwise",
+            "line",
+            rows,
+            padded_rows,
+            1,
+            wanted=rowwise,
+            amax=rowwise_line_amax,
+            seed=rowwise_line_seed,
+            position=rowwise_line_position,
+            scalar_forms=dict(
+                rowwise_amax=rowwise_amax,
+                rowwise_seed=rowwise_seed,
+                rowwise_position=rowwise_position,
+            ),
+            **flags,
+        ),
+        _grouped_copy_table(
+            "columnwise",
+            "block",
+            row_blocks,
+            padded_rows // BLOCK,
+            BLOCK,
+            wanted=columnwise,
+            amax=columnwise_block_amax,
+            seed=columnwise_block_seed,
+            position=columnwise_block_position,
+            scalar_forms=dict(
+                columnwise_amax=columnwise_amax,
+                columnwise_seed=columnwise_seed,
+                columnwise_position=columnwise_position,
+            ),
+            **flags,
+        ),
+    ]
+    grouped = tuple(table is not None for table in group_tables)
+    if rowwise and not grouped[0]:
         scalars[0] = copy_scalars(_check_amax(rowwise_amax, "rowwise_amax"))
         if stochastic_rounding:
             seeds[0] = _check_seed(rowwise_seed, "rowwise_seed")
-    if columnwise:
+    if columnwise and not grouped[1]:
         scalars[1] = copy_scalars(_check_amax(columnwise_amax, "columnwise_amax"))
         if stochastic_rounding:
             seeds[1] = _check_seed(columnwise_seed, "columnwise_seed")
@@ -600,8 +827,6 @@ def quantize_nvfp4(
                 ]
             )
         )
-    rows, cols = x.shape
-    padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
     qc.check_smem(
         config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
@@ -625,6 +850,7 @@ def quantize_nvfp4(
         jnp.stack(seeds),
         *extra_inputs,
         *block_amaxes,
+        *(table for table in group_tables if table is not None),
         out_types=out_types,
         config=config,
         outputs=qc.data_outputs(rowwise, columnwise, elements_per_byte=2),
@@ -633,6 +859,7 @@ def quantize_nvfp4(
         columnwise=columnwise,
         two_d=two_d,
         positioned=positioned,
+        **({"grouped": grouped} if any(grouped) else {}),
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
     )

@@ -426,6 +426,198 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     assert not np.array_equal(bits(moved[0]), bits(unmoved[0]))
 
 
+# --- grouped tensors: per-line / per-block global amaxes, seeds and positions -------------------
+# MoE experts in the aligned layout (ops/grouped_quantize.py): the rows of x are token slots in
+# groups that start on multiples of 16 (zero padding slots in between, and a tail past the last
+# group), each group quantized as a tensor of its own. The kernel takes each rowwise line's and
+# each 16-token block column's global amax, seed and hashed position.
+# Groups [0, 32), [32, 32) (empty), [32, 80), [80, 96): each group's last 5 slots are padding.
+GROUP_STARTS = (0, 32, 32, 80)
+
+
+def grouped_arguments(x, rht, sr, starts=GROUP_STARTS, seed=0):
+    """The grouped kernel arguments of an aligned x (P, K): per-group amaxes taken from x (the
+    columnwise one after the rotation, as the reference's columnwise source), per-group seeds,
+    positions relative to each group's first slot."""
+    spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16), hadamard_columnwise=rht)
+    rows = x.shape[0]
+    starts = np.asarray(starts)
+    slot_group = np.searchsorted(starts, np.arange(rows), side="right") - 1
+    row_bits = np.asarray(common.abs_bits(x.astype(jnp.float32))).max(axis=1)
+    col_bits = np.asarray(common.abs_bits(columnwise_source(x, spec))).max(axis=0)
+    row_amax = np.zeros(len(starts), np.uint32)
+    col_amax = np.zeros(len(starts), np.uint32)
+    np.maximum.at(row_amax, slot_group, row_bits)
+    np.maximum.at(col_amax, slot_group, col_bits)
+    group_seeds = np.random.default_rng(seed).integers(0, 2**32, len(starts), dtype=np.uint32)
+    position = (np.arange(rows) - starts[slot_group]).astype(np.uint32)
+    blocks = slice(None, None, 16)
+    args = dict(
+        rowwise_line_amax=jnp.asarray(row_amax.view(np.float32)[slot_group]),
+        columnwise_block_amax=jnp.asarray(col_amax.view(np.float32)[slot_group][blocks]),
+    )
+    if sr:
+        args |= dict(
+            rowwise_line_seed=jnp.asarray(group_seeds[slot_group]),
+            rowwise_line_position=jnp.asarray(position),
+            columnwise_block_seed=jnp.asarray(group_seeds[slot_group][blocks]),
+            columnwise_block_position=jnp.asarray(position[blocks]),
+        )
+    return args
+
+
+def ref_nvfp4_grouped(x, *, rht, sr, args):
+    """The jnp reference fed the same per-line / per-block values (what
+    ops/grouped_quantize.py::_quantize_nvfp4_group_copy does with per-group ones)."""
+    spec = QuantizerSpec(
+        "nvfp4", jnp.float4_e2m1fn, (1, 16), hadamard_columnwise=rht, stochastic_rounding=sr
+    )
+
+    def f(v, args):
+        rows = jnp.arange(v.shape[0], dtype=jnp.uint32)
+        zero = jnp.uint32(0)
+        seed = origin = None
+        if sr:  # the reference subtracts an origin from the hashed (row, col)
+            seed = args["rowwise_line_seed"][:, None]
+            origin = ((rows - args["rowwise_line_position"])[:, None], zero)
+        rd, rs = nvfp4.quantize(
+            v, spec, global_amax=args["rowwise_line_amax"][:, None], seed=seed, origin=origin
+        )
+        col = columnwise_source(v, spec)
+        if sr:
+            cols = jnp.arange(col.shape[1], dtype=jnp.uint32)
+            first = jnp.repeat(args["columnwise_block_position"], 16) + cols % 16
+            seed = jnp.repeat(args["columnwise_block_seed"], 16)[None, :]
+            origin = (zero, (cols - first)[None, :])
+        cd, cs = nvfp4.quantize(
+            col, spec, global_amax=args["columnwise_block_amax"][None, :], seed=seed, origin=origin
+        )
+        return rd, rs, cd, cs
+
+    return jax.jit(f)(x, args)
+
+
+def run_nvfp4_grouped(x, *, rht, sr, args, rowwise=True, columnwise=True, **kw):
+    return jax.jit(
+        lambda v, args: pk.quantize_nvfp4(
+            v,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            hadamard_columnwise=rht,
+            stochastic_rounding=sr,
+            interpret=INTERPRET,
+            **args,
+            **kw,
+        )
+    )(x, args)
+
+
+def check_nvfp4_grouped(x, rht, sr, config=None, args=None):
+    args = grouped_arguments(x, rht, sr) if args is None else args
+    want = ref_nvfp4_grouped(x, rht=rht, sr=sr, args=args)
+    got = run_nvfp4_grouped(x, rht=rht, sr=sr, args=args, config=config)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 grouped {name} (rht={rht}, sr={sr}, {config})")
+
+
+@functools.cache
+def _adversarial_without_specials(rows, cols, seed):
+    return adversarial_matrix(rows, cols, seed, block=16, specials=False)
+
+
+def grouped_sample(rows, cols, dtype, seed, starts=GROUP_STARTS):
+    """Adversarial blocks (zero / tiny / huge / ties / maxima at format limits) in the groups'
+    slots, each group at its own power-of-two scale (so their global amaxes differ) and NaN /
+    Inf in the last, zeros in the padding slots (the aligned layout's)."""
+    x = _adversarial_without_specials(rows, cols, seed)
+    sizes = np.diff(np.append(starts, rows))
+    out = np.zeros_like(x)
+    for g, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        live = slice(start, start + max(size - 5, 0))
+        out[live] = x[live] * np.float32(2.0 ** (8 * g))
+    out[starts[-1], 3], out[starts[-1] + 2, 20] = np.nan, -np.inf
+    return jnp.asarray(out).astype(dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "rht, sr, dtype, config",
+    [
+        (False, False, jnp.bfloat16, None),
+        (True, True, jnp.bfloat16, None),
+        (True, False, jnp.float32, NVFP4_EXACT),
+        (True, True, jnp.float32, NVFP4_EXACT),
+    ],
+)
+def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
+    check_nvfp4_grouped(grouped_sample(96, 48, dtype, 12), rht, sr, config)
+
+
+@cpu_only
+def test_nvfp4_grouped_any_per_line_values_interpret():
+    # Not only group-shaped values: every line and block its own amax, seed and position
+    # (positions near 2^32 wrap), one copy at a time.
+    x = sample((96, 48), jnp.bfloat16, 13, block=16)
+    rng = np.random.default_rng(1)
+    amax = np.asarray(common.amax(x.astype(jnp.float32)))
+    args = dict(
+        rowwise_line_amax=jnp.asarray(amax * rng.uniform(0.5, 4, 96).astype(np.float32)),
+        rowwise_line_seed=jnp.asarray(rng.integers(0, 2**32, 96, dtype=np.uint32)),
+        rowwise_line_position=jnp.asarray(rng.integers(2**32 - 64, 2**32, 96, dtype=np.uint32)),
+        columnwise_block_amax=jnp.asarray(amax * rng.uniform(0.5, 4, 6).astype(np.float32)),
+        columnwise_block_seed=jnp.asarray(rng.integers(0, 2**32, 6, dtype=np.uint32)),
+        columnwise_block_position=jnp.asarray(rng.integers(2**32 - 8, 2**32, 6, dtype=np.uint32)),
+    )
+    want = ref_nvfp4_grouped(x, rht=True, sr=True, args=args)
+    for copy in ("rowwise", "columnwise"):
+        copy_args = {k: v for k, v in args.items() if k.startswith(copy)}
+        got = run_nvfp4_grouped(
+            x,
+            rht=True,
+            sr=True,
+            args=copy_args,
+            rowwise=copy == "rowwise",
+            columnwise=copy == "columnwise",
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if name.startswith(copy):
+                assert_same_bits(g, w, f"nvfp4 grouped {name}, one copy")
+            else:
+                assert g is None
+
+
+def test_nvfp4_grouped_arguments_are_checked():
+    x = jnp.ones((96, 48), jnp.bfloat16)
+    amax, seed = jnp.ones((96,), jnp.float32), jnp.zeros((96,), jnp.uint32)
+    block_amax = jnp.ones((6,), jnp.float32)
+    quantize = functools.partial(pk.quantize_nvfp4, x, interpret=INTERPRET)
+    with pytest.raises(TypeError, match=r"rowwise_line_amax must be a \(96,\) float32 array"):
+        quantize(rowwise_line_amax=amax[:95])
+    with pytest.raises(TypeError, match=r"columnwise_block_amax must be a \(6,\) float32"):
+        quantize(rowwise=False, columnwise=True, columnwise_block_amax=amax)
+    with pytest.raises(TypeError, match=r"rowwise_line_seed must be a \(96,\) uint32 array"):
+        quantize(stochastic_rounding=True, rowwise_line_amax=amax, rowwise_line_seed=amax)
+    with pytest.raises(ValueError, match="rowwise_line_seed is required"):
+        quantize(stochastic_rounding=True, rowwise_line_amax=amax)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        quantize(rowwise_line_amax=amax, rowwise_amax=jnp.float32(1))
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        quantize(
+            stochastic_rounding=True,
+            rowwise_line_amax=amax,
+            rowwise_line_seed=seed,
+            rowwise_seed=jnp.uint32(1),
+        )
+    with pytest.raises(ValueError, match="apply to stochastic_rounding"):
+        quantize(rowwise_line_amax=amax, rowwise_line_seed=seed)
+    with pytest.raises(ValueError, match="needs rowwise_line_amax"):
+        quantize(rowwise_amax=jnp.float32(1), rowwise_line_position=seed)
+    with pytest.raises(ValueError, match="columnwise=False"):
+        quantize(rowwise_amax=jnp.float32(1), columnwise_block_amax=block_amax)
+    with pytest.raises(ValueError, match="1×16 blocks only"):
+        quantize(block_shape=(16, 16), rowwise_line_amax=amax)
+
+
 @cpu_only
 @pytest.mark.parametrize(
     "block, fp8_dtype, pow2, shape, dtype, config",
@@ -772,6 +964,32 @@ def _nvfp4_rht_sr(x, **options):
     )
 
 
+def _nvfp4_grouped(x, *, sr=True, **options):
+    """Both NVFP4 copies of a grouped tensor (per-line / per-block amaxes, seeds, positions),
+    Hadamard on the columnwise copy."""
+    rows = x.shape[0]
+    lines, blocks = jnp.arange(rows, dtype=jnp.uint32), jnp.arange(rows // 16, dtype=jnp.uint32)
+    per_group = dict(
+        rowwise_line_amax=jnp.full((rows,), 3.0, jnp.float32),
+        columnwise_block_amax=jnp.full((rows // 16,), 5.0, jnp.float32),
+    )
+    if sr:
+        per_group |= dict(
+            rowwise_line_seed=lines * jnp.uint32(7),
+            rowwise_line_position=lines % jnp.uint32(48),
+            columnwise_block_seed=blocks,
+            columnwise_block_position=blocks * jnp.uint32(16) % jnp.uint32(48),
+        )
+    return pk.quantize_nvfp4(
+        x,
+        columnwise=True,
+        hadamard_columnwise=True,
+        stochastic_rounding=sr,
+        **per_group,
+        **options,
+    )
+
+
 CROSS_LOWERED = {
     "mxfp8 e4m3 row+col": (lambda x: pk.quantize_mxfp8(x, columnwise=True), jnp.bfloat16),
     "mxfp8 e5m2 col": (
@@ -826,6 +1044,21 @@ CROSS_LOWERED = {
             columnwise_position=(jnp.uint32(0), jnp.uint32(4096)),
         ),
         jnp.float32,
+    ),
+    "nvfp4 grouped rht+sr row+col": (_nvfp4_grouped, jnp.float32),
+    "nvfp4 grouped rht+sr row+col exact arithmetic": (
+        functools.partial(_nvfp4_grouped, config=NVFP4_EXACT),
+        jnp.bfloat16,
+    ),
+    "nvfp4 grouped rht row+col, 256x256 tiles": (
+        functools.partial(_nvfp4_grouped, sr=False, config=pk.NVFP4QuantizeConfig(**_TILE_256)),
+        jnp.bfloat16,
+    ),
+    "nvfp4 grouped rht+sr row+col pipelined": (
+        functools.partial(
+            _nvfp4_grouped, config=pk.NVFP4QuantizeConfig(steps_per_cta=3, max_concurrent_steps=3)
+        ),
+        jnp.bfloat16,
     ),
     "nvfp4 rht col": (
         lambda x: pk.quantize_nvfp4(
@@ -1104,6 +1337,31 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht))(x)
         for g, w in zip(kernel_amaxes, amaxes, strict=True):
             assert_same_bits(g, w, "nvfp4 global amax")
+
+
+@gpu_cases
+@pytest.mark.parametrize(
+    "rht, sr, dtype, config",
+    [
+        (True, True, jnp.bfloat16, None),
+        (True, False, jnp.bfloat16, None),
+        (False, False, jnp.float32, None),
+        (True, True, jnp.float32, NVFP4_EXACT),
+        (True, True, jnp.bfloat16, PIPELINED["nvfp4"]),
+    ],
+)
+def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
+    # Awaiting its first H200 run (jax_qtrain/kernels.py, _AWAITING_GPU_VERIFICATION): 8 uneven
+    # groups (one empty) of an aligned 16384-slot buffer, 520 features (padded to 640).
+    sizes = [3000, 1, 0, 2500, 4100, 17, 2900, 3700]
+    starts = tuple(int(s) for s in np.cumsum([0, *[-(-n // 16) * 16 for n in sizes[:-1]]]))
+    x = grouped_sample(16384, 520, dtype, 21, starts=starts)
+    args = grouped_arguments(x, rht, sr, starts=starts)
+    want = ref_nvfp4_grouped(x, rht=rht, sr=sr, args=args)
+    poison_device_memory(2 * x.size)
+    got = run_nvfp4_grouped(x, rht=rht, sr=sr, args=args, config=config)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 grouped {name} ({config})")
 
 
 @gpu_cases
