@@ -5,7 +5,8 @@ the current platform ("auto" backend) and calls `quantize` here to run it. A for
 kernel registered in `_QUANTIZE_KERNELS` falls back to the jnp reference under "auto" and raises
 under "pallas". A kernel path listed in `_AWAITING_GPU_VERIFICATION` runs under "pallas" only
 ("auto" keeps the reference until its `gpu` tests pass on the H200). The grouped per-tensor FP8
-quantizer (ops/grouped_quantize.py) calls `fp8_cast_transpose` itself.
+quantizer (ops/grouped_quantize.py) calls `fp8_cast_transpose` itself, the grouped NVFP4 one
+`grouped_nvfp4_quantize` (when `grouped_nvfp4_kernel_applies`).
 
 GEMMs: the ops (ops/gemm.py, ops/grouped_gemm.py) call the `*_gemm` adapters below when
 `gemm_kernels_enabled()`; each returns None where no kernel covers the operands, and the op then
@@ -38,14 +39,22 @@ def on_gpu() -> bool:
 
 # Kernel paths that pass the interpreter and the H200 cross-lowering but have not run on a GPU
 # yet: backend="auto" leaves them to the reference (backend="pallas" runs them) until their
-# `gpu` tests have passed on the H200. (format, block_shape). Empty since 2026-11-30, when NVFP4's
-# 16×16 weight blocks passed theirs (bit for bit on adversarial bf16 and f32 inputs, stochastic
-# rounding and pipelined tiles included).
-_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
+# `gpu` tests have passed on the H200. (format, block_shape) of `jq.quantize`'s kernels (none
+# since 2026-11-30, when NVFP4's 16×16 weight blocks passed theirs, bit for bit on adversarial
+# bf16 and f32 inputs, stochastic rounding and pipelined tiles included), or
+# (format + "_grouped", block_shape) of the grouped quantizer's per-group kernel paths
+# (ops/grouped_quantize.py). NVFP4's grouped path (per-group global amaxes, seeds and positions
+# as per-line / per-block inputs of the quantize kernel) was added without a GPU: its `gpu`
+# tests are tests/jax_qtrain/test_grouped_quantize.py::test_gpu_nvfp4_groups_on_the_kernel_*
+# and tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_grouped_bit_exact.
+_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = {("nvfp4_grouped", (1, 16))}
 
 
-def awaiting_gpu_verification(spec: QuantizerSpec) -> bool:
-    return (spec.format, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
+def awaiting_gpu_verification(spec: QuantizerSpec, *, grouped: bool = False) -> bool:
+    """Whether the kernel path for `spec` (`grouped`: the grouped quantizer's) still waits for
+    its `gpu` tests on the H200 (see `_AWAITING_GPU_VERIFICATION`)."""
+    fmt = f"{spec.format}_grouped" if grouped else spec.format
+    return (fmt, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
 
 
 def kernel_takes_position_offset(spec: QuantizerSpec) -> bool:
@@ -186,6 +195,41 @@ def _nvfp4_run(
         columnwise_position=positions.get("columnwise"),
     )
     return _copy_fields(out, amaxes, "scale", global_amax=True)
+
+
+def _grouped_nvfp4_covers(spec: QuantizerSpec, dtype) -> bool:
+    return spec.format == "nvfp4" and _kernel_input(dtype) and spec.block_shape == (1, 16)
+
+
+def grouped_nvfp4_kernel_applies(spec: QuantizerSpec, dtype) -> bool:
+    """backend="auto": whether the grouped quantizer runs NVFP4's per-group copies on the
+    quantize kernel (GPU, bf16 / f32 input, 1×16 blocks, path verified on the H200)."""
+    return (
+        _grouped_nvfp4_covers(spec, dtype)
+        and on_gpu()
+        and not awaiting_gpu_verification(spec, grouped=True)
+    )
+
+
+def grouped_nvfp4_quantize(aligned: jax.Array, spec: QuantizerSpec, usages, **per_group) -> dict:
+    """{usage: (packed codes, block scales)} of NVFP4 copies of a grouped tensor in the aligned
+    layout (P, K), from one kernel pass; `per_group` are `quantize_nvfp4`'s rowwise_line_* and
+    columnwise_block_* arguments (per-token global amaxes, seeds and hashed positions)."""
+    if not _grouped_nvfp4_covers(spec, aligned.dtype):
+        raise ValueError(
+            f"backend='pallas': the grouped NVFP4 kernel path does not cover {spec.describe()} "
+            f"of {jnp.dtype(aligned.dtype)} (bf16 / f32 input, 1×16 blocks); use "
+            "backend='reference' or 'auto'"
+        )
+    out = _pallas().quantize_nvfp4(
+        aligned,
+        rowwise="rowwise" in usages,
+        columnwise="columnwise" in usages,
+        hadamard_columnwise=spec.hadamard_columnwise,
+        stochastic_rounding=spec.stochastic_rounding,
+        **per_group,
+    )
+    return {u: (getattr(out, f"{u}_data"), getattr(out, f"{u}_scale")) for u in usages}
 
 
 def _fp8_block_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:

@@ -373,6 +373,38 @@ def _quantize_nvfp4_group_copy(
     }
 
 
+def _quantize_nvfp4_groups_on_kernel(
+    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str], key
+) -> dict:
+    """NVFP4 copies of every group from one pass of the quantize kernel, the same bits as
+    `_quantize_nvfp4_group_copy`: the rowwise copy gets per-line (per-slot) global amaxes,
+    seeds and hashed rows (slot − the group's first slot), the columnwise copy the same per 16
+    tokens (one group each: groups start on multiples of the alignment), the hashed column of
+    a block's first token being its slot − the group's first slot. The per-group amaxes are
+    still jnp reductions (the columnwise one of the rotated xᵀ)."""
+    slots = jnp.arange(layout.padded_rows, dtype=jnp.uint32)
+    slot_position = slots - layout.per_slot(layout.aligned_starts).astype(jnp.uint32)
+    per_group, fields = {}, {}
+    for usage in usages:
+        if usage == "rowwise":
+            group_amax = layout.group_amax(aligned, token_axis=0)
+            prefix, every = "rowwise_line", slice(None)
+        else:
+            group_amax = layout.group_amax(columnwise_source(aligned, spec), token_axis=1)
+            prefix, every = "columnwise_block", slice(None, None, nvfp4.BLOCK_SIZE)
+        fields[f"{usage}_amax"] = group_amax
+        per_group[f"{prefix}_amax"] = layout.per_slot(group_amax)[every]
+        if spec.stochastic_rounding:
+            seeds = layout.per_slot(_group_seeds(key, layout.num_groups, usage))
+            per_group[f"{prefix}_seed"] = seeds[every]
+            per_group[f"{prefix}_position"] = slot_position[every]
+    copies = kernels.grouped_nvfp4_quantize(aligned, spec, usages, **per_group)
+    for usage, (data, block_scale) in copies.items():
+        fields[f"{usage}_data"] = data
+        fields[f"{usage}_scale_inv"] = common.materialize(block_scale)
+    return fields
+
+
 def grouped_quantize(
     x: jax.Array,
     recipe: Recipe | QuantizerSpec,
@@ -389,8 +421,10 @@ def grouped_quantize(
 
     `key` (NVFP4 gradients) gives group g the key `fold_in(key, g)`. `backend` picks the Pallas
     kernels or the jnp reference for the block formats (MXFP8, FP8 block: `jax_qtrain.quantize`
-    of the aligned buffer) and for FP8's cast and transpose after the per-group scaling; NVFP4's
-    per-group global scales always use the jnp reference.
+    of the aligned buffer) and for FP8's cast and transpose after the per-group scaling. NVFP4
+    runs on the quantize kernel with per-group global scales, seeds and positions under
+    backend="pallas" (new, bit for bit the reference in the interpreter, not yet verified on
+    the GPU, so backend="auto" keeps the jnp reference until its `gpu` tests pass).
     """
     if x.ndim != 2 or x.shape[0] != layout.num_rows:
         raise ValueError(f"x must have shape ({layout.num_rows}, K), got {tuple(x.shape)}")
@@ -442,6 +476,15 @@ def quantize_aligned(
     elif spec.format == "fp8":
         usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
         fields = _quantize_fp8_groups(common.rounded_input(aligned), spec, layout, usages, backend)
+    elif backend == "pallas" or (
+        backend == "auto"
+        and aligned.size
+        and kernels.grouped_nvfp4_kernel_applies(spec, aligned.dtype)
+    ):
+        # NVFP4 on the quantize kernel: both copies from one read of the aligned buffer.
+        usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
+        aligned = common.rounded_input(aligned)
+        fields = _quantize_nvfp4_groups_on_kernel(aligned, spec, layout, usages, key)
     else:
         aligned = common.rounded_input(aligned)
         fields = {}
