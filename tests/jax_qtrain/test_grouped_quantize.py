@@ -236,19 +236,20 @@ def _fp8_groups(x, sizes, recipe, role, backend, rowwise, columnwise):
     return run(x, jnp.array(sizes, jnp.int32))
 
 
+def _kernels_run_here():
+    """On the GPU the kernels run as they are; on the CPU in Mosaic GPU's interpreter (unwritten
+    outputs come back NaN there, so a missed tile cannot pass)."""
+    if ON_GPU:
+        return contextlib.nullcontext()
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan"))
+
+
 def _assert_kernel_matches_reference(x, sizes, recipe, role):
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
         want = _fp8_groups(x, sizes, recipe, role, "reference", rowwise, columnwise)
         # On the GPU "auto" is the kernel; on CPU "pallas" runs it in the interpreter (unwritten
         # outputs come back NaN there, so a missed tile cannot pass).
-        interpreted = (
-            contextlib.nullcontext()
-            if ON_GPU
-            else plgpu.force_gpu_interpret_mode(
-                plgpu.InterpretGPUParams(uninitialized_memory="nan")
-            )
-        )
-        with interpreted:
+        with _kernels_run_here():
             got = _fp8_groups(
                 x, sizes, recipe, role, "auto" if ON_GPU else "pallas", rowwise, columnwise
             )
@@ -295,8 +296,8 @@ def _nvfp4_groups(x, sizes, role, backend, rowwise=True, columnwise=True):
     @jax.jit
     def run(x, group_sizes):
         layout = jq.group_layout(group_sizes, x.shape[0], token_alignment(recipe))
-        q = quantize_aligned(
-            layout.to_aligned(x),
+        q = jq.grouped_quantize(
+            x,
             recipe,
             role,
             layout,
@@ -313,14 +314,7 @@ def _nvfp4_groups(x, sizes, role, backend, rowwise=True, columnwise=True):
 def _assert_nvfp4_kernel_matches_reference(x, sizes, role, copies=((True, True),)):
     for rowwise, columnwise in copies:
         want = _nvfp4_groups(x, sizes, role, "reference", rowwise, columnwise)
-        interpreted = (
-            contextlib.nullcontext()
-            if ON_GPU
-            else plgpu.force_gpu_interpret_mode(
-                plgpu.InterpretGPUParams(uninitialized_memory="nan")
-            )
-        )
-        with interpreted:
+        with _kernels_run_here():
             got = _nvfp4_groups(x, sizes, role, "pallas", rowwise, columnwise)
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
