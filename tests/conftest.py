@@ -17,17 +17,22 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import tempfile
 
+# Many tests compile the same programs (the same quantizers on the same shapes, built from
+# different lambdas): JAX's persistent cache, keyed by the compiled program, lets both xdist
+# workers reuse them. Executables with host callbacks (the Pallas interpreter) are not cached.
+# Set in the environment, so that the Python processes the tests start (the notebooks' kernels,
+# `python -m jax_qtrain` runs, the multi-process workers) read and fill the same cache: a
+# program's cache entry is the same executable whichever process compiled it.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax_qtrain_tests_cache")
+)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", False)
-# Many tests compile the same programs (the same quantizers on the same shapes, built from
-# different lambdas): JAX's persistent cache, keyed by the compiled program, lets both xdist
-# workers reuse them. Executables with host callbacks (the Pallas interpreter) are not cached.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    jax.config.update(
-        "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "jax_qtrain_tests_cache")
-    )
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 # (2026-11-30: one CI run lost an xdist worker to a segfault inside JAX's deserialization of a
 # cached executable; the test passed re-run. Setting jax_compilation_cache_max_size, which makes

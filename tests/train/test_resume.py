@@ -29,14 +29,6 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "jax_qtrain", "train", *args]
 
 
-@pytest.fixture
-def compile_cache_env(tmp_path, monkeypatch):
-    """The three runs compile the same programs: the later two load them from JAX's persistent
-    cache (the same executables, so it cannot change a loss) instead of recompiling (~15 s each)."""
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "compile-cache"))
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-
 def _records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -59,7 +51,10 @@ def _losses(out: Path) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, compile_cache_env):
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    # The three runs compile the same programs: they share the suite's persistent compilation
+    # cache (tests/conftest.py exports it to subprocesses), so the later ones load the same
+    # executables (which cannot change a loss) instead of recompiling.
     reference = tmp_path / "reference"
     subprocess.run(_command(*OPTIONS, f"--out={reference}"), check=True, timeout=300)
 
