@@ -1,4 +1,8 @@
-"""The notebooks in notebooks/ are stored without outputs and run top to bottom on a CPU."""
+"""The notebooks in notebooks/ are stored without outputs and run top to bottom on a CPU.
+
+They run with JAX_QTRAIN_NOTEBOOK_SMALL=1, which a notebook that trains for a while reads to
+train fewer steps (03_moe_training: 12 instead of 40); every cell still runs. Their kernels
+share the suite's persistent compilation cache (tests/conftest.py exports it)."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ def test_stored_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_runs_without_errors(path, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' run directories land here
+    monkeypatch.setenv("JAX_QTRAIN_NOTEBOOK_SMALL", "1")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,
