@@ -39,15 +39,14 @@ def on_gpu() -> bool:
 
 # Kernel paths that pass the interpreter and the H200 cross-lowering but have not run on a GPU
 # yet: backend="auto" leaves them to the reference (backend="pallas" runs them) until their
-# `gpu` tests have passed on the H200. (format, block_shape) of `jq.quantize`'s kernels (none
-# since 2026-11-30, when NVFP4's 16×16 weight blocks passed theirs, bit for bit on adversarial
-# bf16 and f32 inputs, stochastic rounding and pipelined tiles included), or
-# (format + "_grouped", block_shape) of the grouped quantizer's per-group kernel paths
-# (ops/grouped_quantize.py). NVFP4's grouped path (per-group global amaxes, seeds and positions
-# as per-line / per-block inputs of the quantize kernel) was added without a GPU: its `gpu`
-# tests are tests/jax_qtrain/test_grouped_quantize.py::test_gpu_nvfp4_groups_on_the_kernel_*
-# and tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_grouped_bit_exact.
-_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = {("nvfp4_grouped", (1, 16))}
+# `gpu` tests have passed on the H200. Entries are (format, block_shape) of `jq.quantize`'s
+# kernels or (format + "_grouped", block_shape) of the grouped quantizer's per-group kernel
+# paths (ops/grouped_quantize.py). Empty since 2026-12-01: NVFP4's 16×16 weight blocks passed
+# on 2026-11-30 and NVFP4's grouped path (per-group global amaxes, seeds and positions as
+# per-line / per-block inputs of the quantize kernel) on 2026-12-01, bit for bit the reference
+# (tests/jax_qtrain/test_grouped_quantize.py::test_gpu_nvfp4_groups_on_the_kernel_*,
+# tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_grouped_bit_exact).
+_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
 
 
 def awaiting_gpu_verification(spec: QuantizerSpec, *, grouped: bool = False) -> bool:

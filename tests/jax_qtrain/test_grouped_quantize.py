@@ -287,8 +287,8 @@ def test_gpu_fp8_groups_on_the_cast_transpose_kernel_equal_the_reference(role):
 
 # --- NVFP4 groups on the quantize kernel ---------------------------------------------------------
 # Per-group global amaxes, seeds and positions as per-line (rowwise) and per-16-token-block
-# (columnwise) kernel inputs. Not yet run on a GPU: backend="auto" keeps the reference until
-# the gpu test below passes on the H200 (kernels._AWAITING_GPU_VERIFICATION).
+# (columnwise) kernel inputs. backend="auto" runs it on GPU since its gpu test below passed on
+# the H200 (2026-12-01; kernels._AWAITING_GPU_VERIFICATION).
 def _nvfp4_groups(x, sizes, role, backend, rowwise=True, columnwise=True):
     recipe = RECIPES["nvfp4"]
     key = jax.random.key(11) if recipe.spec(role).stochastic_rounding else None
@@ -315,7 +315,9 @@ def _assert_nvfp4_kernel_matches_reference(x, sizes, role, copies=((True, True),
     for rowwise, columnwise in copies:
         want = _nvfp4_groups(x, sizes, role, "reference", rowwise, columnwise)
         with _kernels_run_here():
-            got = _nvfp4_groups(x, sizes, role, "pallas", rowwise, columnwise)
+            # On the GPU through "auto", so the dispatch to the kernel is tested too.
+            backend = "auto" if ON_GPU else "pallas"
+            got = _nvfp4_groups(x, sizes, role, backend, rowwise, columnwise)
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             assert_bits_equal(g, w, f"{role} rowwise={rowwise} columnwise={columnwise}")
@@ -334,11 +336,11 @@ def test_nvfp4_groups_on_the_kernel_equal_the_reference(role):
     _assert_nvfp4_kernel_matches_reference(jnp.asarray(x, jnp.bfloat16), [20, 0, 37], role)
 
 
-def test_nvfp4_groups_stay_on_the_reference_under_auto_until_verified():
+def test_nvfp4_groups_run_the_kernel_under_auto_on_gpu_only():
     spec = RECIPES["nvfp4"].spec("grad")
-    assert kernels.awaiting_gpu_verification(spec, grouped=True)
-    assert not kernels.grouped_nvfp4_kernel_applies(spec, jnp.bfloat16)
-    assert not kernels.awaiting_gpu_verification(spec)  # jq.quantize's path is verified
+    assert not kernels.awaiting_gpu_verification(spec, grouped=True)  # verified on the H200
+    assert kernels.grouped_nvfp4_kernel_applies(spec, jnp.bfloat16) == ON_GPU
+    assert not kernels.grouped_nvfp4_kernel_applies(spec, jnp.float16)
     with pytest.raises(ValueError, match="grouped NVFP4 kernel path does not cover"):
         _nvfp4_groups(jnp.ones((32, 32), jnp.float16), [16, 16], "input", "pallas")
 

@@ -1351,7 +1351,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
-    # Awaiting its first H200 run (jax_qtrain/kernels.py, _AWAITING_GPU_VERIFICATION): 8 uneven
+    # First passed on the H200 on 2026-12-01 (the grouped path then joined backend="auto"): 8 uneven
     # groups (one empty) of an aligned 16384-slot buffer, 520 features (padded to 640).
     sizes = [3000, 1, 0, 2500, 4100, 17, 2900, 3700]
     starts = tuple(int(s) for s in np.cumsum([0, *[-(-n // 16) * 16 for n in sizes[:-1]]]))
