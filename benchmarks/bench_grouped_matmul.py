@@ -729,6 +729,34 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
             arg_sets=[(x["x"], x["dy"], x["sizes"]) for x in sets],
             ref=ref,
         )
+    # x (M, K) and dy (M, N) as the forward pass stores them, built outside the timing: the
+    # token-major kernel reads them as they are; "after XLA transposes" is the K-major kernel
+    # behind the two transposes that ragged_tn ran before the token-major kernel existed.
+    token_major = [(x["x"].T, x["dy"].T, x["sizes"]) for x in sets]
+    for cfg in bf16_cfgs:
+        measure(
+            bench,
+            shape=shape,
+            op="wgrad",
+            impl=f"pallas bf16 token-major {cfg.tile_m}x{2 * cfg.tile_n}",
+            flops=flops,
+            config=cfg,
+            fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
+                a, b, s, token_major=True, config=cfg, interpret=INTERPRET
+            ),
+            arg_sets=token_major,
+            ref=ref,
+        )
+    measure(
+        bench,
+        shape=shape,
+        op="wgrad",
+        impl="pallas bf16 K-major after XLA transposes of (M,K),(M,N)",
+        flops=flops,
+        fn=lambda a, b, s: grouped_matmul_wgrad(a.T, b.T, s, interpret=INTERPRET),
+        arg_sets=token_major,
+        ref=ref,
+    )
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
         lhs_ragged_dimensions=[0],
@@ -744,13 +772,12 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
             fn=lambda a, b, s: lax.ragged_dot_general(
                 a, b, s, dims, preferred_element_type=jnp.float32
             ),
-            arg_sets=[(x["x"].T, x["dy"].T, x["sizes"]) for x in sets],
+            arg_sets=token_major,
             ref=ref,
         )
         if jax_mgpu_peer_available(bench, shape, "wgrad"):
             from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
 
-            token_major = [(x["x"].T, x["dy"].T, x["sizes"]) for x in sets]  # outside the timing
             for cfg in JAX_TRANSPOSED_RAGGED_DOT_CONFIGS:
                 measure(
                     bench,
@@ -765,8 +792,7 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
                     arg_sets=token_major,
                     ref=ref,
                 )
-            del token_major
-    del ref
+    del ref, token_major
     ref8 = wgrad_ref(
         s0["x8"].astype(jnp.float32) * s0["xs"][:, None], s0["dy8"].astype(jnp.float32), s0["sizes"]
     )

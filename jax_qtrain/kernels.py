@@ -338,12 +338,17 @@ def grouped_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
     )
 
 
-def grouped_wgrad_gemm(lhs, rhs, group_sizes):
+def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False):
     """float32 (G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ, lhs (K, M) and rhs (N, M)
-    token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers apply them)."""
-    if not (_is_fp8(lhs, rhs) or (jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype)):
+    token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers apply them).
+    `token_major`: lhs (M, K) and rhs (M, N) instead, 16-bit only (x and dy as stored, no
+    transposes before the kernel)."""
+    half = jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype
+    if not (half or (_is_fp8(lhs, rhs) and not token_major)):
         return None
-    return _pallas().grouped_matmul_wgrad(lhs, rhs, group_sizes, out_dtype=jnp.float32)
+    return _pallas().grouped_matmul_wgrad(
+        lhs, rhs, group_sizes, out_dtype=jnp.float32, token_major=token_major
+    )
 
 
 def grouped_half_gemm(lhs, rhs, group_sizes, *, rhs_layout: str):

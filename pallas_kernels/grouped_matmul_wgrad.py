@@ -5,6 +5,12 @@
 of x and dy, docs/design/layouts.md), ``group_sizes (G,) int32`` on the device and
 ``out (G, K, N)``. Groups without tokens get zeros.
 
+``token_major=True`` takes 16-bit operands as they come out of the forward pass instead,
+``lhs (M, K)`` and ``rhs (M, N)`` (x and dy themselves): the SMEM tiles are then
+``(tile_t, tile_m)`` and ``(tile_t, 2*tile_n)`` and wgmma reads them MN-major (its transpose
+bits, which Hopper has for 16-bit operands only), so no XLA transpose of x and dy runs before
+the kernel. FP8 operands must be token-contiguous (wgmma reads 8-bit operands K-major only).
+
 Structure: a persistent grid of one CTA per SM walks (group, row tile, column tile)
 with a TMA producer warpgroup and two wgmma consumer warpgroups (each owns half of
 the CTA's columns). The token axis of a group is cut into ``tile_t`` chunks aligned
@@ -139,18 +145,23 @@ def grouped_matmul_wgrad(
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
     out_dtype: jnp.dtype = jnp.float32,
+    token_major: bool = False,
     config: GroupedWgradConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``out[g] = (lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ) * scales`` for every group.
 
     Args:
-      lhs: (K, M) bf16/f16 or FP8, token-contiguous (columnwise copy of x).
-      rhs: (N, M) same dtype family, token-contiguous (columnwise copy of dy).
+      lhs: (K, M) bf16/f16 or FP8, token-contiguous (columnwise copy of x); (M, K) bf16/f16
+        when ``token_major``.
+      rhs: (N, M) same dtype family, token-contiguous (columnwise copy of dy); (M, N) when
+        ``token_major``.
       group_sizes: (G,) int32 tokens per group; tokens are sorted by group.
       lhs_scale: optional f32 scale of lhs, () or (K,).
       rhs_scale: optional f32 scale of rhs, () or (N,).
       out_dtype: float32 (default) or bfloat16.
+      token_major: the operands' token axis is their first (major) one: x and dy as the
+        forward pass stores them, 16-bit only.
       config: tiling; defaults per dtype.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
@@ -172,8 +183,16 @@ def grouped_matmul_wgrad(
             f"lhs and rhs dtypes must match (two FP8 dtypes may mix), got "
             f"{jnp.dtype(lhs.dtype).name} and {jnp.dtype(rhs.dtype).name}"
         )
-    num_out_rows, num_tokens = lhs.shape
-    num_out_cols, num_tokens_rhs = rhs.shape
+    if not isinstance(token_major, bool):
+        raise TypeError(f"token_major must be a bool, got {token_major!r}")
+    if token_major and is_fp8:
+        raise TypeError(
+            "token_major operands must be 16-bit (Hopper's wgmma reads FP8 operands K-major "
+            f"only: pass the token-contiguous copies), got {jnp.dtype(lhs.dtype).name}"
+        )
+    token_axis = 0 if token_major else 1
+    num_tokens, num_out_rows = lhs.shape[token_axis], lhs.shape[1 - token_axis]
+    num_tokens_rhs, num_out_cols = rhs.shape[token_axis], rhs.shape[1 - token_axis]
     if num_tokens_rhs != num_tokens:
         raise ValueError(
             f"rhs token count {num_tokens_rhs} does not match lhs token count {num_tokens}"
@@ -205,14 +224,23 @@ def grouped_matmul_wgrad(
         )
 
     tile_m, tile_n, tile_t = config.tile_m, config.tile_n, config.tile_t
-    # Zero padding (a copy, only for shapes that need it) to whole TMA tiles: rows of
-    # both operands to multiples of 8 and at least one tile, tokens to whole swizzle
-    # atoms. Padded tokens belong to no group; padded rows and columns are sliced off.
-    rows_p = common.round_up(max(num_out_rows, tile_m), 8)
-    cols_p = common.round_up(max(num_out_cols, 2 * tile_n), 8)
-    tokens_p = common.round_up(max(num_tokens, tile_t), common.swizzle_elems(tile_t, lhs.dtype))
-    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, tokens_p)
-    rhs_p = common.pad_axis(common.pad_axis(rhs, 0, cols_p), 1, tokens_p)
+    # Zero padding (a copy, only for shapes that need it) to whole TMA tiles: the
+    # operands' K and N extents to multiples of 8 and at least one tile (whole swizzle
+    # atoms when they are the minor axis), tokens to at least one tile and to whole swizzle
+    # atoms when they are the minor axis. Padded tokens belong to no group; padded rows and
+    # columns are sliced off.
+    if token_major:
+        rows_p = common.round_up(max(num_out_rows, tile_m), common.swizzle_elems(tile_m, lhs.dtype))
+        cols_p = common.round_up(
+            max(num_out_cols, 2 * tile_n), common.swizzle_elems(2 * tile_n, rhs.dtype)
+        )
+        tokens_p = common.round_up(max(num_tokens, tile_t), 8)
+    else:
+        rows_p = common.round_up(max(num_out_rows, tile_m), 8)
+        cols_p = common.round_up(max(num_out_cols, 2 * tile_n), 8)
+        tokens_p = common.round_up(max(num_tokens, tile_t), common.swizzle_elems(tile_t, lhs.dtype))
+    lhs_p = common.pad_axis(common.pad_axis(lhs, 1 - token_axis, rows_p), token_axis, tokens_p)
+    rhs_p = common.pad_axis(common.pad_axis(rhs, 1 - token_axis, cols_p), token_axis, tokens_p)
     operands = [lhs_p, rhs_p]
     lhs_scale_kind = rhs_scale_kind = None
     if lhs_scale is not None:
@@ -241,6 +269,7 @@ def grouped_matmul_wgrad(
         lhs_scale_kind=lhs_scale_kind,
         rhs_scale_kind=rhs_scale_kind,
         out_dtype=out_dtype,
+        token_major=token_major,
         config=config,
         interpret=interpret,
     )
@@ -261,6 +290,7 @@ def _wgrad_call(
     lhs_scale_kind,
     rhs_scale_kind,
     out_dtype,
+    token_major,
     config: GroupedWgradConfig,
     interpret,
 ):
@@ -280,18 +310,33 @@ def _wgrad_call(
     num_col_tiles = pl.cdiv(num_out_cols, 2 * tile_n)
     tiles_per_group = num_row_tiles * num_col_tiles
     out_transforms = common.smem_transforms(epi_tile_n, out_dtype)
-    in_specs = (
-        plgpu.BlockSpec(
-            (tile_m, tile_t),
-            lambda t: (0, t),
-            transforms=common.smem_transforms(tile_t, lhs_dtype),
-        ),
-        plgpu.BlockSpec(
-            (2 * tile_n, tile_t),
-            lambda t: (0, t),
-            transforms=common.smem_transforms(tile_t, rhs_dtype),
-        ),
-    )
+    if token_major:  # (tokens, K) and (tokens, N) tiles, read MN-major by wgmma
+        in_specs = (
+            plgpu.BlockSpec(
+                (tile_t, tile_m),
+                lambda t: (t, 0),
+                transforms=common.smem_transforms(tile_m, lhs_dtype),
+            ),
+            plgpu.BlockSpec(
+                (tile_t, 2 * tile_n),
+                lambda t: (t, 0),
+                transforms=common.smem_transforms(2 * tile_n, rhs_dtype),
+            ),
+        )
+    else:  # (K, tokens) and (N, tokens) tiles, K-major
+        in_specs = (
+            plgpu.BlockSpec(
+                (tile_m, tile_t),
+                lambda t: (0, t),
+                transforms=common.smem_transforms(tile_t, lhs_dtype),
+            ),
+            plgpu.BlockSpec(
+                (2 * tile_n, tile_t),
+                lambda t: (0, t),
+                transforms=common.smem_transforms(tile_t, rhs_dtype),
+            ),
+        )
+    token_axis = 0 if token_major else 1
 
     def body(group_bounds_gmem, *refs):
         lhs_gmem, rhs_gmem = refs[0], refs[1]
@@ -420,11 +465,17 @@ def _wgrad_call(
                     (t,) = idxs
                     token0 = (first_chunk + t) * tile_t
                     on_boundary = (token0 < tok_begin) | (token0 + tile_t > tok_end)
-                    rhs_half = rhs_smem.at[pl.ds(wg * tile_n, tile_n)]
+                    # This consumer's columns of rhs, and its half of lhs to zero.
+                    if token_major:
+                        rhs_half = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
+                        lhs_half = lhs_smem.at[:, pl.ds(wg * (tile_m // 2), tile_m // 2)]
+                    else:
+                        rhs_half = rhs_smem.at[pl.ds(wg * tile_n, tile_n)]
+                        lhs_half = lhs_smem.at[pl.ds(wg * (tile_m // 2), tile_m // 2)]
 
                     def zero_foreign_tokens(ref, layout):
                         tokens = token0 + plgpu.broadcasted_iota(
-                            jnp.int32, ref.shape, 1, layout=layout
+                            jnp.int32, ref.shape, token_axis, layout=layout
                         )
                         keep = (tokens >= tok_begin) & (tokens < tok_end)
                         values = plgpu.load(ref, layout=layout)
@@ -443,14 +494,15 @@ def _wgrad_call(
                         # Each consumer zeroes its own rhs half and half of the shared
                         # lhs tile, then both meet at a barrier before either reads lhs.
                         zero_foreign_tokens(rhs_half, rhs_reg_layout)
-                        zero_foreign_tokens(
-                            lhs_smem.at[pl.ds(wg * (tile_m // 2), tile_m // 2)], lhs_reg_layout
-                        )
+                        zero_foreign_tokens(lhs_half, lhs_reg_layout)
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(mask_barrier)
                         plgpu.barrier_wait(mask_barrier)
 
-                    plgpu.wgmma(acc_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                    if token_major:  # MN-major A and B: wgmma's transpose bits
+                        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_half)
+                    else:
+                        plgpu.wgmma(acc_ref, lhs_smem, rhs_half.transpose((1, 0)))
                     # Keeping a step in flight (delay_release=1) tripped the interpreter's
                     # barrier-phase check with the dynamic per-group step count; not used.
                     plgpu.wgmma_wait(0)
@@ -459,10 +511,20 @@ def _wgrad_call(
                 @pl.when(num_steps > 0)
                 def _matmul_tile():
                     window = pl.ds(first_chunk * tile_t, num_tokens)
+                    lhs_rows = pl.ds(row0, tile_m)
+                    rhs_cols = pl.ds(col_tile * (2 * tile_n), 2 * tile_n)
+                    if token_major:
+                        lhs_window, rhs_window = (
+                            lhs_gmem.at[window, lhs_rows],
+                            rhs_gmem.at[window, rhs_cols],
+                        )
+                    else:
+                        lhs_window, rhs_window = (
+                            lhs_gmem.at[lhs_rows, window],
+                            rhs_gmem.at[rhs_cols, window],
+                        )
                     make_pipeline(step_fn, compute_context, num_steps)(
-                        lhs_gmem.at[pl.ds(row0, tile_m), window],
-                        rhs_gmem.at[pl.ds(col_tile * (2 * tile_n), 2 * tile_n), window],
-                        allocations=pipeline_allocs,
+                        lhs_window, rhs_window, allocations=pipeline_allocs
                     )
 
                 @pl.when((num_steps == 0) & (wg < _NUM_CONSUMERS))

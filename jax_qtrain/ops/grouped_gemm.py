@@ -328,7 +328,9 @@ def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """float32 (G, K, N): x[rows of g]ᵀ · dy[rows of g]."""
     lhs, rhs = _promote(x, dy)
     if pallas_dispatch.gemm_kernels_enabled():
-        out = pallas_dispatch.grouped_wgrad_gemm(lhs.T, rhs.T, group_sizes)
+        # x and dy as stored: the kernel reads them MN-major (no transposes, ~4 ms of a 44 ms
+        # bf16 h200-preset step before it did, docs/benchmarks.md).
+        out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes, token_major=True)
         if out is not None:
             return out
     return lax.ragged_dot_general(

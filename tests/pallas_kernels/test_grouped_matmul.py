@@ -420,8 +420,9 @@ def test_visit_table_is_the_documented_schedule(sizes, num_rows, tile_m):
 # ------------------------------------------------------------------------------- wgrad
 
 
+@pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("sizes", [[50, 0, 77, 40], [0, 0, 0, 0], [208, 0, 0, 0]])
-def test_bf16_wgrad_matches_reference_and_ignores_foreign_nans(sizes):
+def test_bf16_wgrad_matches_reference_and_ignores_foreign_nans(sizes, token_major):
     sizes = jnp.asarray(sizes, jnp.int32)
     k_lhs, k_rhs = keys(2, seed=7)
     lhs = jax.random.normal(k_lhs, (128, 208), jnp.float32).astype(BF16)
@@ -430,9 +431,36 @@ def test_bf16_wgrad_matches_reference_and_ignores_foreign_nans(sizes):
     # Tokens past sum(group_sizes) hold garbage; it must not leak into any group.
     lhs = lhs.at[:, used + 3 :].set(jnp.nan)
     rhs = rhs.at[:, used + 1 :].set(jnp.inf)
-    out = grouped_matmul_wgrad(lhs, rhs, sizes, config=tiny_wgrad(64), interpret=True)
+    # token_major: x (M, K) and dy (M, N) as the forward pass stores them.
+    operands = (lhs.T, rhs.T) if token_major else (lhs, rhs)
+    out = grouped_matmul_wgrad(
+        *operands, sizes, token_major=token_major, config=tiny_wgrad(64), interpret=True
+    )
     assert out.shape == (4, 128, 128) and out.dtype == jnp.float32
     assert_close(out, ref_ragged_contraction(f64(lhs), f64(rhs), sizes), rel=1e-5)
+
+
+def test_token_major_wgrad_pads_odd_shapes():
+    # 200 tokens, K = 72 and N = 136 (neither a whole tile nor whole swizzle atoms), one group
+    # straddling the 64-token chunk boundaries on both sides.
+    sizes = jnp.asarray([30, 101, 0, 60], jnp.int32)
+    k = keys(2, seed=17)
+    x = jax.random.normal(k[0], (200, 72), jnp.float32).astype(BF16)
+    dy = jax.random.normal(k[1], (200, 136), jnp.float32).astype(BF16)
+    out = grouped_matmul_wgrad(
+        x, dy, sizes, token_major=True, out_dtype=BF16, config=tiny_wgrad(64), interpret=True
+    )
+    assert out.shape == (4, 72, 136) and out.dtype == BF16
+    assert_close(out, ref_ragged_contraction(f64(x.T), f64(dy.T), sizes), rel=2**-7)
+
+
+def test_token_major_wgrad_refuses_fp8_and_non_bool():
+    lhs = jnp.zeros((256, 128), E4M3)
+    with pytest.raises(TypeError, match="token_major operands must be 16-bit"):
+        grouped_matmul_wgrad(lhs, lhs, jnp.asarray([256], jnp.int32), token_major=True)
+    x = jnp.zeros((256, 128), BF16)
+    with pytest.raises(TypeError, match="token_major must be a bool"):
+        grouped_matmul_wgrad(x, x, jnp.asarray([256], jnp.int32), token_major=1)
 
 
 def test_fp8_mixed_wgrad_with_scales_bf16_out():
@@ -787,6 +815,14 @@ CROSS_LOWERING_CASES = {
     "odd_shapes_bf16_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),
         (S((500, 1008), BF16), S((380, 1008), BF16), S((5,), jnp.int32)),
+    ),
+    "odd_shapes_bf16_wgrad_token_major": (
+        lambda a, b, g: grouped_matmul_wgrad(a, b, g, token_major=True),
+        (S((1008, 500), BF16), S((1008, 380), BF16), S((5,), jnp.int32)),
+    ),
+    "bf16_wgrad_token_major_moe_step": (
+        lambda a, b, g: grouped_matmul_wgrad(a, b, g, token_major=True),
+        (S((65536, 512), BF16), S((65536, 2048), BF16), S((8,), jnp.int32)),
     ),
     "odd_shapes_fp8_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),

@@ -134,12 +134,13 @@ def test_gpu_one_wgmma_in_flight(epilogue_buffers):
     assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), SIZES), rel=2**-8)
 
 
-@pytest.mark.parametrize("operands", ["bf16", "fp8"])
+@pytest.mark.parametrize("operands", ["bf16", "bf16_token_major", "fp8"])
 def test_gpu_wgrad(operands):
     tokens = 1008
     sizes = jnp.asarray([0, 300, 1, 0, 550], jnp.int32)  # 157 unused tokens
     k = keys(3, seed=13)
-    if operands == "bf16":
+    token_major = operands == "bf16_token_major"
+    if operands.startswith("bf16"):
         lhs = jax.random.normal(k[0], (K_DIM, tokens), jnp.float32).astype(BF16)
         rhs = jax.random.normal(k[1], (N_DIM, tokens), jnp.float32).astype(BF16)
         lhs = lhs.at[:, 900:].set(jnp.nan)  # garbage past sum(group_sizes)
@@ -150,7 +151,10 @@ def test_gpu_wgrad(operands):
         lhs_scale = jax.random.uniform(k[2], (K_DIM,), jnp.float32, 0.25, 4.0)
         kwargs = {"lhs_scale": lhs_scale, "rhs_scale": jnp.float32(2.0)}
         lhs_ref, rhs_ref, rel = f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * 2.0, 2e-3
-    out = jax.jit(grouped_matmul_wgrad)(lhs, rhs, sizes, **kwargs)
+    if token_major:  # x (M, K) and dy (M, N), read MN-major by wgmma
+        kwargs["token_major"] = True
+        lhs, rhs = lhs.T, rhs.T
+    out = jax.jit(grouped_matmul_wgrad, static_argnames="token_major")(lhs, rhs, sizes, **kwargs)
     assert out.shape == (NUM_GROUPS, K_DIM, N_DIM)
     assert_close(out, ref_ragged_contraction(lhs_ref, rhs_ref, sizes), rel=rel)
 
@@ -240,7 +244,8 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
     k = keys(4, seed=18)
     # 4 stages and one 32-column f32 epilogue buffer fill the 227 KiB of shared memory.
     base = dict(tile_m=128, tile_n=128, max_concurrent_steps=4, epi_tile_n=32, epilogue_buffers=1)
-    if operands == "bf16":
+    token_major = operands == "bf16_token_major"
+    if operands.startswith("bf16"):
         lhs = jax.random.normal(k[0], (ROWS, K_DIM), jnp.float32).astype(BF16)
         rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
         args, kwargs, run = (lhs, rhs, SIZES), {}, grouped_matmul
