@@ -187,16 +187,18 @@ def markdown(rows: list[dict]) -> str:
             continue
         lines += [
             "",
-            f"Top kernels, {row['recipe']} (ms per step, launches per step):",
+            f"Top kernels, {row['recipe']} (ms per step, launches per step; the jax op path "
+            "where the trace has one, i.e. without CUDA graphs):",
             "",
-            "| kernel | kind | ms | launches |",
-            "|---|---|---:|---:|",
+            "| kernel | kind | ms | launches | jax op |",
+            "|---|---|---:|---:|---|",
         ]
         for kernel in row["kernels"]["top_kernels"]:
             name = kernel["name"].replace("|", "/")[:90]
+            op_path = kernel["labels"].get("name", "").replace("|", "/")[:120]
             lines.append(
                 f"| `{name}` | {kernel['kind']} | {kernel['ms_per_step']:.3f} | "
-                f"{kernel['launches_per_step']:.0f} |"
+                f"{kernel['launches_per_step']:.0f} | {op_path} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -233,8 +233,9 @@ def test_profile_step_sums_device_kernels_by_kind():
         event = dict(ph="M", pid=pid, name=kind, args=dict(name=name))
         return event if tid is None else {**event, "tid": tid}
 
-    def kernel(pid, tid, name, dur, hlo_op=""):
-        return dict(ph="X", pid=pid, tid=tid, ts=0.0, dur=dur, name=name, args=dict(hlo_op=hlo_op))
+    def kernel(pid, tid, name, dur, hlo_op="", op_path=None):
+        args = dict(hlo_op=hlo_op) if op_path is None else dict(hlo_op=hlo_op, name=op_path)
+        return dict(ph="X", pid=pid, tid=tid, ts=0.0, dur=dur, name=name, args=args)
 
     events = [
         meta("process_name", 1, "/device:GPU:0 NVIDIA H200"),
@@ -243,7 +244,8 @@ def test_profile_step_sums_device_kernels_by_kind():
         meta("process_name", 7, "/host:CPU"),
         kernel(1, 13, "grouped_matmul_bf16", 3000.0),
         kernel(1, 13, "mosaic_gpu_kernel", 500.0, hlo_op="quantize_nvfp4"),
-        kernel(1, 13, "sm90_xmma_gemm_bf16bf16", 1000.0),
+        # Without CUDA graphs a kernel's labels carry its jax op path ("name").
+        kernel(1, 13, "sm90_xmma_gemm_bf16bf16", 1000.0, op_path="jit(step)/jvp()/dot_general"),
         kernel(1, 13, "loop_multiply_fusion", 250.0),
         kernel(1, 13, "loop_multiply_fusion", 250.0),
         kernel(1, 2, "fusion.3", 9999.0),
@@ -276,6 +278,8 @@ def test_profile_step_sums_device_kernels_by_kind():
     text = profile_step.markdown(rows)
     assert "| nvfp4 | 74.0 | 120 | 2.50 | 1.50 | 0.00 | 0.25 | 0.50 |" in text
     assert "no device kernels in the trace" in text and "`grouped_matmul_bf16`" in text
+    gemm_row = "| `sm90_xmma_gemm_bf16bf16` | XLA GEMM (cuBLAS / cuDNN / Triton) | 0.500 | 0 |"
+    assert f"{gemm_row} jit(step)/jvp()/dot_general |" in text
     with pytest.raises(ValueError, match="recipes must be"):
         profile_step.main(recipes=["fp16"])
     with pytest.raises(ValueError, match="steps must be"):

@@ -244,8 +244,7 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
     k = keys(4, seed=18)
     # 4 stages and one 32-column f32 epilogue buffer fill the 227 KiB of shared memory.
     base = dict(tile_m=128, tile_n=128, max_concurrent_steps=4, epi_tile_n=32, epilogue_buffers=1)
-    token_major = operands == "bf16_token_major"
-    if operands.startswith("bf16"):
+    if operands == "bf16":
         lhs = jax.random.normal(k[0], (ROWS, K_DIM), jnp.float32).astype(BF16)
         rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
         args, kwargs, run = (lhs, rhs, SIZES), {}, grouped_matmul
