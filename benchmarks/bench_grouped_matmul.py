@@ -715,38 +715,28 @@ def wgrad_suite(bench: Bench, shape: str, g, m, k, n, sizes, peers: bool, bf16_c
         )
     s0 = sets[0]
     ref = wgrad_ref(s0["x"].astype(jnp.float32), s0["dy"].astype(jnp.float32), s0["sizes"])
-    for cfg in bf16_cfgs:
-        measure(
-            bench,
-            shape=shape,
-            op="wgrad",
-            impl=f"pallas bf16 {cfg.tile_m}x{2 * cfg.tile_n}",
-            flops=flops,
-            config=cfg,
-            fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
-                a, b, s, config=cfg, interpret=INTERPRET
-            ),
-            arg_sets=[(x["x"], x["dy"], x["sizes"]) for x in sets],
-            ref=ref,
-        )
     # x (M, K) and dy (M, N) as the forward pass stores them, built outside the timing: the
     # token-major kernel reads them as they are; "after XLA transposes" is the K-major kernel
     # behind the two transposes that ragged_tn ran before the token-major kernel existed.
     token_major = [(x["x"].T, x["dy"].T, x["sizes"]) for x in sets]
-    for cfg in bf16_cfgs:
-        measure(
-            bench,
-            shape=shape,
-            op="wgrad",
-            impl=f"pallas bf16 token-major {cfg.tile_m}x{2 * cfg.tile_n}",
-            flops=flops,
-            config=cfg,
-            fn=lambda a, b, s, cfg=cfg: grouped_matmul_wgrad(
-                a, b, s, token_major=True, config=cfg, interpret=INTERPRET
-            ),
-            arg_sets=token_major,
-            ref=ref,
-        )
+    k_major = [(x["x"], x["dy"], x["sizes"]) for x in sets]
+    for is_token_major, arg_sets in ((False, k_major), (True, token_major)):
+        layout = "token-major " if is_token_major else ""
+        for cfg in bf16_cfgs:
+            measure(
+                bench,
+                shape=shape,
+                op="wgrad",
+                impl=f"pallas bf16 {layout}{cfg.tile_m}x{2 * cfg.tile_n}",
+                flops=flops,
+                config=cfg,
+                fn=lambda a, b, s, cfg=cfg, tm=is_token_major: grouped_matmul_wgrad(
+                    a, b, s, token_major=tm, config=cfg, interpret=INTERPRET
+                ),
+                arg_sets=arg_sets,
+                ref=ref,
+            )
+    del k_major
     measure(
         bench,
         shape=shape,

@@ -224,21 +224,18 @@ def grouped_matmul_wgrad(
         )
 
     tile_m, tile_n, tile_t = config.tile_m, config.tile_n, config.tile_t
-    # Zero padding (a copy, only for shapes that need it) to whole TMA tiles: the
-    # operands' K and N extents to multiples of 8 and at least one tile (whole swizzle
-    # atoms when they are the minor axis), tokens to at least one tile and to whole swizzle
-    # atoms when they are the minor axis. Padded tokens belong to no group; padded rows and
-    # columns are sliced off.
-    if token_major:
-        rows_p = common.round_up(max(num_out_rows, tile_m), common.swizzle_elems(tile_m, lhs.dtype))
-        cols_p = common.round_up(
-            max(num_out_cols, 2 * tile_n), common.swizzle_elems(2 * tile_n, rhs.dtype)
-        )
-        tokens_p = common.round_up(max(num_tokens, tile_t), 8)
-    else:
-        rows_p = common.round_up(max(num_out_rows, tile_m), 8)
-        cols_p = common.round_up(max(num_out_cols, 2 * tile_n), 8)
-        tokens_p = common.round_up(max(num_tokens, tile_t), common.swizzle_elems(tile_t, lhs.dtype))
+
+    # Zero padding (a copy, only for shapes that need it) to whole TMA tiles: every extent
+    # to at least one tile, the operands' minor axis (tokens, or K and N when token_major)
+    # to whole swizzle atoms and the major one to multiples of 8. Padded tokens belong to no
+    # group; padded rows and columns are sliced off. (lhs and rhs have the same item size.)
+    def padded(extent: int, tile: int, minor: bool) -> int:
+        multiple = common.swizzle_elems(tile, lhs.dtype) if minor else 8
+        return common.round_up(max(extent, tile), multiple)
+
+    rows_p = padded(num_out_rows, tile_m, minor=token_major)
+    cols_p = padded(num_out_cols, 2 * tile_n, minor=token_major)
+    tokens_p = padded(num_tokens, tile_t, minor=not token_major)
     lhs_p = common.pad_axis(common.pad_axis(lhs, 1 - token_axis, rows_p), token_axis, tokens_p)
     rhs_p = common.pad_axis(common.pad_axis(rhs, 1 - token_axis, cols_p), token_axis, tokens_p)
     operands = [lhs_p, rhs_p]
@@ -310,33 +307,21 @@ def _wgrad_call(
     num_col_tiles = pl.cdiv(num_out_cols, 2 * tile_n)
     tiles_per_group = num_row_tiles * num_col_tiles
     out_transforms = common.smem_transforms(epi_tile_n, out_dtype)
-    if token_major:  # (tokens, K) and (tokens, N) tiles, read MN-major by wgmma
-        in_specs = (
-            plgpu.BlockSpec(
-                (tile_t, tile_m),
-                lambda t: (t, 0),
-                transforms=common.smem_transforms(tile_m, lhs_dtype),
-            ),
-            plgpu.BlockSpec(
-                (tile_t, 2 * tile_n),
-                lambda t: (t, 0),
-                transforms=common.smem_transforms(2 * tile_n, rhs_dtype),
-            ),
-        )
-    else:  # (K, tokens) and (N, tokens) tiles, K-major
-        in_specs = (
-            plgpu.BlockSpec(
-                (tile_m, tile_t),
-                lambda t: (0, t),
-                transforms=common.smem_transforms(tile_t, lhs_dtype),
-            ),
-            plgpu.BlockSpec(
-                (2 * tile_n, tile_t),
-                lambda t: (0, t),
-                transforms=common.smem_transforms(tile_t, rhs_dtype),
-            ),
-        )
     token_axis = 0 if token_major else 1
+
+    def at_tokens(ref, tokens, others):
+        """`ref` indexed by a token range and a range of its other (K or N) axis."""
+        return ref.at[tokens, others] if token_major else ref.at[others, tokens]
+
+    def operand_spec(extent: int, dtype) -> plgpu.BlockSpec:
+        """An operand's (tokens, extent) tiles, read MN-major by wgmma when token_major,
+        else its (extent, tokens) tiles, K-major."""
+        shape, index = ((tile_t, extent), lambda t: (t, 0))
+        if not token_major:
+            shape, index = ((extent, tile_t), lambda t: (0, t))
+        return plgpu.BlockSpec(shape, index, transforms=common.smem_transforms(shape[1], dtype))
+
+    in_specs = (operand_spec(tile_m, lhs_dtype), operand_spec(2 * tile_n, rhs_dtype))
 
     def body(group_bounds_gmem, *refs):
         lhs_gmem, rhs_gmem = refs[0], refs[1]
@@ -466,12 +451,11 @@ def _wgrad_call(
                     token0 = (first_chunk + t) * tile_t
                     on_boundary = (token0 < tok_begin) | (token0 + tile_t > tok_end)
                     # This consumer's columns of rhs, and its half of lhs to zero.
-                    if token_major:
-                        rhs_half = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
-                        lhs_half = lhs_smem.at[:, pl.ds(wg * (tile_m // 2), tile_m // 2)]
-                    else:
-                        rhs_half = rhs_smem.at[pl.ds(wg * tile_n, tile_n)]
-                        lhs_half = lhs_smem.at[pl.ds(wg * (tile_m // 2), tile_m // 2)]
+                    all_tokens = slice(None)
+                    rhs_half = at_tokens(rhs_smem, all_tokens, pl.ds(wg * tile_n, tile_n))
+                    lhs_half = at_tokens(
+                        lhs_smem, all_tokens, pl.ds(wg * (tile_m // 2), tile_m // 2)
+                    )
 
                     def zero_foreign_tokens(ref, layout):
                         tokens = token0 + plgpu.broadcasted_iota(
@@ -511,20 +495,10 @@ def _wgrad_call(
                 @pl.when(num_steps > 0)
                 def _matmul_tile():
                     window = pl.ds(first_chunk * tile_t, num_tokens)
-                    lhs_rows = pl.ds(row0, tile_m)
-                    rhs_cols = pl.ds(col_tile * (2 * tile_n), 2 * tile_n)
-                    if token_major:
-                        lhs_window, rhs_window = (
-                            lhs_gmem.at[window, lhs_rows],
-                            rhs_gmem.at[window, rhs_cols],
-                        )
-                    else:
-                        lhs_window, rhs_window = (
-                            lhs_gmem.at[lhs_rows, window],
-                            rhs_gmem.at[rhs_cols, window],
-                        )
                     make_pipeline(step_fn, compute_context, num_steps)(
-                        lhs_window, rhs_window, allocations=pipeline_allocs
+                        at_tokens(lhs_gmem, window, pl.ds(row0, tile_m)),
+                        at_tokens(rhs_gmem, window, pl.ds(col_tile * (2 * tile_n), 2 * tile_n)),
+                        allocations=pipeline_allocs,
                     )
 
                 @pl.when((num_steps == 0) & (wg < _NUM_CONSUMERS))
