@@ -454,13 +454,16 @@ def test_token_major_wgrad_pads_odd_shapes():
     assert_close(out, ref_ragged_contraction(f64(x.T), f64(dy.T), sizes), rel=2**-7)
 
 
-def test_token_major_wgrad_refuses_fp8_and_non_bool():
+def test_token_major_wgrad_refuses_fp8_non_bool_and_mismatched_tokens():
     lhs = jnp.zeros((256, 128), E4M3)
     with pytest.raises(TypeError, match="token_major operands must be 16-bit"):
         grouped_matmul_wgrad(lhs, lhs, jnp.asarray([256], jnp.int32), token_major=True)
     x = jnp.zeros((256, 128), BF16)
     with pytest.raises(TypeError, match="token_major must be a bool"):
         grouped_matmul_wgrad(x, x, jnp.asarray([256], jnp.int32), token_major=1)
+    # Tokens are the first axis of both operands when token_major: (256, K) against (200, N).
+    with pytest.raises(ValueError, match="rhs token count 200 does not match lhs token count 256"):
+        grouped_matmul_wgrad(x, x[:200], jnp.asarray([256], jnp.int32), token_major=True)
 
 
 def test_fp8_mixed_wgrad_with_scales_bf16_out():
