@@ -18,10 +18,15 @@ for the run's clocks) are timed batch by batch in alternation
   moves on to the next expert's weight. Only the balanced variants compute the same sums;
 * ``defaults``: each kernel's default config against its wgmma-overlap and pipeline-depth
   neighbours (after the visit-table change, where single sweeps ranked them differently),
-  the balanced shape and the dense block-FP8 GEMM only.
+  the balanced shape and the dense block-FP8 GEMM only;
+* ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
+  them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
+  the slowest token-major one, and the grid-order change alone; then the K-major default on
+  the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing). Balanced and
+  skewed G8 shapes.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
-        [--variants epilogue|schedule|grouping|defaults]
+        [--variants epilogue|schedule|grouping|defaults|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -36,7 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_matmul import E4M3, fwd_config, random_operands
+from benchmarks.bench_grouped_matmul import (
+    BF16,
+    BF16_WGRAD_CONFIGS,
+    E4M3,
+    fwd_config,
+    random_operands,
+)
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
@@ -46,6 +57,11 @@ from pallas_kernels.grouped_matmul_fwd import (
     fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
+)
+from pallas_kernels.grouped_matmul_wgrad import (
+    DEFAULT_BF16_WGRAD_CONFIG,
+    GroupedWgradConfig,
+    grouped_matmul_wgrad,
 )
 
 # (case, G, M, K, N, group sizes): the issue's balanced shape, and a skewed split whose
@@ -125,7 +141,14 @@ VARIANT_SETS = {
     "schedule": schedule_variants,
     "grouping": None,  # not config variants: see grouping_cases
     "defaults": default_variants,
+    "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
+
+
+def xla_dense_yardstick(sets) -> tuple:
+    """XLA's dense bf16 (M, K) @ (K, N) GEMM on the first expert's weight: the same flops as
+    the grouped cases, and the same GEMM in every set, so its rate compares clocks across runs."""
+    return jax.jit(lambda a, b: a @ b), [(x["lhs"], x["rhs"][0].T) for x in sets]
 
 
 def tile_order_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
@@ -144,7 +167,7 @@ def grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret) -> None
     flops = 2 * m * k * n
     sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
     one_group = jnp.zeros((g,), jnp.int32).at[0].set(m)
-    xla_dense = (jax.jit(lambda a, b: a @ b), [(x["lhs"], x["rhs"][0].T) for x in sets])
+    xla_dense = xla_dense_yardstick(sets)
     for kind, config in (("bf16", bf16_config), ("fp8 rowwise", fp8_config)):
         lhs_key, rhs_key = ("lhs", "rhs") if kind == "bf16" else ("lhs8", "rhs8")
         scales = (
@@ -188,6 +211,54 @@ def grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret) -> None
         )
 
 
+def wgrad_label(config: GroupedWgradConfig) -> str:
+    """What the wgrad configs here differ in (all are 128x256 tiles of 64 tokens, epilogue 32)."""
+    buffers = f"{config.epilogue_buffers} buffer" + ("s" if config.epilogue_buffers > 1 else "")
+    default = " (default)" if config == DEFAULT_BF16_WGRAD_CONFIG else ""
+    return (
+        f"{config.max_concurrent_steps} stages, {buffers}, grid minor "
+        f"{config.grid_minor_dim}{default}"
+    )
+
+
+def wgrad_variants() -> dict[str, tuple[bool, GroupedWgradConfig]]:
+    """name -> (token_major, config): the token-major default first (the others are compared
+    with it), the sweep's configs, the default with only grid minor 0 (to tell the sweep's two
+    changes apart), and the K-major default."""
+    default = DEFAULT_BF16_WGRAD_CONFIG
+    grid_minor_0 = dataclasses.replace(default, grid_minor_dim=0)
+    token_major = dict.fromkeys([default, *BF16_WGRAD_CONFIGS, grid_minor_0])  # ordered, unique
+    variants = {f"token-major {wgrad_label(c)}": (True, c) for c in token_major}
+    variants[f"K-major {wgrad_label(default)}"] = (False, default)
+    return variants
+
+
+def wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
+    """The bf16 wgrad variants on each shape (`tiny`: config fields for the interpreter)."""
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        # x is the other sets' lhs, so the yardstick is their GEMM on their data; dy (M, N).
+        sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
+        token_major = [
+            (x["lhs"], jax.random.normal(jax.random.key(9 + i), (m, n), BF16), x["sizes"])
+            for i, x in enumerate(sets)
+        ]
+        k_major = [(x.T, dy.T, s) for x, dy, s in token_major]  # transposed outside the timing
+        candidates = {}
+        for name, (is_token_major, config) in wgrad_variants().items():
+            config = dataclasses.replace(config, **tiny) if tiny else config
+            candidates[name] = (
+                jax.jit(
+                    lambda a, b, s, c=config, t=is_token_major: grouped_matmul_wgrad(
+                        a, b, s, token_major=t, config=c, interpret=interpret
+                    )
+                ),
+                token_major if is_token_major else k_major,
+            )
+        candidates["XLA dense bf16"] = xla_dense_yardstick(sets)
+        run_case(f"{shape} wgrad bf16", 2 * m * k * n, candidates)
+        del sets, token_major, k_major, candidates
+
+
 def main(
     out_dir: str | None = None,
     small: bool = False,
@@ -196,7 +267,7 @@ def main(
 ) -> str:
     if variants not in VARIANT_SETS:
         raise ValueError(f"variants must be one of {sorted(VARIANT_SETS)}, got {variants!r}")
-    variant_configs = VARIANT_SETS[variants]  # None for grouping: no config variants
+    variant_configs = VARIANT_SETS[variants]  # None for grouping and wgrad: cases of their own
     shapes, dense_size, interpret = SHAPES, DENSE_SIZE, False
     bf16_config, fp8_config, block_config = BF16_CONFIG, FP8_CONFIG, BLOCK_CONFIG
     if small:
@@ -257,6 +328,13 @@ def main(
     if variants == "grouping":
         grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret)
         shapes, dense_size = {}, 0
+    if variants == "wgrad":
+        tiny_wgrad = None
+        if small:  # 128 x 128 CTA tiles, 2 per group: interpreter time grows with the grid
+            shapes = {"G8 balanced": (2, 256, 256, 128, [128, 128])}
+            tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
+        wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
+        shapes, dense_size = {}, 0
     if variants == "defaults":
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
@@ -266,8 +344,7 @@ def main(
     for shape, (g, m, k, n, sizes) in shapes.items():
         flops = 2 * m * k * n
         sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
-        dense_sets = [(x["lhs"], x["rhs"][0].T) for x in sets]
-        xla_dense = (jax.jit(lambda a, b: a @ b), dense_sets)
+        xla_dense = xla_dense_yardstick(sets)
         candidates = {
             f"bf16 {name}": (
                 jax.jit(
@@ -320,10 +397,10 @@ def main(
             for name, c in variant_configs(block_config).items()
         }
         run_case(f"{shape} fwd fp8 block", flops, {**candidates, "XLA dense bf16": xla_dense})
-        del sets, dense_sets, block_sets, candidates, xla_dense
+        del sets, block_sets, candidates, xla_dense
 
     size = dense_size
-    if not size:  # the grouping cases have no dense block-FP8 part
+    if not size:  # the grouping and wgrad cases have no dense block-FP8 part
         return _report(out_dir, variants, rows, rounds)
     keys = jax.random.split(jax.random.key(8), 2)
     a8 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(E4M3)

@@ -7,7 +7,8 @@
 #   bash benchmarks/h200.sh sharding   (kind nvidia-h200-x2) the multi-GPU sharding tests and
 #                                      the two gather strategies timed over NCCL ($SHARDING_TESTS
 #                                      picks tests, e.g. "...test_sharding_gpu.py -k moe")
-#   bash benchmarks/h200.sh ab      grouped GEMM variants timed in alternation (AB_VARIANTS=schedule|epilogue)
+#   bash benchmarks/h200.sh ab      grouped GEMM variants timed in alternation
+#                                   (AB_VARIANTS=schedule|epilogue|grouping|defaults|wgrad)
 #   bash benchmarks/h200.sh quantize   the quantize kernels' `gpu` tests, their ptxas resources and
 #                                      their variants timed in alternation ($AB_KERNELS, default
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
