@@ -5,7 +5,8 @@
 `--kernel fp8_block_1x128` / `fp8_block_128x128`: the FP8 block kernel (E4M3, power-of-2
 scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
-its exact arithmetic against `lean_arithmetic` (the default since stop 22); written to
+its first kernel (exact arithmetic, unrolled blocks) against `lean_arithmetic` (the default
+since stop 22) unrolled and with `loop_blocks` (the default since stop 24); written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
@@ -62,8 +63,10 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
 }
 NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
-    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(lean_arithmetic=False),
-    "lean_arithmetic (default)": pk.NVFP4QuantizeConfig(),
+    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(lean_arithmetic=False, loop_blocks=False),
+    "lean, unrolled blocks (stops 22-23)": pk.NVFP4QuantizeConfig(loop_blocks=False),
+    "lean, loop_blocks (default)": pk.NVFP4QuantizeConfig(),
+    "lean, loop_blocks, steps_per_cta=4": pk.NVFP4QuantizeConfig(steps_per_cta=4),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

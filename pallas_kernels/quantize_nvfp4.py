@@ -15,8 +15,8 @@ Exact float32 operation order (TransformerEngine's, as in jax_qtrain/formats/nvf
   enc_b = min(fp32(1 / fp32(fp32(s_b) · S_dec)), FLT_MAX); q = e2m1(clamp(fp32(x · enc_b), ±6))
 The sign nibble bit is set when fp32(x·enc_b) is negative and nonzero, decided on
 (x·2^64)·enc_b like the reference so flushed subnormal products agree. Stochastic rounding
-uses the reference's counter hash of the element's (row, col) in the copy and a uint32 seed, so
-kernel and reference draw the same bits.
+uses the reference's 8 random bits per element, from a counter hash of (row, col) in the copy
+and a uint32 seed (one hash word per four elements), so kernel and reference draw the same bits.
 
 Weights' 16×16 blocks (`block_shape=(16, 16)`): one E4M3 scale per 16×16 block, shared by
 both copies (the columnwise copy is the rowwise one transposed). A block's amax spans 16 lines,
@@ -81,19 +81,34 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         fp32(x·enc) is NaN only in a block whose amax is NaN (elsewhere enc is finite and
         nonzero, so an Inf element gives ±Inf; a NaN global amax gives S_enc = FLT_MAX through
         fmin, not NaN), so one mask per block clears the packed codes of such blocks.
-        Stochastic rounding comes from the nearest-even rounding (`e2m1_stochastic`) and the
-        hash's row word is made once per line. The same operations in the interpreter and on
-        the hardware (no hardware-only shortcut). The default since stop 22: bit-identical on
-        the H200 and 1.06-1.08x faster (1.40x with stochastic rounding) in alternation timing;
-        False keeps the first kernel's arithmetic (the reference's operations one for one).
+        Stochastic rounding comes from the nearest-even rounding (`e2m1_stochastic`). The same
+        operations in the interpreter and on the hardware (no hardware-only shortcut). The
+        default since stop 22: bit-identical on the H200 and 1.06-1.08x faster (1.40x with
+        stochastic rounding) in alternation timing; False keeps the first kernel's arithmetic
+        (the reference's operations one for one). Both draw the same random bits.
+      loop_blocks: quantize each line's 16-element blocks in a loop over groups of four
+        instead of unrolled over the whole tile, so a copy's code is emitted once per group,
+        not once per tile. Unrolled, the row+col tile with stochastic rounding is ~12.6k PTX
+        instructions, straight-line code that the SM streams through its instruction cache
+        once per CTA. The same bits. The default since stop 24 (2026-12-01): on the H200, row +
+        Hadamard col, 8192² bf16, in alternation, 1.57× faster with stochastic rounding (324
+        vs 510 µs) and 1.04× without (211 vs 220). False: unrolled (required with
+        `reuse_input_tile`, whose held stores cannot leave the loop).
     """
 
     lean_arithmetic: bool = True
+    loop_blocks: bool = True
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.lean_arithmetic, bool):
-            raise TypeError(f"lean_arithmetic must be a bool, got {self.lean_arithmetic!r}")
+        for name in ("lean_arithmetic", "loop_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.loop_blocks and self.reuse_input_tile:
+            raise ValueError(
+                "reuse_input_tile=True needs loop_blocks=False: the codes held for the input "
+                "tile's memory cannot leave the block loop"
+            )
 
 
 class NVFP4Quantized(NamedTuple):
@@ -174,24 +189,44 @@ def e2m1_magnitude_stochastic(a: jax.Array, uniforms: jax.Array) -> jax.Array:
     return lower + jnp.where(uniforms < frac, jnp.uint32(1), jnp.uint32(0))
 
 
+# Stochastic rounding's random bits, the reference's (formats/nvfp4.py::stochastic_uniforms):
+# 8 per element, one 32-bit hash word per four elements. In a 16-element block, element j takes
+# byte j // 4 of the word hashed at the block's column j % 4, so a line's block needs 4 words.
+_WORDS_PER_BLOCK = 4
 _HASH_ROW_FACTOR = 0x9E3779B1
 _HASH_COL_FACTOR = 0x85EBCA77
+_ONE_BITS = 0x3F800000  # 1.0f
 
 
-def hash_uniforms(rows: jax.Array, cols: jax.Array, seed: jax.Array) -> jax.Array:
-    """The reference's counter-based uniforms in [0, 1) (24 bits) for uint32 (row, col)."""
-    h = (rows * jnp.uint32(_HASH_ROW_FACTOR)) ^ (cols * jnp.uint32(_HASH_COL_FACTOR)) ^ seed
-    return mixed_uniforms(h)
-
-
-def mixed_uniforms(h: jax.Array) -> jax.Array:
-    """`hash_uniforms` from its first word h = (row·A) ^ (col·B) ^ seed (uint32)."""
+def mixed_word(h: jax.Array) -> jax.Array:
+    """The reference's `hash_word` from its first word h = (row·A) ^ (col·B) ^ seed (uint32)."""
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x7FEB352D)
     h = h ^ (h >> 15)
     h = h * jnp.uint32(0x846CA68B)
-    h = h ^ (h >> 16)
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return h ^ (h >> 16)
+
+
+def byte_uniforms(words: jax.Array, byte: int) -> jax.Array:
+    """(b + 1/2) / 256 for byte `byte` (0..3) b of each uint32 word, the reference's
+    `byte_uniforms`: b moved into the top of a float32 mantissa of 1 + b/256 + 1/512, minus 1
+    (exact), instead of an integer-to-float conversion (a quarter-rate instruction)."""
+    shift = 15 - 8 * byte  # bit 0 of the byte → mantissa bit 15
+    moved = words << shift if shift > 0 else words >> -shift
+    bits = (moved & jnp.uint32(0xFF << 15)) | jnp.uint32(_ONE_BITS | 1 << 14)
+    return qc.f32_from_bits(bits) - jnp.float32(1.0)
+
+
+def block_uniforms(row_words: jax.Array, col_steps: jax.Array, first_col: jax.Array) -> jax.Array:
+    """Stochastic rounding's uniforms of one 16-element block per line, (lines, 16) in RPT1.
+
+    `row_words` (lines, 4) RPT1: each line's (row·A) ^ seed; `col_steps` (lines, 4) RPT1: j·B
+    for the word columns j = 0..3; `first_col` (uint32 scalar): the hashed column of the
+    block's first element. col·B = first_col·B + j·B in the uint32 ring, so each word costs an
+    add, an xor and the mixing: one hash per four elements."""
+    words = mixed_word(row_words ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)))
+    # Columns 4k..4k+3 are byte k of words 0..3: element j = 4k + w takes byte j // 4 of word j % 4.
+    return jnp.concatenate([byte_uniforms(words, k) for k in range(4)], axis=1)
 
 
 _TWO_POW_64 = np.float32(2.0**64)
@@ -274,6 +309,8 @@ def quantize_block_lines(
     # subnormals are kept: the two round differently when x·enc is within 2^-24 relative of
     # -2^-150, e.g. x = -3·2^-149, enc = fp32(1/6): p = -2^-149 but (x·2^64)·enc = -2^-86.)
     negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
+    if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
+        uniforms = plgpu.layout_cast(uniforms, layout)
     if uniforms is None:
         magnitude = e2m1_nearest(p)
         if not lean:  # lean: NaN blocks are cleared after packing
@@ -297,48 +334,6 @@ def quantize_block_lines(
     return packed.astype(jnp.uint8), block_scale
 
 
-def _line_uniforms(line_row, line_seed, lines, layout, lean):
-    """Stochastic rounding with a seed and a hashed row per line ((lines,) uint32 each: the
-    grouped rowwise copy, each token its group's seed and its row in the group). Returns
-    `uniforms(first_col, _)` for a block whose first hashed column is `first_col`; the same
-    words as `hash_uniforms`, the row part made once per line like the lean path's."""
-    block_shape = (lines, BLOCK)
-    col_steps = qc.iota(block_shape, 1, layout)
-    if lean:
-        row_word = qc.broadcast_rows(
-            (line_row * jnp.uint32(_HASH_ROW_FACTOR)) ^ line_seed, block_shape, layout
-        )
-        col_steps = col_steps * jnp.uint32(_HASH_COL_FACTOR)
-        return lambda first_col, _: mixed_uniforms(
-            row_word ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR))
-        )
-    rows = qc.broadcast_rows(line_row, block_shape, layout)
-    seeds = qc.broadcast_rows(line_seed, block_shape, layout)
-    return lambda first_col, _: hash_uniforms(rows, col_steps + first_col, seeds)
-
-
-def _block_uniforms(line0, lines, layout, lean):
-    """Stochastic rounding with a seed and a first hashed column per 16-column block (the
-    grouped columnwise copy: 16 tokens of one group), rows = the copy's line index. Returns
-    `uniforms(first_col, seed)` (uint32 scalars of the block); the same words as
-    `hash_uniforms`: (row·A ^ seed) made per line and block, col·B = first_col·B + j·B."""
-    block_shape = (lines, BLOCK)
-    if lean:
-        line_index = jnp.max(qc.iota((lines, 1), 0, qc.RPT1), axis=1) + line0.astype(jnp.uint32)
-        row_part = line_index * jnp.uint32(_HASH_ROW_FACTOR)
-        col_steps = qc.iota(block_shape, 1, layout) * jnp.uint32(_HASH_COL_FACTOR)
-
-        def uniforms(first_col, seed):
-            row_word = qc.broadcast_rows(row_part ^ seed, block_shape, layout)
-            return mixed_uniforms(row_word ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)))
-
-        return uniforms
-    rows = qc.iota(block_shape, 0, layout) + line0.astype(jnp.uint32)
-    return lambda first_col, seed: hash_uniforms(
-        rows, qc.iota(block_shape, 1, layout) + first_col, seed
-    )
-
-
 _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
 
 
@@ -357,6 +352,7 @@ def _quantize_copy(
     block_amax_gmem=None,
     position=None,
     lean=False,
+    loop_blocks=False,
     line_table=None,
     block_table=None,
 ):
@@ -372,88 +368,106 @@ def _quantize_copy(
     `block_table` (16-column blocks of the copy, 4) the same per block, the position being the
     hashed column of the block's first element (the columnwise copy: a block is 16 tokens of
     one group, the same for every line). They replace `scalars`, `seed` (then only a flag
-    that stochastic rounding is on) and `position`."""
+    that stochastic rounding is on) and `position`.
+
+    The blocks go in groups of `_BLOCKS_PER_STORE` (one 32-byte store of codes and one of
+    scales per line each), unrolled, or with `loop_blocks` as a loop over the groups
+    (`NVFP4QuantizeConfig.loop_blocks`)."""
     t, s_dec = scalars
-    line_amaxes = None
-    if block_amax_gmem is not None:
-        window = block_amax_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)]
-        # Thread t gets its line's n_blocks amaxes: a plain global load of a few words each.
-        line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
-    group_uniforms = None  # grouped tensors' stochastic rounding: (first_col, seed) → uniforms
     if line_table is not None:
-        # Thread t gets its line's four words, like the 16×16 block amaxes above.
+        # Thread t gets its line's four words (a plain global load, like the 16×16 block
+        # amaxes below).
         entries = plgpu.load(line_table.at[pl.ds(line0, lines), :], layout=qc.RPT1, optimized=False)
 
         def entry(k):  # (lines,), in the row layout of every per-line value of the copy
             return jnp.max(entries[:, k : k + 1], axis=1)
 
         t, s_dec = qc.f32_from_bits(entry(_T)), qc.f32_from_bits(entry(_S_DEC))
-        if seed is not None:
-            group_uniforms = _line_uniforms(entry(_POSITION), entry(_SEED), lines, layout, lean)
-    elif block_table is not None and seed is not None:
-        group_uniforms = _block_uniforms(line0, lines, layout, lean)
-    scales, packed_group = [], []
-    block_shape = (lines, BLOCK)
-    if seed is not None and lean and group_uniforms is None:
-        # The hash's first word (row·A) ^ (col·B) ^ seed with its row part (row·A) ^ seed made
-        # once per line, and col·B = col_0·B + j·B (uint32 ring): a scalar per block plus the
-        # constants j·B, so each element pays one add and one xor instead of two iotas, two
-        # adds, two multiplies and two xors.
-        line_index = qc.iota(block_shape, 0, layout) + line0.astype(jnp.uint32)
-        if position is not None:
-            line_index = line_index + position[0]
-        row_word = (line_index * jnp.uint32(_HASH_ROW_FACTOR)) ^ seed
-        col_steps = qc.iota(block_shape, 1, layout) * jnp.uint32(_HASH_COL_FACTOR)
-    for p in range(n_blocks // 2):
-        pair = load_pair(p)
-        for half in range(2):
-            b = 2 * p + half
-            v = pair[:, half * BLOCK : (half + 1) * BLOCK]
-            if hadamard:
-                v = hadamard16_lines(v)
-            uniforms = None
-            if block_table is not None:
-                # One group per 16 tokens: this block's t, S_dec, seed and first hashed column
-                # are the same for every line (uniform scalar loads).
-                block = col0 // BLOCK + b
-                t = qc.f32_from_bits(block_table[block, _T])
-                s_dec = qc.f32_from_bits(block_table[block, _S_DEC])
-            if group_uniforms is not None:
+    if seed is not None:
+        # Stochastic rounding: the hash's row part (row·A) ^ seed made once per line and word,
+        # and col·B = col_0·B + j·B, so a block's four words cost one add and one xor each
+        # before the mixing. Hashed rows: the grouped rowwise copy's lines carry their own row
+        # (the token's row in its group) and seed; otherwise the line index (+ position).
+        word_shape = (lines, _WORDS_PER_BLOCK)
+        col_steps = qc.iota(word_shape, 1, qc.RPT1) * jnp.uint32(_HASH_COL_FACTOR)
+        if line_table is not None:
+            line_words = (entry(_POSITION) * jnp.uint32(_HASH_ROW_FACTOR)) ^ entry(_SEED)
+            row_words = qc.broadcast_rows(line_words, word_shape, qc.RPT1)
+        else:
+            hashed_rows = qc.iota(word_shape, 0, qc.RPT1) + line0.astype(jnp.uint32)
+            if position is not None:
+                hashed_rows = hashed_rows + position[0]
+            row_words = hashed_rows * jnp.uint32(_HASH_ROW_FACTOR)
+            if block_table is None:  # the grouped columnwise copy's seed comes per block
+                row_words = row_words ^ seed
+
+    def quantize_group(group, t, s_dec):
+        """Blocks `_BLOCKS_PER_STORE`·group … of every line: codes and scales stored."""
+        first_block = group * _BLOCKS_PER_STORE
+        line_amaxes = None
+        if block_amax_gmem is not None:
+            window = block_amax_gmem.at[
+                pl.ds(line0, lines), pl.ds(col0 // BLOCK + first_block, _BLOCKS_PER_STORE)
+            ]
+            # Thread t gets its line's amaxes: a plain global load of a few words.
+            line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
+        scales, packed_group = [], []
+        for p in range(_BLOCKS_PER_STORE // 2):
+            pair = load_pair(first_block // 2 + p)
+            for half in range(2):
+                b = 2 * p + half  # within the group
+                v = pair[:, half * BLOCK : (half + 1) * BLOCK]
+                if hadamard:
+                    v = hadamard16_lines(v)
+                uniforms = None
                 if block_table is not None:
-                    first_col, block_seed = block_table[block, _POSITION], block_table[block, _SEED]
-                else:
-                    first_col, block_seed = (col0 + b * BLOCK).astype(jnp.uint32), None
-                uniforms = group_uniforms(first_col, block_seed)
-            elif seed is not None:
-                first_col = (col0 + b * BLOCK).astype(jnp.uint32)
-                if position is not None:  # uint32 adds wrap, as the reference's positions do
-                    first_col = first_col + position[1]
-                if lean:
-                    col_word = col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)
-                    uniforms = mixed_uniforms(row_word ^ col_word)
-                else:
-                    rows = qc.iota(v.shape, 0, layout) + line0.astype(jnp.uint32)
-                    if position is not None:
-                        rows = rows + position[0]
-                    cols = qc.iota(v.shape, 1, layout) + first_col
-                    uniforms = hash_uniforms(rows, cols, seed)
-            block_amax_bits = None
-            if line_amaxes is not None:
-                block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
-            packed, block_scale = quantize_block_lines(
-                v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean
-            )
-            packed_group.append(packed)
-            scales.append(qc.column(block_scale))
-            if len(packed_group) == _BLOCKS_PER_STORE or b == n_blocks - 1:
-                first = (b + 1 - len(packed_group)) * (BLOCK // 2)
-                width = len(packed_group) * (BLOCK // 2)
-                qc.store_line_bytes(dest.cols(first, width), jnp.concatenate(packed_group, axis=1))
-                packed_group = []
-    qc.store_line_bytes(
-        scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, n_blocks)],
-        qc.concat_columns(scales),
-    )
+                    # One group per 16 tokens: this block's t, S_dec, seed and first hashed
+                    # column are the same for every line (uniform scalar loads).
+                    block = col0 // BLOCK + first_block + b
+                    t = qc.f32_from_bits(block_table[block, _T])
+                    s_dec = qc.f32_from_bits(block_table[block, _S_DEC])
+                if seed is not None:
+                    if block_table is not None:
+                        uniforms = block_uniforms(
+                            row_words ^ block_table[block, _SEED],
+                            col_steps,
+                            block_table[block, _POSITION],
+                        )
+                    else:
+                        first_col = (col0 + (first_block + b) * BLOCK).astype(jnp.uint32)
+                        if position is not None:  # uint32 adds wrap, as the reference's do
+                            first_col = first_col + position[1]
+                        uniforms = block_uniforms(row_words, col_steps, first_col)
+                block_amax_bits = None
+                if line_amaxes is not None:
+                    block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
+                packed, block_scale = quantize_block_lines(
+                    v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean
+                )
+                packed_group.append(packed)
+                scales.append(qc.column(block_scale))
+        width = _BLOCKS_PER_STORE * (BLOCK // 2)
+        qc.store_line_bytes(dest.cols(group * width, width), jnp.concatenate(packed_group, axis=1))
+        qc.store_line_bytes(
+            scale_gmem.at[
+                pl.ds(line0, lines), pl.ds(col0 // BLOCK + first_block, _BLOCKS_PER_STORE)
+            ],
+            qc.concat_columns(scales),
+        )
+
+    if n_blocks % _BLOCKS_PER_STORE:
+        raise ValueError(f"{n_blocks} blocks per line: not a multiple of {_BLOCKS_PER_STORE}")
+    groups = n_blocks // _BLOCKS_PER_STORE
+    if loop_blocks:
+        # One copy of the group's code, run `groups` times: unrolled, the tile's code is
+        # fetched into the instruction cache anew by every CTA.
+        @pl.loop(0, groups)
+        def _(group):
+            quantize_group(group, t, s_dec)
+
+    else:
+        for group in range(groups):
+            quantize_group(group, t, s_dec)
 
 
 def _kernel(
@@ -520,7 +534,7 @@ def _tile(
     stochastic,
 ):
     tm, tk = config.tile_m, config.tile_k
-    arithmetic = dict(lean=config.lean_arithmetic)
+    arithmetic = dict(lean=config.lean_arithmetic, loop_blocks=config.loop_blocks)
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])

@@ -124,28 +124,57 @@ def _negative_products(x: jax.Array, encode: jax.Array) -> jax.Array:
     return (x * jnp.float32(2.0**64)) * encode < jnp.float32(-(2.0**-86))
 
 
-def stochastic_uniforms(
-    shape: tuple[int, int], seed: jax.Array, origin: tuple[jax.Array, jax.Array] | None = None
-) -> jax.Array:
-    """Uniform float32 in [0, 1), 24 random bits per element, from a counter-based hash of the
-    element's (row, col) and a uint32 seed — reproducible, and computable inside a kernel.
+# Stochastic rounding draws 8 random bits per element, as TransformerEngine's
+# cvt.rs.satfinite.e2m1x4.f32 does (numerics.md §4): one 32-bit hash word gives four elements'
+# bytes, so a kernel hashes once per four elements. In each 16-element block, element j takes
+# byte j // 4 of the word hashed at the block's column j % 4.
+SR_BITS = 8
+_WORDS_PER_BLOCK = 4
+HASH_ROW_FACTOR = 0x9E3779B1
+HASH_COL_FACTOR = 0x85EBCA77
 
-    Grouped quantization stores several tensors in one buffer: there `seed` is an array that
-    broadcasts against `shape` (each tensor's seed) and `origin` gives (row, col) offsets, also
-    broadcastable, subtracted from each element's position, so every tensor draws the bits it
-    would draw on its own."""
-    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
-    cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-    if origin is not None:
-        rows = rows - origin[0].astype(jnp.uint32)
-        cols = cols - origin[1].astype(jnp.uint32)
-    h = (rows * jnp.uint32(0x9E3779B1)) ^ (cols * jnp.uint32(0x85EBCA77)) ^ seed.astype(jnp.uint32)
+
+def hash_word(rows: jax.Array, cols: jax.Array, seed: jax.Array) -> jax.Array:
+    """A counter-based 32-bit hash of uint32 (row, col) and a uint32 seed (two multiply /
+    xor-shift rounds: every input bit reaches every output bit)."""
+    h = (rows * jnp.uint32(HASH_ROW_FACTOR)) ^ (cols * jnp.uint32(HASH_COL_FACTOR)) ^ seed
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x7FEB352D)
     h = h ^ (h >> 15)
     h = h * jnp.uint32(0x846CA68B)
-    h = h ^ (h >> 16)
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return h ^ (h >> 16)
+
+
+def byte_uniforms(random_bytes: jax.Array) -> jax.Array:
+    """uint32 values 0..255 → float32 (b + 1/2) / 256: the centres of 256 equal bins of [0, 1),
+    so `uniform < frac` rounds up with probability round(256·frac) / 256 (never for frac = 0)."""
+    return (random_bytes.astype(jnp.float32) + jnp.float32(0.5)) * jnp.float32(2.0**-SR_BITS)
+
+
+def stochastic_uniforms(
+    shape: tuple[int, int], seed: jax.Array, origin: tuple[jax.Array, jax.Array] | None = None
+) -> jax.Array:
+    """Uniforms in (0, 1) with 8 random bits per element, from a counter-based hash of the
+    element's (row, col) and a uint32 seed — reproducible, and computable inside a kernel.
+
+    Columns are the block axis (16-element blocks from column 0). Element (r, c), j = c mod 16:
+    byte j // 4 of `hash_word(r, c − j + j mod 4, seed)` — the word of the block's column
+    j mod 4 — through `byte_uniforms`.
+
+    Grouped quantization stores several tensors in one buffer: there `seed` is an array that
+    broadcasts against `shape` (each tensor's seed) and `origin` gives (row, col) offsets, also
+    broadcastable, subtracted from each element's position (uint32, wrapping), so every tensor
+    draws the bits it would draw on its own when its columns start on a block boundary."""
+    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+    in_block = cols % jnp.uint32(BLOCK_SIZE)
+    byte_index = in_block // jnp.uint32(_WORDS_PER_BLOCK)
+    word_cols = cols - in_block + in_block % jnp.uint32(_WORDS_PER_BLOCK)
+    if origin is not None:
+        rows = rows - origin[0].astype(jnp.uint32)
+        word_cols = word_cols - origin[1].astype(jnp.uint32)
+    words = hash_word(rows, word_cols, seed.astype(jnp.uint32))
+    return byte_uniforms((words >> (byte_index * jnp.uint32(SR_BITS))) & jnp.uint32(0xFF))
 
 
 def e2m1_round_stochastic(

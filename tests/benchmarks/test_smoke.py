@@ -66,6 +66,20 @@ def test_grouped_ab_runs_small(tmp_path):
         grouped_ab.main(str(tmp_path), small=True, variants="tiles")
 
 
+@pytest.mark.slow
+def test_grouped_ab_wgrad_runs_small(tmp_path):
+    # The token-major wgrad configs and the K-major default in the interpreter, each checked
+    # bit for bit against the token-major default before it is timed.
+    from benchmarks import grouped_ab
+
+    text = grouped_ab.main(str(tmp_path), small=True, variants="wgrad")
+    rows = json.loads((tmp_path / "grouped_ab_wgrad.json").read_text())
+    assert [r["variant"] for r in rows] == [*grouped_ab.wgrad_variants(), "XLA dense bf16"]
+    assert "token-major 4 stages, 1 buffer, grid minor 0" in text
+    assert all(r["case"] == "G8 balanced wgrad bf16" and r["ms"] > 0 for r in rows)
+    assert all(r["same_bits"] for r in rows if not r["variant"].startswith("XLA"))
+
+
 def test_grouped_matmul_benchmark_names_bad_sections(tmp_path):
     from benchmarks import bench_grouped_matmul
 
@@ -118,13 +132,15 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_quantize_ab_nvfp4_runs_small(tmp_path):
-    # NVFP4 with stochastic rounding: the lean arithmetic (the default) checked bit for bit
-    # against the exact one (NaN / Inf / tiny blocks too) before it is timed, in the interpreter.
+    # NVFP4 with stochastic rounding: the lean arithmetic, unrolled and in a loop (the default),
+    # checked bit for bit against the first kernel (NaN / Inf / tiny blocks too) before it is
+    # timed, in the interpreter.
     from benchmarks import quantize_ab
 
     text = quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_sr")
     rows = json.loads((tmp_path / "quantize_ab_nvfp4_sr.json").read_text())
-    assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic (default)"] == ["identical"]
+    for variant in ("lean, unrolled blocks (stops 22-23)", "lean, loop_blocks (default)"):
+        assert [r["bits"] for r in rows if r["variant"] == variant] == ["identical"]
     assert all(r["us"] > 0 for r in rows) and "NVFP4 (Hadamard on col, stochastic" in text
 
 

@@ -258,6 +258,36 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     assert abs(mean - 0.7) < 4 * stderr + 1e-6
 
 
+def test_stochastic_uniforms_are_8_bit_bin_centres_spread_evenly():
+    # 8 random bits per element (TE's cvt.rs): every uniform is (b + 1/2) / 256, and the 256
+    # bytes come out evenly (chi-square, 255 degrees of freedom: mean 255, sd ~22.6), also
+    # within each of the four bytes a hash word gives.
+    uniforms = np.asarray(nvfp4.stochastic_uniforms((512, 256), jnp.uint32(12345)))
+    random_bytes = uniforms * 256 - 0.5
+    np.testing.assert_array_equal(random_bytes, np.round(random_bytes))
+    assert random_bytes.min() >= 0 and random_bytes.max() <= 255
+    for in_word in [random_bytes] + [random_bytes[:, 4 * k : 4 * k + 4] for k in range(4)]:
+        counts = np.bincount(in_word.astype(np.int64).ravel(), minlength=256)
+        expected = in_word.size / 256
+        assert ((counts - expected) ** 2 / expected).sum() < 255 + 6 * 22.6
+
+
+def test_stochastic_rounding_probability_is_the_fraction_to_8_bits():
+    # P(round up) = round(256·frac) / 256: a fraction below 1/512 never rounds up, one above
+    # 511/512 always does (with 24-bit uniforms both would flip now and then).
+    spec = jq.NVFP4BlockScaling().spec("grad")
+    x = jnp.full((64, 64), 0.5 + 0.5 / 1024, jnp.float32)  # frac = 1/1024 above 0.5
+    x = x.at[:, 32:].set(1.0 - 0.5 / 1024)  # frac = 1023/1024
+    x = x.at[:, ::16].set(6.0)  # every block's amax 6 → scale 1 (S_enc 448, s_b 448)
+    quantize = jax.jit(
+        jax.vmap(lambda k: jq.quantize(x, spec, key=k).dequantize(dtype=jnp.float32))
+    )
+    samples = np.asarray(quantize(jax.random.split(KEY, 64)))
+    not_amax = np.arange(64) % 16 != 0
+    np.testing.assert_allclose(samples[:, :, :32][..., not_amax[:32]], 0.5, rtol=1e-6)
+    np.testing.assert_allclose(samples[:, :, 32:][..., not_amax[32:]], 1.0, rtol=1e-6)
+
+
 def test_round_to_nearest_roles_ignore_the_key():
     x = jax.random.normal(KEY, (16, 32), jnp.float32)
     recipe = RECIPES["nvfp4"]

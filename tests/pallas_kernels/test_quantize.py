@@ -358,10 +358,13 @@ def test_mxfp8_scale_byte_without_division_matches_reference():
 # is lean_arithmetic (a per-block NaN mask, stochastic rounding from the nearest rounding, the
 # hash's row part made once per line): both must give the reference's bits.
 NVFP4_EXACT = pk.NVFP4QuantizeConfig(lean_arithmetic=False)
+# The blocks unrolled over the tile (loop_blocks=True is the default since stop 24): the same bits.
+NVFP4_UNROLLED = pk.NVFP4QuantizeConfig(loop_blocks=False)
+NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic=False)
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT])
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED])
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -420,6 +423,7 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     x = sample((144, 160), jnp.float32, 8, block=16)
     check_nvfp4(x, True, True, positions=POSITIONS)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_UNROLLED)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -547,6 +551,7 @@ def grouped_sample(rows, cols, dtype, seed, starts=GROUP_STARTS):
         (True, True, jnp.bfloat16, None),
         (True, False, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.float32, NVFP4_EXACT),
+        (True, True, jnp.bfloat16, NVFP4_UNROLLED_EXACT),
     ],
 )
 def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
@@ -782,7 +787,7 @@ def test_reuse_input_tile_interpret():
     # FP8 block: in their interpreter tests above.)
     x = sample((256, 384), jnp.bfloat16, 16, block=16)
     want, amaxes = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
-    config = pk.NVFP4QuantizeConfig(reuse_input_tile=True)
+    config = pk.NVFP4QuantizeConfig(reuse_input_tile=True, loop_blocks=False)
     got = run_nvfp4(x, rht=True, sr=True, amaxes=amaxes, seeds=SEEDS, config=config)
     for g, w, name in zip(got, want, NAMES, strict=True):
         assert_same_bits(g, w, f"reuse_input_tile nvfp4 {name}")
@@ -846,6 +851,10 @@ def test_wrappers_reject_bad_arguments():
         pk.MXFP8QuantizeConfig(split_copies=True, steps_per_cta=2)
     with pytest.raises(TypeError, match="lean_arithmetic must be a bool"):
         pk.NVFP4QuantizeConfig(lean_arithmetic=1)
+    with pytest.raises(TypeError, match="loop_blocks must be a bool"):
+        pk.NVFP4QuantizeConfig(loop_blocks="yes")
+    with pytest.raises(ValueError, match="reuse_input_tile=True needs loop_blocks=False"):
+        pk.NVFP4QuantizeConfig(reuse_input_tile=True)
     with pytest.raises(TypeError, match="reuse_input_tile must be a bool"):
         pk.MXFP8QuantizeConfig(reuse_input_tile=1)
     with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
@@ -1317,12 +1326,22 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, None, (1, 16)),
         (True, True, jnp.float32, None, (1, 16)),
         (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
-        (True, True, jnp.bfloat16, pk.NVFP4QuantizeConfig(reuse_input_tile=True), (1, 16)),
+        (
+            True,
+            True,
+            jnp.bfloat16,
+            pk.NVFP4QuantizeConfig(reuse_input_tile=True, loop_blocks=False),
+            (1, 16),
+        ),
         (True, False, jnp.bfloat16, NVFP4_EXACT, (1, 16)),
         (True, True, jnp.float32, NVFP4_EXACT, (1, 16)),
         (False, True, jnp.bfloat16, NVFP4_EXACT, (16, 16)),
         (False, False, jnp.bfloat16, None, (16, 16)),
         (False, True, jnp.float32, PIPELINED["nvfp4"], (16, 16)),
+        (True, True, jnp.bfloat16, NVFP4_UNROLLED, (1, 16)),
+        (True, False, jnp.bfloat16, NVFP4_UNROLLED, (1, 16)),
+        (True, True, jnp.float32, NVFP4_UNROLLED_EXACT, (1, 16)),
+        (False, True, jnp.bfloat16, NVFP4_UNROLLED, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -1348,6 +1367,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (False, False, jnp.float32, None),
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, PIPELINED["nvfp4"]),
+        (True, True, jnp.bfloat16, NVFP4_UNROLLED),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
