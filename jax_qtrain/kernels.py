@@ -41,12 +41,16 @@ def on_gpu() -> bool:
 # yet: backend="auto" leaves them to the reference (backend="pallas" runs them) until their
 # `gpu` tests have passed on the H200. Entries are (format, block_shape) of `jq.quantize`'s
 # kernels or (format + "_grouped", block_shape) of the grouped quantizer's per-group kernel
-# paths (ops/grouped_quantize.py). Empty since 2026-12-01: NVFP4's 16×16 weight blocks passed
-# on 2026-11-30 and NVFP4's grouped path (per-group global amaxes, seeds and positions as
-# per-line / per-block inputs of the quantize kernel) on 2026-12-01, bit for bit the reference
-# (tests/jax_qtrain/test_grouped_quantize.py::test_gpu_nvfp4_groups_on_the_kernel_*,
-# tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_grouped_bit_exact).
-_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
+# paths (ops/grouped_quantize.py), or ("nvfp4_grouped_amax", (1, 16)): the grouped NVFP4
+# quantizer's per-group amaxes from `nvfp4_line_amax_bits` (`grouped_nvfp4_amax_on_kernel`),
+# added in stop 24 without a GPU at hand (its `gpu` test:
+# tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_line_amax_bits). Verified so far:
+# NVFP4's 16×16 weight blocks (2026-11-30) and NVFP4's grouped path (per-group global amaxes,
+# seeds and positions as per-line / per-block inputs of the quantize kernel, 2026-12-01), bit
+# for bit the reference (tests/jax_qtrain/test_grouped_quantize.py::
+# test_gpu_nvfp4_groups_on_the_kernel_*, tests/pallas_kernels/test_quantize.py::
+# test_gpu_nvfp4_grouped_bit_exact).
+_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = {("nvfp4_grouped_amax", (1, 16))}
 
 
 def awaiting_gpu_verification(spec: QuantizerSpec, *, grouped: bool = False) -> bool:
@@ -210,16 +214,34 @@ def grouped_nvfp4_kernel_applies(spec: QuantizerSpec, dtype) -> bool:
     )
 
 
+def grouped_nvfp4_amax_on_kernel(backend: str) -> bool:
+    """Whether the grouped NVFP4 quantizer (already on the quantize kernel) takes its per-group
+    global amaxes from `nvfp4_line_amax_bits` (one pass over x) rather than jnp reductions:
+    under backend="pallas", and under "auto" once its `gpu` test has passed."""
+    return backend == "pallas" or ("nvfp4_grouped_amax", (1, 16)) not in _AWAITING_GPU_VERIFICATION
+
+
+def nvfp4_line_amax_bits(aligned: jax.Array, spec: QuantizerSpec) -> tuple[jax.Array, jax.Array]:
+    """Each token's amax bits (P,) and each 16-token block's columnwise (rotated) amax bits
+    (P/16,) of a grouped tensor in the aligned layout, from one kernel pass."""
+    _check_grouped_nvfp4_covers(spec, aligned.dtype)
+    return _pallas().nvfp4_line_amax_bits(aligned, hadamard_columnwise=spec.hadamard_columnwise)
+
+
+def _check_grouped_nvfp4_covers(spec: QuantizerSpec, dtype) -> None:
+    if not _grouped_nvfp4_covers(spec, dtype):
+        raise ValueError(
+            f"backend='pallas': the grouped NVFP4 kernel path does not cover {spec.describe()} "
+            f"of {jnp.dtype(dtype)} (bf16 / f32 input, 1×16 blocks); use "
+            "backend='reference' or 'auto'"
+        )
+
+
 def grouped_nvfp4_quantize(aligned: jax.Array, spec: QuantizerSpec, usages, **per_group) -> dict:
     """{usage: (packed codes, block scales)} of NVFP4 copies of a grouped tensor in the aligned
     layout (P, K), from one kernel pass; `per_group` are `quantize_nvfp4`'s rowwise_line_* and
     columnwise_block_* arguments (per-token global amaxes, seeds and hashed positions)."""
-    if not _grouped_nvfp4_covers(spec, aligned.dtype):
-        raise ValueError(
-            f"backend='pallas': the grouped NVFP4 kernel path does not cover {spec.describe()} "
-            f"of {jnp.dtype(aligned.dtype)} (bf16 / f32 input, 1×16 blocks); use "
-            "backend='reference' or 'auto'"
-        )
+    _check_grouped_nvfp4_covers(spec, aligned.dtype)
     out = _pallas().quantize_nvfp4(
         aligned,
         rowwise="rowwise" in usages,

@@ -7,7 +7,8 @@
               Hadamard transform along M (numerics.md §4) and optionally rounded stochastically.
 Each copy has its own float32 global amax, which must be known before quantizing: get it from
 `nvfp4_amax` (a separate reduction kernel that reads x once for both copies, rotating the
-columnwise copy on the fly) or from any other reduction (jax_qtrain computes it with jnp).
+columnwise copy on the fly) or from any other reduction. For a buffer holding several tensors
+(grouped), `nvfp4_line_amax_bits` gives each row's and each 16-row block's amax in one pass.
 
 Exact float32 operation order (TransformerEngine's, as in jax_qtrain/formats/nvfp4.py):
   S_enc = min(fp32(2688 / gamax), FLT_MAX) (1 if gamax is 0 or S_enc is 0); S_dec = fp32(1/S_enc)
@@ -906,28 +907,75 @@ def quantize_nvfp4(
 # Global amax: a reduction kernel that reads x once for both copies.
 
 
-def _amax_kernel(x_gmem, out_gmem, x_smem, barrier, *, config, in_dtype, hadamard):
+def _amax_kernel(x_gmem, *refs, config, in_dtype, hadamard, per_line=False):
+    """One tile's amaxes (uint32 bit patterns): the tile's two maxima (rowwise, columnwise) into
+    out[i, j], or with `per_line` each row's max into row_out[rows of the tile, j] and each
+    16-row block's columnwise max into block_out[j, blocks of the tile]."""
+    if per_line:
+        row_gmem, block_gmem, x_smem, barrier = refs
+    else:
+        out_gmem, x_smem, barrier = refs
     i, j = lax.axis_index("m"), lax.axis_index("k")
-    plgpu.copy_gmem_to_smem(
-        x_gmem.at[pl.ds(i * config.tile_m, config.tile_m), pl.ds(j * config.tile_k, config.tile_k)],
-        x_smem,
-        barrier,
-    )
+    tm, tk = config.tile_m, config.tile_k
+    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
     plgpu.barrier_wait(barrier)
     row_max = None
-    for c in range(config.tile_k // 32):
+    for c in range(tk // 32):
         v = qc.load_rows(x_smem.at[:, pl.ds(c * 32, 32)], in_dtype)
         m = qc.row_amax_bits(v)
         row_max = m if row_max is None else jnp.maximum(row_max, m)
     col_max = None
-    for b in range(config.tile_m // BLOCK):
+    for b in range(tm // BLOCK):
         v = qc.load_columns(x_smem.at[pl.ds(b * BLOCK, BLOCK), :])
         if hadamard:
             v = hadamard16_lines(v)
         m = qc.row_amax_bits(v)
-        col_max = m if col_max is None else jnp.maximum(col_max, m)
-    out_gmem[i, j, 0] = jnp.max(row_max)
-    out_gmem[i, j, 1] = jnp.max(col_max)
+        if per_line:  # this 16-row block's max over the tile's columns
+            block_gmem[j, i * (tm // BLOCK) + b] = jnp.max(m)
+        else:
+            col_max = m if col_max is None else jnp.maximum(col_max, m)
+    if per_line:
+        qc.store_line_bytes(row_gmem.at[pl.ds(i * tm, tm), pl.ds(j, 1)], qc.column(row_max))
+    else:
+        out_gmem[i, j, 0] = jnp.max(row_max)
+        out_gmem[i, j, 1] = jnp.max(col_max)
+
+
+def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
+    """The amax kernel's per-tile outputs for x padded to whole tiles, and x's padded rows."""
+    qc.check_input(x)
+    if not isinstance(hadamard_columnwise, bool):
+        raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
+    config = qc.resolve_config(config, NVFP4QuantizeConfig)
+    # One tile per CTA: a reduction needs no pipeline (steps_per_cta is ignored).
+    config = dataclasses.replace(config, steps_per_cta=1)
+    padded_rows, padded_cols = config.padded_shape(*x.shape)
+    xp = qc.pad_to(x, padded_rows, padded_cols)
+    grid = qc.tile_grid(padded_rows, padded_cols, config)
+    grid_m, grid_k = grid["grid"]
+    if per_line:
+        out_type = (
+            jax.ShapeDtypeStruct((padded_rows, grid_k), jnp.uint32),
+            jax.ShapeDtypeStruct((grid_k, padded_rows // BLOCK), jnp.uint32),
+        )
+    else:
+        out_type = jax.ShapeDtypeStruct((grid_m, grid_k, 2), jnp.uint32)
+    partials = plgpu.kernel(
+        functools.partial(
+            _amax_kernel,
+            config=config,
+            in_dtype=jnp.dtype(x.dtype),
+            hadamard=hadamard_columnwise,
+            per_line=per_line,
+        ),
+        out_type=out_type,
+        kernel_name="nvfp4_line_amax" if per_line else "nvfp4_amax",
+        scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
+        interpret=qc.interpret_params(interpret),
+        compiler_params=qc.kernel_params(config, padded_cols),
+        **grid,
+    )(xp)
+    return jax.tree.map(lambda p: varying_like(p, xp), partials)
 
 
 def nvfp4_amax(
@@ -940,26 +988,28 @@ def nvfp4_amax(
     """Global amaxes (float32 scalars) of NVFP4's rowwise copy (max|x|) and columnwise copy
     (max|hadamard16(xᵀ)| when `hadamard_columnwise`, else the same as rowwise), in one pass
     over x: per-tile maxima from the kernel, then a tiny jnp max. NaN-propagating."""
-    qc.check_input(x)
-    if not isinstance(hadamard_columnwise, bool):
-        raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
-    config = qc.resolve_config(config, NVFP4QuantizeConfig)
-    # One tile per CTA: a reduction needs no pipeline (steps_per_cta is ignored).
-    config = dataclasses.replace(config, steps_per_cta=1)
-    padded_rows, padded_cols = config.padded_shape(*x.shape)
-    xp = qc.pad_to(x, padded_rows, padded_cols)
-    grid = qc.tile_grid(padded_rows, padded_cols, config)
-    partial = plgpu.kernel(
-        functools.partial(
-            _amax_kernel, config=config, in_dtype=jnp.dtype(x.dtype), hadamard=hadamard_columnwise
-        ),
-        out_type=jax.ShapeDtypeStruct((*grid["grid"], 2), jnp.uint32),
-        kernel_name="nvfp4_amax",
-        scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
-        interpret=qc.interpret_params(interpret),
-        compiler_params=qc.kernel_params(config, padded_cols),
-        **grid,
-    )(xp)
-    partial = varying_like(partial, xp)
+    partial = _amax_partials(x, hadamard_columnwise, config, interpret, per_line=False)
     amax = lax.bitcast_convert_type(jnp.max(partial, axis=(0, 1)), jnp.float32)
     return amax[0], amax[1]
+
+
+def nvfp4_line_amax_bits(
+    x: jax.Array,
+    *,
+    hadamard_columnwise: bool = False,
+    config: NVFP4QuantizeConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`nvfp4_amax` at a finer grain, for a buffer that holds several tensors along its rows
+    (a grouped quantizer's groups, each a whole number of 16-row blocks): the float32 bit
+    patterns (uint32) of
+      row_amax (M,): max|x| of each row (the rowwise copy's lines), and
+      block_amax (ceil(M/16),): max of |hadamard16(xᵀ)| (|xᵀ| without `hadamard_columnwise`)
+        over each 16-row block of x, i.e. over 16 tokens of every line of the columnwise copy,
+    in one pass over x. A tensor's global amaxes are the maxima of its rows' and blocks'
+    patterns (the largest pattern is the largest |value|, and NaN's patterns exceed Inf's)."""
+    row_partial, block_partial = _amax_partials(
+        x, hadamard_columnwise, config, interpret, per_line=True
+    )
+    rows = x.shape[0]
+    return jnp.max(row_partial, axis=1)[:rows], jnp.max(block_partial, axis=0)[: -(-rows // BLOCK)]

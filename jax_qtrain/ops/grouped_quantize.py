@@ -119,9 +119,18 @@ class GroupLayout:
     def group_amax(self, source: jax.Array, token_axis: int) -> jax.Array:
         """(G,) float32 amax of each group's slots of `source` (P along `token_axis`), taken on
         bit patterns like `formats.common.amax` (NaN propagates; empty groups give 0)."""
-        bits = jnp.max(common.abs_bits(source), axis=1 - token_axis)
+        return self.group_max_of_slots(jnp.max(common.abs_bits(source), axis=1 - token_axis))
+
+    def group_max_of_slots(self, slot_bits: jax.Array, slots_per_entry: int = 1) -> jax.Array:
+        """(G,) float32 amax of each group from amax bit patterns (uint32) per slot, or per run
+        of `slots_per_entry` slots that never straddles two groups (e.g. NVFP4's 16-token
+        blocks, `pallas_kernels.nvfp4_line_amax_bits`): the largest pattern of the group's
+        entries. The same bits as `group_amax` of the values they came from."""
         group_bits = jax.ops.segment_max(
-            bits, self.slot_group, num_segments=self.num_groups + 1, indices_are_sorted=True
+            slot_bits,
+            self.slot_group[::slots_per_entry],
+            num_segments=self.num_groups + 1,
+            indices_are_sorted=True,
         )
         return common.f32_from_bits(group_bits[: self.num_groups])
 
@@ -374,23 +383,40 @@ def _quantize_nvfp4_group_copy(
 
 
 def _quantize_nvfp4_groups_on_kernel(
-    aligned: jax.Array, spec: QuantizerSpec, layout: GroupLayout, usages: list[str], key
+    aligned: jax.Array,
+    spec: QuantizerSpec,
+    layout: GroupLayout,
+    usages: list[str],
+    key,
+    backend: Backend,
 ) -> dict:
     """NVFP4 copies of every group from one pass of the quantize kernel, the same bits as
     `_quantize_nvfp4_group_copy`: the rowwise copy gets per-line (per-slot) global amaxes,
     seeds and hashed rows (slot − the group's first slot), the columnwise copy the same per 16
     tokens (one group each: groups start on multiples of the alignment), the hashed column of
-    a block's first token being its slot − the group's first slot. The per-group amaxes are
-    still jnp reductions (the columnwise one of the rotated xᵀ)."""
+    a block's first token being its slot − the group's first slot.
+
+    The per-group amaxes come from one more pass of a kernel (`nvfp4_line_amax_bits`: each
+    token's and each 16-token block's amax) when `kernels.grouped_nvfp4_amax_on_kernel`, else
+    from jnp reductions (the columnwise one of the rotated xᵀ, which XLA materializes)."""
     slots = jnp.arange(layout.padded_rows, dtype=jnp.uint32)
     slot_position = slots - layout.per_slot(layout.aligned_starts).astype(jnp.uint32)
+    line_bits = None
+    if kernels.grouped_nvfp4_amax_on_kernel(backend):
+        line_bits = kernels.nvfp4_line_amax_bits(aligned, spec)
     per_group, fields = {}, {}
     for usage in usages:
         if usage == "rowwise":
-            group_amax = layout.group_amax(aligned, token_axis=0)
+            if line_bits is None:
+                group_amax = layout.group_amax(aligned, token_axis=0)
+            else:
+                group_amax = layout.group_max_of_slots(line_bits[0])
             prefix, every = "rowwise_line", slice(None)
         else:
-            group_amax = layout.group_amax(columnwise_source(aligned, spec), token_axis=1)
+            if line_bits is None:
+                group_amax = layout.group_amax(columnwise_source(aligned, spec), token_axis=1)
+            else:
+                group_amax = layout.group_max_of_slots(line_bits[1], nvfp4.BLOCK_SIZE)
             prefix, every = "columnwise_block", slice(None, None, nvfp4.BLOCK_SIZE)
         fields[f"{usage}_amax"] = group_amax
         per_group[f"{prefix}_amax"] = layout.per_slot(group_amax)[every]
@@ -422,9 +448,8 @@ def grouped_quantize(
     `key` (NVFP4 gradients) gives group g the key `fold_in(key, g)`. `backend` picks the Pallas
     kernels or the jnp reference for the block formats (MXFP8, FP8 block: `jax_qtrain.quantize`
     of the aligned buffer) and for FP8's cast and transpose after the per-group scaling. NVFP4
-    runs on the quantize kernel with per-group global scales, seeds and positions under
-    backend="pallas" (new, bit for bit the reference in the interpreter, not yet verified on
-    the GPU, so backend="auto" keeps the jnp reference until its `gpu` tests pass).
+    runs on the quantize kernel with per-group global scales, seeds and positions (GPU, or
+    backend="pallas"; bit for bit the reference, on the H200 since 2026-12-01).
     """
     if x.ndim != 2 or x.shape[0] != layout.num_rows:
         raise ValueError(f"x must have shape ({layout.num_rows}, K), got {tuple(x.shape)}")
@@ -484,7 +509,7 @@ def quantize_aligned(
         # NVFP4 on the quantize kernel: both copies from one read of the aligned buffer.
         usages = [u for u, wanted in (("rowwise", rowwise), ("columnwise", columnwise)) if wanted]
         aligned = common.rounded_input(aligned)
-        fields = _quantize_nvfp4_groups_on_kernel(aligned, spec, layout, usages, key)
+        fields = _quantize_nvfp4_groups_on_kernel(aligned, spec, layout, usages, key, backend)
     else:
         aligned = common.rounded_input(aligned)
         fields = {}
