@@ -300,3 +300,17 @@ def test_profile_step_sums_device_kernels_by_kind():
         profile_step.main(recipes=["fp16"])
     with pytest.raises(ValueError, match="steps must be"):
         profile_step.main(recipes=["bf16"], steps=0)
+
+
+def test_profile_quantize_runs_small_and_names_bad_recipes(tmp_path):
+    from benchmarks import profile_quantize
+
+    with pytest.raises(ValueError, match="recipes must be a non-empty subset"):
+        profile_quantize.main(str(tmp_path), recipes=("int4",), small=True)
+    text = profile_quantize.main(str(tmp_path), recipes=("nvfp4",), calls=1, small=True)
+    rows = json.loads((tmp_path / "profile_quantize.json").read_text())
+    assert [(r["recipe"], r["case"]) for r in rows] == [
+        ("nvfp4", "whole tensor"),
+        ("nvfp4", "grouped (G=4)"),
+    ]
+    assert all(r["us"] > 0 for r in rows) and "### nvfp4, whole tensor" in text
