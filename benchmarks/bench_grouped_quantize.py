@@ -37,23 +37,34 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def grouped_quantizer(recipe, sizes, tokens: int, key, rowwise: bool, columnwise: bool):
+def grouped_quantizer(
+    recipe, sizes, tokens: int, key, rowwise: bool, columnwise: bool, backend: str = "auto"
+):
     """jit of `grouped_quantize` of a (tokens, ·) gradient in groups of `sizes` (the layout
     computed inside, as the ops do)."""
 
     def grouped(x):
         layout = jq.group_layout(sizes, tokens, token_alignment(recipe))
         return jq.grouped_quantize(
-            x, recipe, "grad", layout, rowwise=rowwise, columnwise=columnwise, key=key
+            x,
+            recipe,
+            "grad",
+            layout,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            key=key,
+            backend=backend,
         )
 
     return jax.jit(grouped)
 
 
-def whole_quantizer(recipe, key, rowwise: bool, columnwise: bool):
+def whole_quantizer(recipe, key, rowwise: bool, columnwise: bool, backend: str = "auto"):
     """jit of `quantize` of the whole gradient: the peer."""
     return jax.jit(
-        lambda x: jq.quantize(x, recipe, "grad", rowwise=rowwise, columnwise=columnwise, key=key)
+        lambda x: jq.quantize(
+            x, recipe, "grad", rowwise=rowwise, columnwise=columnwise, key=key, backend=backend
+        )
     )
 
 

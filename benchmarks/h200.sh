@@ -12,6 +12,9 @@
 #   bash benchmarks/h200.sh quantize   the quantize kernels' `gpu` tests, their ptxas resources and
 #                                      their variants timed in alternation ($AB_KERNELS, default
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
+#   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
+#                                      ($PENDING_TESTS, a pytest -k expression) and the quantizers'
+#                                      profile under backend auto and pallas (profile_quantize)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -75,6 +78,18 @@ elif [[ $STAGE == quantize ]]; then
     timeout "${AB_BUDGET:-100}" python3 benchmarks/quantize_ab.py "$scratch" --kernel "$kernel" 2>&1 | tail -12
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
+elif [[ $STAGE == pending ]]; then
+  # Stop 24's pending path: the grouped NVFP4 amaxes on nvfp4_line_amax_bits.
+  timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
+    -rfE -k "${PENDING_TESTS:-line_amax or groups_on_the_kernel}" tests/pallas_kernels/test_quantize.py \
+    tests/jax_qtrain/test_grouped_quantize.py > "$OUT/gpu_pending_tests.log" 2>&1
+  echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
+  tail -3 "$OUT/gpu_pending_tests.log"
+  for backend in auto pallas; do
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "${BENCH_BUDGET:-120}" python3 -m \
+      benchmarks.profile_quantize --out "$OUT/profile_$backend" --backend "$backend" \
+      --recipes ${PROFILE_RECIPES:-nvfp4} 2>&1 | grep "µs a call"
+  done
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }

@@ -7,10 +7,14 @@ each under `jax.profiler` and sums the GPU kernels by kind and by name (profile_
 helpers), so the rest — amaxes, tables, padding, copies — has names.
 
     python -m benchmarks.profile_quantize [--out DIR] [--recipes nvfp4 ...] [--calls N]
+        [--backend auto|pallas]
 
-writes DIR/profile_quantize.json and .md. Run with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`
-to get each XLA kernel's jax op path in the tables. `--small` profiles a tiny shape on whatever
-device there is (a smoke test; on the CPU the trace has no GPU kernels).
+writes DIR/profile_quantize.json and .md. `--backend pallas` runs kernel paths that still await
+their GPU verification (`jax_qtrain.kernels._AWAITING_GPU_VERIFICATION`), e.g. the grouped
+NVFP4 amaxes on `nvfp4_line_amax_bits`, to time them before they join "auto". Run with
+`XLA_FLAGS=--xla_gpu_enable_command_buffer=` to get each XLA kernel's jax op path in the
+tables. `--small` profiles a tiny shape on whatever device there is (a smoke test; on the CPU
+the trace has no GPU kernels).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def profile_call(fn, x, calls: int) -> dict:
     return dict(us=seconds * 1e6, kernels=summarize_kernels(events, calls) if events else None)
 
 
-def run(recipe_names, calls: int, small: bool) -> list[dict]:
+def run(recipe_names, calls: int, small: bool, backend: str = "auto") -> list[dict]:
     tokens, features, groups = SMALL_SHAPE if small else SHAPE
     x = jax.random.normal(jax.random.key(0), (tokens, features), jnp.bfloat16)
     sizes = jnp.full((groups,), tokens // groups, jnp.int32)
@@ -52,8 +56,10 @@ def run(recipe_names, calls: int, small: bool) -> list[dict]:
         recipe = RECIPES[name]
         sr_key = key if recipe.spec("grad").stochastic_rounding else None
         cases = {
-            "whole tensor": whole_quantizer(recipe, sr_key, True, True),
-            f"grouped (G={groups})": grouped_quantizer(recipe, sizes, tokens, sr_key, True, True),
+            "whole tensor": whole_quantizer(recipe, sr_key, True, True, backend),
+            f"grouped (G={groups})": grouped_quantizer(
+                recipe, sizes, tokens, sr_key, True, True, backend
+            ),
         }
         for case, fn in cases.items():
             rows.append(dict(recipe=name, case=case, **profile_call(fn, x, calls)))
@@ -61,11 +67,11 @@ def run(recipe_names, calls: int, small: bool) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], shape) -> str:
+def markdown(rows: list[dict], shape, backend: str) -> str:
     lines = [
-        f"Gradient quantize (role 'grad', row+col) of a {shape[0]}×{shape[1]} bf16 tensor, "
-        f"{device_description()}. Wall µs per call (median); kernel µs per call from a "
-        "`jax.profiler` trace of the same calls.",
+        f"Gradient quantize (role 'grad', row+col, backend {backend!r}) of a "
+        f"{shape[0]}×{shape[1]} bf16 tensor, {device_description()}. Wall µs per call "
+        "(median); kernel µs per call from a `jax.profiler` trace of the same calls.",
         "",
     ]
     for row in rows:
@@ -92,14 +98,17 @@ def markdown(rows: list[dict], shape) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir=None, recipes=("nvfp4",), calls: int = 5, small: bool = False) -> str:
+def main(
+    out_dir=None, recipes=("nvfp4",), calls: int = 5, small: bool = False, backend: str = "auto"
+) -> str:
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown or not recipes:
         raise ValueError(f"recipes must be a non-empty subset of {sorted(RECIPES)}, got {recipes}")
-    rows = run(recipes, calls, small)
-    return report(
-        out_dir, "profile_quantize", rows, markdown(rows, SMALL_SHAPE if small else SHAPE)
-    )
+    if backend not in ("auto", "pallas"):
+        raise ValueError(f"backend must be 'auto' or 'pallas', got {backend!r}")
+    rows = run(recipes, calls, small, backend)
+    shape = SMALL_SHAPE if small else SHAPE
+    return report(out_dir, "profile_quantize", rows, markdown(rows, shape, backend))
 
 
 if __name__ == "__main__":
@@ -108,5 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--recipes", nargs="+", default=["nvfp4"], choices=sorted(RECIPES))
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--backend", default="auto", choices=("auto", "pallas"))
     args = parser.parse_args()
-    print(main(args.out, args.recipes, args.calls, args.small))
+    print(main(args.out, args.recipes, args.calls, args.small, args.backend))

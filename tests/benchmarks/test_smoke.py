@@ -307,6 +307,8 @@ def test_profile_quantize_runs_small_and_names_bad_recipes(tmp_path):
 
     with pytest.raises(ValueError, match="recipes must be a non-empty subset"):
         profile_quantize.main(str(tmp_path), recipes=("int4",), small=True)
+    with pytest.raises(ValueError, match="backend must be 'auto' or 'pallas'"):
+        profile_quantize.main(str(tmp_path), small=True, backend="reference")
     text = profile_quantize.main(str(tmp_path), recipes=("nvfp4",), calls=1, small=True)
     rows = json.loads((tmp_path / "profile_quantize.json").read_text())
     assert [(r["recipe"], r["case"]) for r in rows] == [
