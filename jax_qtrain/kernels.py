@@ -53,10 +53,11 @@ def on_gpu() -> bool:
 _AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = {("nvfp4_grouped_amax", (1, 16))}
 
 
-def awaiting_gpu_verification(spec: QuantizerSpec, *, grouped: bool = False) -> bool:
-    """Whether the kernel path for `spec` (`grouped`: the grouped quantizer's) still waits for
-    its `gpu` tests on the H200 (see `_AWAITING_GPU_VERIFICATION`)."""
-    fmt = f"{spec.format}_grouped" if grouped else spec.format
+def awaiting_gpu_verification(spec: QuantizerSpec, *, path: str = "") -> bool:
+    """Whether the kernel path for `spec` still waits for its `gpu` tests on the H200 (see
+    `_AWAITING_GPU_VERIFICATION`): `jq.quantize`'s kernel, or with `path` "grouped" the grouped
+    quantizer's, "grouped_amax" its per-group amaxes."""
+    fmt = f"{spec.format}_{path}" if path else spec.format
     return (fmt, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
 
 
@@ -210,15 +211,15 @@ def grouped_nvfp4_kernel_applies(spec: QuantizerSpec, dtype) -> bool:
     return (
         _grouped_nvfp4_covers(spec, dtype)
         and on_gpu()
-        and not awaiting_gpu_verification(spec, grouped=True)
+        and not awaiting_gpu_verification(spec, path="grouped")
     )
 
 
-def grouped_nvfp4_amax_on_kernel(backend: str) -> bool:
+def grouped_nvfp4_amax_on_kernel(spec: QuantizerSpec, backend: str) -> bool:
     """Whether the grouped NVFP4 quantizer (already on the quantize kernel) takes its per-group
     global amaxes from `nvfp4_line_amax_bits` (one pass over x) rather than jnp reductions:
     under backend="pallas", and under "auto" once its `gpu` test has passed."""
-    return backend == "pallas" or ("nvfp4_grouped_amax", (1, 16)) not in _AWAITING_GPU_VERIFICATION
+    return backend == "pallas" or not awaiting_gpu_verification(spec, path="grouped_amax")
 
 
 def nvfp4_line_amax_bits(aligned: jax.Array, spec: QuantizerSpec) -> tuple[jax.Array, jax.Array]:

@@ -402,7 +402,7 @@ def _quantize_nvfp4_groups_on_kernel(
     slots = jnp.arange(layout.padded_rows, dtype=jnp.uint32)
     slot_position = slots - layout.per_slot(layout.aligned_starts).astype(jnp.uint32)
     line_bits = None
-    if kernels.grouped_nvfp4_amax_on_kernel(backend):
+    if kernels.grouped_nvfp4_amax_on_kernel(spec, backend):
         line_bits = kernels.nvfp4_line_amax_bits(aligned, spec)
     per_group, fields = {}, {}
     for usage in usages:

@@ -341,10 +341,10 @@ def test_nvfp4_groups_on_the_kernel_equal_the_reference(role):
 
 def test_nvfp4_groups_run_the_kernel_under_auto_on_gpu_only():
     spec = RECIPES["nvfp4"].spec("grad")
-    assert not kernels.awaiting_gpu_verification(spec, grouped=True)  # verified on the H200
+    assert not kernels.awaiting_gpu_verification(spec, path="grouped")  # verified on the H200
     # The per-group amaxes on the line-amax kernel: "pallas" only until its gpu test passes.
-    assert kernels.grouped_nvfp4_amax_on_kernel("pallas")
-    assert not kernels.grouped_nvfp4_amax_on_kernel("auto")
+    assert kernels.grouped_nvfp4_amax_on_kernel(spec, "pallas")
+    assert not kernels.grouped_nvfp4_amax_on_kernel(spec, "auto")
     assert kernels.grouped_nvfp4_kernel_applies(spec, jnp.bfloat16) == ON_GPU
     assert not kernels.grouped_nvfp4_kernel_applies(spec, jnp.float16)
     with pytest.raises(ValueError, match="grouped NVFP4 kernel path does not cover"):
