@@ -900,6 +900,8 @@ def test_wrappers_reject_bad_arguments():
         pk.nvfp4_line_amax_bits(jnp.zeros((16, 32), jnp.bfloat16), hadamard_columnwise=1)
     with pytest.raises(TypeError, match="x must be bfloat16 or float32"):
         pk.nvfp4_line_amax_bits(jnp.zeros((16, 32), jnp.float16))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        pk.nvfp4_line_amax_bits(jnp.zeros((32,), jnp.bfloat16))
     with pytest.raises(TypeError, match="reuse_input_tile must be a bool"):
         pk.MXFP8QuantizeConfig(reuse_input_tile=1)
     with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
