@@ -41,22 +41,20 @@ def on_gpu() -> bool:
 # yet: backend="auto" leaves them to the reference (backend="pallas" runs them) until their
 # `gpu` tests have passed on the H200. Entries are (format, block_shape) of `jq.quantize`'s
 # kernels or (format + "_grouped", block_shape) of the grouped quantizer's per-group kernel
-# paths (ops/grouped_quantize.py), or ("nvfp4_grouped_amax", (1, 16)): the grouped NVFP4
-# quantizer's per-group amaxes from `nvfp4_line_amax_bits` (`grouped_nvfp4_amax_on_kernel`),
-# added in stop 24 without a GPU at hand (its `gpu` test:
-# tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_line_amax_bits). Verified so far:
-# NVFP4's 16×16 weight blocks (2026-11-30) and NVFP4's grouped path (per-group global amaxes,
-# seeds and positions as per-line / per-block inputs of the quantize kernel, 2026-12-01), bit
-# for bit the reference (tests/jax_qtrain/test_grouped_quantize.py::
-# test_gpu_nvfp4_groups_on_the_kernel_*, tests/pallas_kernels/test_quantize.py::
-# test_gpu_nvfp4_grouped_bit_exact).
-_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = {("nvfp4_grouped_amax", (1, 16))}
+# paths (ops/grouped_quantize.py). Verified so far:
+# NVFP4's 16×16 weight blocks (2026-11-30), NVFP4's grouped path (per-group global amaxes, seeds
+# and positions as per-line / per-block inputs of the quantize kernel, 2026-12-01) and its
+# per-group amaxes from `nvfp4_line_amax_bits` (2026-12-01, stop 25), bit for bit the reference
+# (tests/jax_qtrain/test_grouped_quantize.py::test_gpu_nvfp4_groups_on_the_kernel_*,
+# tests/pallas_kernels/test_quantize.py::test_gpu_nvfp4_grouped_bit_exact and
+# ::test_gpu_nvfp4_line_amax_bits).
+_AWAITING_GPU_VERIFICATION: set[tuple[str, tuple[int, int]]] = set()
 
 
 def awaiting_gpu_verification(spec: QuantizerSpec, *, path: str = "") -> bool:
     """Whether the kernel path for `spec` still waits for its `gpu` tests on the H200 (see
     `_AWAITING_GPU_VERIFICATION`): `jq.quantize`'s kernel, or with `path` "grouped" the grouped
-    quantizer's, "grouped_amax" its per-group amaxes."""
+    quantizer's."""
     fmt = f"{spec.format}_{path}" if path else spec.format
     return (fmt, tuple(spec.block_shape)) in _AWAITING_GPU_VERIFICATION
 
@@ -213,13 +211,6 @@ def grouped_nvfp4_kernel_applies(spec: QuantizerSpec, dtype) -> bool:
         and on_gpu()
         and not awaiting_gpu_verification(spec, path="grouped")
     )
-
-
-def grouped_nvfp4_amax_on_kernel(spec: QuantizerSpec, backend: str) -> bool:
-    """Whether the grouped NVFP4 quantizer (already on the quantize kernel) takes its per-group
-    global amaxes from `nvfp4_line_amax_bits` (one pass over x) rather than jnp reductions:
-    under backend="pallas", and under "auto" once its `gpu` test has passed."""
-    return backend == "pallas" or not awaiting_gpu_verification(spec, path="grouped_amax")
 
 
 def nvfp4_line_amax_bits(aligned: jax.Array, spec: QuantizerSpec) -> tuple[jax.Array, jax.Array]:

@@ -317,8 +317,7 @@ def _assert_nvfp4_kernel_matches_reference(
     for rowwise, columnwise in copies:
         want = _nvfp4_groups(x, sizes, role, "reference", rowwise, columnwise)
         with _kernels_run_here():
-            # On the GPU through "auto" by default, so the dispatch to the kernel is tested too;
-            # "pallas" also takes the per-group amaxes from the kernel (line amaxes).
+            # On the GPU through "auto" by default, so the dispatch to the kernel is tested too.
             backend = gpu_backend if ON_GPU else "pallas"
             got = _nvfp4_groups(x, sizes, role, backend, rowwise, columnwise)
         assert len(got) == len(want)
@@ -342,9 +341,6 @@ def test_nvfp4_groups_on_the_kernel_equal_the_reference(role):
 def test_nvfp4_groups_run_the_kernel_under_auto_on_gpu_only():
     spec = RECIPES["nvfp4"].spec("grad")
     assert not kernels.awaiting_gpu_verification(spec, path="grouped")  # verified on the H200
-    # The per-group amaxes on the line-amax kernel: "pallas" only until its gpu test passes.
-    assert kernels.grouped_nvfp4_amax_on_kernel(spec, "pallas")
-    assert not kernels.grouped_nvfp4_amax_on_kernel(spec, "auto")
     assert kernels.grouped_nvfp4_kernel_applies(spec, jnp.bfloat16) == ON_GPU
     assert not kernels.grouped_nvfp4_kernel_applies(spec, jnp.float16)
     with pytest.raises(ValueError, match="grouped NVFP4 kernel path does not cover"):
@@ -361,7 +357,8 @@ def _gpu_nvfp4_matrix():
 @pytest.mark.parametrize("backend", ["auto", "pallas"])
 def test_gpu_nvfp4_groups_on_the_kernel_equal_the_reference(role, backend):
     # 8 uneven groups (one empty) of 16384 tokens × 512 features, 166 tokens past the groups.
-    # "pallas" also runs the per-group amaxes on the line-amax kernel (stop 24, awaiting this).
+    # Both backends run the per-group amaxes on the line-amax kernel (on "auto" since this and
+    # test_gpu_nvfp4_line_amax_bits passed on the H200, 2026-12-01).
     x = _gpu_nvfp4_matrix().copy()
     sizes = [3000, 1, 0, 2500, 4100, 17, 2900, 3700]
     x[sum(sizes) :] = 1e30

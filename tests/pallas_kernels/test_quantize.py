@@ -1434,8 +1434,8 @@ def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
 @gpu_cases
 @pytest.mark.parametrize("rht, dtype", [(True, jnp.bfloat16), (False, jnp.float32)])
 def test_gpu_nvfp4_line_amax_bits(rht, dtype):
-    # Added in stop 24 without a GPU run: the grouped quantizer uses it only under
-    # backend="pallas" until this passes (kernels._AWAITING_GPU_VERIFICATION).
+    # The grouped NVFP4 quantizer's per-group amaxes under backend="auto" on GPU since this
+    # passed on the H200 (2026-12-01, stop 25).
     for x in gpu_inputs(dtype, 5, 16):
         poison_device_memory(2 * x.size)
         check_nvfp4_line_amax_bits(x, rht, interpret=False)
