@@ -655,20 +655,33 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
                 a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend="reference"
             )
         )(*arg_sets[0])
-        # The library's path (dequantize kernels, then the 16-bit kernel), and the same with the
-        # dequantize kernels declined so that XLA dequantizes (the path before stop 17).
-        for label, xla_dequantize in (("dequantize kernels", False), ("XLA dequantize", True)):
-            declined = (
-                unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
-                if xla_dequantize
-                else contextlib.nullcontext()
-            )
-            with declined:
+        # The library's path (dequantize kernels, then the 16-bit kernel writing the tokens'
+        # order), the same with the kernel's output in the aligned layout and a gather after it
+        # (the path before stop 25), and with the dequantize kernels declined as well so that
+        # XLA dequantizes (the path before stop 17).
+        from jax_qtrain.ops import grouped_gemm
+
+        aligned_output = unittest.mock.patch.object(
+            grouped_gemm, "_token_order_values_gemm", lambda *a: None
+        )
+        xla_dequantize = unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
+        variants = (
+            ("dequantize kernels + pallas bf16, token-order output", ()),
+            ("dequantize kernels + pallas bf16, aligned output + gather", (aligned_output,)),
+            (
+                "XLA dequantize + pallas bf16, aligned output + gather",
+                (aligned_output, xla_dequantize),
+            ),
+        )
+        for label, patches in variants:
+            with contextlib.ExitStack() as declined:
+                for patch in patches:
+                    declined.enter_context(patch)
                 measure(
                     bench,
                     shape=shape,
                     op="fwd",
-                    impl=f"jax_qtrain {name} ({label} + pallas bf16)",
+                    impl=f"jax_qtrain {name} ({label})",
                     flops=flops,
                     fn=lambda a, b, s: jq.grouped_matmul(
                         a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=backend

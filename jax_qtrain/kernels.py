@@ -365,12 +365,33 @@ def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False):
     )
 
 
-def grouped_half_gemm(lhs, rhs, group_sizes, *, rhs_layout: str):
-    """float32 grouped GEMM of 16-bit operands: rhs (G, N, K) ("nk") or (G, K, N) ("kn")."""
+def grouped_half_gemm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    rhs_layout: str,
+    group_starts=None,
+    out_rows: int | None = None,
+    lhs_scale=None,
+    rhs_scale=None,
+):
+    """float32 grouped GEMM of 16-bit operands: rhs (G, N, K) ("nk") or (G, K, N) ("kn").
+    `group_starts` / `out_rows`: the kernel's packed output (groups read from their starts in
+    lhs, written in order); `lhs_scale` (M,) / `rhs_scale` (G,): float32 factors its epilogue
+    applies, lhs's first."""
     if jnp.dtype(lhs.dtype) not in _HALF or lhs.dtype != rhs.dtype:
         return None
     return _pallas().grouped_matmul(
-        lhs, rhs, group_sizes, out_dtype=jnp.float32, rhs_layout=rhs_layout
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=jnp.float32,
+        rhs_layout=rhs_layout,
+        group_starts=group_starts,
+        out_rows=out_rows,
     )
 
 

@@ -27,6 +27,12 @@ Computing the schedule in the kernel instead kept ``2 (G + 1)`` group bounds liv
 every thread and unrolled a ``G + 1``-way lookup per item: at 168 registers that
 spilled (ptxas, H200: 200 bytes for G = 8, ~1 KB for G = 64, none for G = 1) and ran
 the 8-group GEMM 5% (bf16) to 16% (FP8) slower than the same kernel with one group.
+
+With ``group_starts`` (a *packed* output) the groups' lhs rows need not be contiguous:
+group ``i`` reads rows ``[group_starts_i, group_starts_i + size_i)`` of lhs (e.g. the groups of
+an aligned layout, each padded to a block multiple) and its output rows are packed, at
+``sum(size_j, j < i)`` of an output with its own row count, whose tail is zero-filled; each
+visit then also carries the output row of its first row (a fifth column).
 """
 
 from __future__ import annotations
@@ -117,6 +123,9 @@ class RowTile:
     block_start: jax.Array  # first global row of the tile (multiple of tile_m)
     row_begin: jax.Array  # first row of this group inside the tile, relative to block_start
     num_rows: jax.Array  # rows of this group inside the tile (> 0 for every visit)
+    # Output row of the visit's first row, for a packed output (None: block_start +
+    # row_begin, the output rows are the lhs rows).
+    out_row: jax.Array | None = None
 
 
 def group_bounds(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -133,31 +142,62 @@ def group_bounds(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.stack([starts, ends], axis=1)
 
 
-def max_visits(num_rows: int, num_groups: int, tile_m: int) -> int:
-    """Upper bound on the row-tile visits of ``num_groups`` groups and the tail."""
-    return pl.cdiv(num_rows, tile_m) + num_groups
+def max_visits(num_rows: int, num_groups: int, tile_m: int, num_out_rows: int | None = None) -> int:
+    """Upper bound on the row-tile visits of ``num_groups`` groups and the tail; with
+    ``num_out_rows`` (a packed output) the tail's visits are counted in the output's rows."""
+    if num_out_rows is None:
+        return pl.cdiv(num_rows, tile_m) + num_groups
+    return pl.cdiv(num_rows, tile_m) + num_groups + pl.cdiv(num_out_rows, tile_m) + 1
 
 
-def visit_table(group_sizes: jax.Array, num_groups: int, num_rows: int, tile_m: int) -> jax.Array:
+def visit_table(
+    group_sizes: jax.Array,
+    num_groups: int,
+    num_rows: int,
+    tile_m: int,
+    *,
+    group_starts: jax.Array | None = None,
+    num_out_rows: int | None = None,
+) -> jax.Array:
     """The row-tile schedule as an int32 table (jnp, run by XLA before the kernel).
 
-    Shape ``(1 + max_visits(num_rows, num_groups, tile_m), 4)``. Row 0 holds
-    ``(visits of the real groups, visits of the tail, 0, 0)``; row ``1 + v`` holds visit
-    ``v``'s ``(group, block, row_begin, num_rows)`` (see :class:`RowTile`; group
-    ``num_groups`` is the tail; the tile index ``block``, not its first row, so that the
-    kernel's ``block * tile_m`` is provably a multiple of the tile, which Mosaic GPU's layout
-    inference needs for the TMA windows). Rows past the last visit are zeros and never read.
-    Group bounds are clamped as the module docstring says (:func:`group_bounds`).
+    Shape ``(1 + max_visits(...), C)``. Row 0 holds ``(visits of the real groups, visits of
+    the tail, 0, ...)``; row ``1 + v`` holds visit ``v``'s ``(group, block, row_begin,
+    num_rows)`` (see :class:`RowTile`; group ``num_groups`` is the tail; the tile index
+    ``block``, not its first row, so that the kernel's ``block * tile_m`` is provably a
+    multiple of the tile, which Mosaic GPU's layout inference needs for the TMA windows). Rows
+    past the last visit are zeros and never read. Group bounds are clamped as the module
+    docstring says (:func:`group_bounds`).
+
+    A packed output (``group_starts`` (G,) and ``num_out_rows`` given; C = 5): group g's
+    rows are lhs rows ``[group_starts[g], group_starts[g] + size_g)`` (starts clamped to
+    [0, num_rows]; sizes clamped against ``num_out_rows``), its output rows packed from
+    ``sum(size_j, j < g)``; the tail is ``[sum(sizes), num_out_rows)`` of the output, and its
+    "tiles" are output tiles. Column 4 is the output row of the visit's first row.
     """
-    bounds = group_bounds(group_sizes, num_rows)
-    # G + 1 (pseudo-)groups: the real ones, then the tail [end_{G-1}, M).
-    starts = jnp.concatenate([bounds[:, 0], bounds[-1:, 1]])
-    ends = jnp.concatenate([bounds[:, 1], jnp.full((1,), num_rows, jnp.int32)])
+    packed = group_starts is not None
+    if packed != (num_out_rows is not None):
+        raise ValueError("group_starts and num_out_rows go together (a packed output)")
     tile = jnp.int32(tile_m)
+    if packed:
+        out_bounds = group_bounds(group_sizes, num_out_rows)
+        sizes = out_bounds[:, 1] - out_bounds[:, 0]
+        in_starts = jnp.clip(group_starts.astype(jnp.int32), 0, num_rows)
+        total = out_bounds[-1:, 1]
+        # G + 1 (pseudo-)groups: the real ones in lhs rows, then the tail in output rows.
+        starts = jnp.concatenate([in_starts, total])
+        ends = jnp.concatenate([in_starts + sizes, jnp.full((1,), num_out_rows, jnp.int32)])
+        out_starts = jnp.concatenate([out_bounds[:, 0], total])
+    else:
+        bounds = group_bounds(group_sizes, num_rows)
+        # G + 1 (pseudo-)groups: the real ones, then the tail [end_{G-1}, M).
+        starts = jnp.concatenate([bounds[:, 0], bounds[-1:, 1]])
+        ends = jnp.concatenate([bounds[:, 1], jnp.full((1,), num_rows, jnp.int32)])
+        out_starts = starts
     visits = jnp.where(ends > starts, (ends + tile - 1) // tile - starts // tile, 0)
     last_visit = jnp.cumsum(visits)  # one past each (pseudo-)group's last visit
     first_visit = last_visit - visits
-    visit = jnp.arange(max_visits(num_rows, num_groups, tile_m), dtype=jnp.int32)
+    visit = jnp.arange(max_visits(num_rows, num_groups, tile_m, num_out_rows), dtype=jnp.int32)
     # The owner of visit v: the (pseudo-)groups whose visits all come before v.
     owner = jnp.sum(last_visit[None, :] <= visit[:, None], axis=1, dtype=jnp.int32)
     valid = owner <= num_groups
@@ -166,10 +206,12 @@ def visit_table(group_sizes: jax.Array, num_groups: int, num_rows: int, tile_m: 
     block_start = block * tile
     begin = jnp.maximum(starts[owner], block_start)
     stop = jnp.minimum(ends[owner], block_start + tile)
-    rows = jnp.stack([owner, block, begin - block_start, jnp.maximum(stop - begin, 0)], axis=1)
-    rows = jnp.where(valid[:, None], rows, 0)
-    header = jnp.stack([last_visit[num_groups - 1], visits[num_groups], 0, 0])[None]
-    return jnp.concatenate([header, rows]).astype(jnp.int32)
+    columns = [owner, block, begin - block_start, jnp.maximum(stop - begin, 0)]
+    if packed:
+        columns.append(begin - starts[owner] + out_starts[owner])
+    rows = jnp.where(valid[:, None], jnp.stack(columns, axis=1), 0)
+    header = [last_visit[num_groups - 1], visits[num_groups]] + [jnp.int32(0)] * (len(columns) - 2)
+    return jnp.concatenate([jnp.stack(header)[None], rows]).astype(jnp.int32)
 
 
 def visit_counts(table_gmem) -> tuple[jax.Array, jax.Array]:
@@ -178,13 +220,16 @@ def visit_counts(table_gmem) -> tuple[jax.Array, jax.Array]:
 
 
 def row_tile_for_visit(table_gmem, visit: jax.Array, tile_m: int) -> RowTile:
-    """Visit ``visit``'s group, tile and row range: four scalar loads from the table."""
+    """Visit ``visit``'s group, tile and row range: four scalar loads from the table (five for
+    a packed output's, whose table has the output row too)."""
     row = visit + 1
+    packed = table_gmem.shape[1] == 5
     return RowTile(
         group=table_gmem[row, 0],
         block_start=table_gmem[row, 1] * jnp.int32(tile_m),
         row_begin=table_gmem[row, 2],
         num_rows=table_gmem[row, 3],
+        out_row=table_gmem[row, 4] if packed else None,
     )
 
 
@@ -199,13 +244,15 @@ def store_row_range(
 
     ``values`` is (tile_m, cols) in registers, ``out_smem`` an untransformed
     (tile_m, cols) SMEM buffer and ``out_gmem_rows`` the GMEM window whose row 0 is
-    the tile's first row. TMA boxes have static sizes, so a run-time row count is
-    written as a sum of power-of-two row slabs (at most log2(tile_m) + 1 copies);
-    a full tile takes one copy. The copies are committed as a single bulk group.
+    the tile's first row, or for a packed output (``tile.out_row``) the visit's first
+    output row. TMA boxes have static sizes, so a run-time row count is written as a sum
+    of power-of-two row slabs (at most log2(tile_m) + 1 copies); a full tile takes one
+    copy. The copies are committed as a single bulk group.
     """
     out_smem[...] = values.astype(out_smem.dtype)
     plgpu.commit_smem()
     offset = tile.row_begin
+    packed = tile.out_row is not None
     slab = 1 << (tile_m.bit_length() - 1)  # largest power of two <= tile_m
     while slab >= 1:
         take = (tile.num_rows & slab) != 0
@@ -214,7 +261,7 @@ def store_row_range(
         def _copy_slab(offset=offset, slab=slab):
             plgpu.copy_smem_to_gmem(
                 out_smem.at[pl.ds(offset, slab)],
-                out_gmem_rows.at[pl.ds(offset, slab)],
+                out_gmem_rows.at[pl.ds(offset - tile.row_begin if packed else offset, slab)],
                 commit_group=False,
             )
 
@@ -253,18 +300,21 @@ def check_rank(name: str, array: jax.Array, rank: int) -> None:
         raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
 
 
-def check_group_sizes(group_sizes: jax.Array, num_groups: int | None) -> int:
-    """Validates ``group_sizes`` (int32 vector); returns the number of groups."""
-    check_rank("group_sizes", group_sizes, 1)
+def check_group_sizes(
+    group_sizes: jax.Array, num_groups: int | None, name: str = "group_sizes"
+) -> int:
+    """Validates ``group_sizes`` (or another per-group int32 vector, named ``name``); returns
+    the number of groups."""
+    check_rank(name, group_sizes, 1)
     if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(f"group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name}")
+        raise TypeError(f"{name} must be int32, got {jnp.dtype(group_sizes.dtype).name}")
     if num_groups is not None and group_sizes.shape[0] != num_groups:
         raise ValueError(
-            f"group_sizes must have length {num_groups} (the number of groups), "
+            f"{name} must have length {num_groups} (the number of groups), "
             f"got {group_sizes.shape[0]}"
         )
     if group_sizes.shape[0] < 1:
-        raise ValueError("group_sizes must have at least one group")
+        raise ValueError(f"{name} must have at least one group")
     return int(group_sizes.shape[0])
 
 

@@ -141,8 +141,14 @@ def ragged_rows_call(
     parts: RowKernelParts,
     interpret: bool,
     name: str,
+    group_starts: jax.Array | None = None,
+    num_out_rows: int | None = None,
 ) -> jax.Array:
-    """Runs a ragged-row kernel; returns ``out (num_rows, num_cols)``."""
+    """Runs a ragged-row kernel; returns ``out (num_rows, num_cols)``, or with ``group_starts``
+    (G,) and ``num_out_rows`` a packed ``out (num_out_rows, num_cols)``: group g reads lhs rows
+    from ``group_starts[g]`` and writes its rows after the previous groups' (see
+    grouped_matmul_common's module docstring)."""
+    packed = group_starts is not None
     tile_m, tile_n = schedule.tile_m, schedule.tile_n
     epi_tile_n = schedule.epi_tile_n
     num_epi_chunks = tile_n // epi_tile_n
@@ -244,27 +250,43 @@ def ragged_rows_call(
                     slices.append((window, prefetch_smem[i].at[consumer], barrier))
                 return slices
 
-            def store_chunk(chunk_values, slot: int, chunk_gmem, ctx: TileContext) -> None:
+            def store_chunk(chunk_values, slot: int, chunk_gmem, cols, ctx: TileContext) -> None:
+                """Stores one epilogue chunk: `chunk_gmem` is its GMEM window from the tile's
+                first row; a packed output's windows start at the visit's output row instead,
+                built from the chunk's columns `cols`."""
+                row_tile = ctx.row_tile
+
+                def packed_window(first_row):
+                    return out_gmem.at[pl.ds(first_row, tile_m)].at[:, cols]
+
                 def store_rows_of_group():
                     common.store_row_range(
                         chunk_values,
                         plain_out_smem.at[ctx.consumer, slot],
-                        chunk_gmem,
-                        ctx.row_tile,
+                        packed_window(row_tile.out_row) if packed else chunk_gmem,
+                        row_tile,
                         tile_m,
                     )
 
                 if not schedule.swizzled_epilogue:
                     store_rows_of_group()
                     return
-                whole_tile = ctx.row_tile.num_rows == tile_m
+                whole_tile = row_tile.num_rows == tile_m
+                if packed:
+                    # TMA writes a swizzled tile through GMEM's (8, ·)-tiled view: whole tiles
+                    # of a packed output go that way from rows that are multiples of 8 only.
+                    whole_tile = whole_tile & ((row_tile.out_row & 7) == 0)
 
                 @pl.when(whole_tile)
                 def _store_whole_tile():
                     swizzled = swizzled_out_smem.at[ctx.consumer, slot]
                     swizzled[...] = chunk_values.astype(out_dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(swizzled, chunk_gmem)
+                    if packed:
+                        window = packed_window(pl.multiple_of(row_tile.out_row, 8))
+                    else:
+                        window = chunk_gmem
+                    plgpu.copy_smem_to_gmem(swizzled, window)
 
                 pl.when(jnp.logical_not(whole_tile))(store_rows_of_group)
 
@@ -273,12 +295,10 @@ def ragged_rows_call(
                 rows = out_gmem.at[pl.ds(ctx.row_tile.block_start, tile_m)]
                 for chunk in range(num_epi_chunks):
                     plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
-                    store_chunk(
-                        values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n],
-                        chunk % num_buffers,
-                        rows.at[:, pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)],
-                        ctx,
-                    )
+                    chunk_values = values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n]
+                    cols = pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)
+                    chunk_gmem = None if packed else rows.at[:, cols]
+                    store_chunk(chunk_values, chunk % num_buffers, chunk_gmem, cols, ctx)
 
             def pipeline_state(loop_info: plgpu.NDLoopInfo):
                 """START on this CTA's first item, STOP on its last, STEADY between.
@@ -371,7 +391,7 @@ def ragged_rows_call(
     if schedule.profile_dir:
         # Ranges per consumer trace: two per item and one per tail tile, for the most items
         # one CTA can get, with room to spare; past that the trace is cut, not corrupted.
-        max_items = common.max_visits(num_rows, num_groups, tile_m) * num_col_items
+        max_items = common.max_visits(num_rows, num_groups, tile_m, num_out_rows) * num_col_items
         ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_n) + 8
         profile_args = dict(
             profile_space=ranges,
@@ -380,7 +400,7 @@ def ragged_rows_call(
         )
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
+        out_type=jax.ShapeDtypeStruct((num_out_rows if packed else num_rows, num_cols), out_dtype),
         grid=(schedule.num_sms // cluster_n,),
         grid_names=("sm",),
         num_threads=NUM_CONSUMERS + 1,
@@ -392,8 +412,16 @@ def ragged_rows_call(
         kernel_name=name,
         **cluster_args,
     )
-    visit_table = common.visit_table(group_sizes, num_groups, num_rows, tile_m)
-    return varying_like(kernel(visit_table, *operands), group_sizes, *operands)
+    visit_table = common.visit_table(
+        group_sizes,
+        num_groups,
+        num_rows,
+        tile_m,
+        group_starts=group_starts,
+        num_out_rows=num_out_rows,
+    )
+    extra_inputs = (group_starts,) if packed else ()
+    return varying_like(kernel(visit_table, *operands), group_sizes, *extra_inputs, *operands)
 
 
 def wgmma_zeros(shape: tuple[int, int]) -> jax.Array:

@@ -260,6 +260,8 @@ def grouped_matmul(
     rhs_scale: jax.Array | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
     rhs_layout: Literal["nk", "kn"] = "nk",
+    group_starts: jax.Array | None = None,
+    out_rows: int | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -274,11 +276,18 @@ def grouped_matmul(
       rhs_scale: optional f32 scale of rhs: (G,) per group or (G, N) per output column.
       out_dtype: bfloat16 or float32 (the accumulator is always f32).
       rhs_layout: "nk" (K-major, any dtype) or "kn" (16-bit dtypes only).
+      group_starts, out_rows: a packed output from groups with gaps between them (e.g. each
+        padded to a block multiple, as the quantized activations' aligned layout stores
+        them): group g's rows are lhs rows ``[group_starts[g], group_starts[g] + size_g)``
+        ((G,) int32, device values) and its output rows follow the previous groups' in an
+        (out_rows, N) output, rows past the groups zero (sizes clamped against out_rows).
+        Group g must end before group g + 1 starts; lhs rows past M read as zeros.
       config: tiling; defaults per dtype.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
-      (M, N) array of out_dtype; rows past sum(group_sizes) are zero.
+      (M, N) array of out_dtype ((out_rows, N) for a packed output); rows past
+      sum(group_sizes) are zero.
     """
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 3)
@@ -307,6 +316,7 @@ def grouped_matmul(
     if k_rhs != k:
         raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
     common.check_group_sizes(group_sizes, num_groups)
+    packed = _check_packed_output(group_starts, out_rows, num_groups)
     if lhs_scale is not None:
         common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
         if lhs_scale.shape not in ((), (num_rows,)):
@@ -447,6 +457,7 @@ def grouped_matmul(
         num_k_steps=pl.cdiv(k_p, tile_k),
         prefetches=tuple(prefetches),
     )
+    out_rows_p = common.round_up(max(out_rows, tile_m), 8) if packed else None
     out = driver.ragged_rows_call(
         group_sizes,
         operands,
@@ -458,10 +469,28 @@ def grouped_matmul(
         parts=parts,
         interpret=interpret,
         name="grouped_matmul_fp8" if is_fp8 else "grouped_matmul_bf16",
+        group_starts=group_starts,
+        num_out_rows=out_rows_p,
     )
-    if (rows_p, cols_p) != (num_rows, num_cols):
-        out = out[:num_rows, :num_cols]
+    result_rows = out_rows if packed else num_rows
+    if out.shape != (result_rows, num_cols):
+        out = out[:result_rows, :num_cols]
     return out
+
+
+def _check_packed_output(group_starts, out_rows, num_groups: int) -> bool:
+    """Whether `grouped_matmul` writes a packed output; its arguments checked."""
+    if (group_starts is None) != (out_rows is None):
+        raise ValueError(
+            "group_starts and out_rows go together (a packed output): got "
+            f"group_starts={'None' if group_starts is None else 'an array'}, out_rows={out_rows!r}"
+        )
+    if group_starts is None:
+        return False
+    common.check_group_sizes(group_starts, num_groups, name="group_starts")
+    if not isinstance(out_rows, int) or isinstance(out_rows, bool) or out_rows < 1:
+        raise ValueError(f"out_rows must be a positive int, got {out_rows!r}")
+    return True
 
 
 def _stage_bytes(config: GroupedMatmulConfig, lhs: jax.Array, rhs: jax.Array) -> int:

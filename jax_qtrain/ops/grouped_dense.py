@@ -120,9 +120,14 @@ def forward_operands(
     return qx, qw
 
 
-def quantized_fprop(qx: GroupedQuantizedTensor, qw: QuantizedTensor, layout: GroupLayout):
-    """float32 (P, N) forward GEMM of the quantized operands, in the aligned layout."""
-    return grouped_matmul_nt(qx, "rowwise", qw, "columnwise", layout, cols=qw.shape[1])
+def quantized_fprop(
+    qx: GroupedQuantizedTensor, qw: QuantizedTensor, layout: GroupLayout, *, token_order=False
+):
+    """float32 (P, N) forward GEMM of the quantized operands, in the aligned layout; with
+    `token_order`, (M, N) in the tokens' order (see `grouped_matmul_nt`)."""
+    return grouped_matmul_nt(
+        qx, "rowwise", qw, "columnwise", layout, cols=qw.shape[1], token_order=token_order
+    )
 
 
 def saved_operands(x, kernels, qx, qw, recipe: Recipe, *, save_original_input: bool):
@@ -159,9 +164,11 @@ def backward_gemms(
         if not isinstance(qx, GroupedQuantizedTensor):  # save_original_input: re-quantize
             qx = grouped_quantize(qx, recipe, "input", layout, rowwise=False, columnwise=True)
         in_features, out_features = saved_kernels.shape
-        dx = grouped_matmul_nt(qdy, "rowwise", saved_kernels, "rowwise", layout, cols=in_features)
+        dx = grouped_matmul_nt(
+            qdy, "rowwise", saved_kernels, "rowwise", layout, cols=in_features, token_order=True
+        )
         dw = grouped_matmul_wgrad(qx, qdy, layout, rows=in_features, cols=out_features)
-        return layout.from_aligned(dx), dw
+        return dx, dw
     if mode == "high_precision":
         x_values, kernel_values = saved_input, saved_kernels
     else:  # "dequantized"
@@ -220,7 +227,7 @@ def _grouped_dense_fwd(
         dtype=x.dtype,
         quantized_kernels=quantized_kernels,
     )
-    acc = layout.from_aligned(quantized_fprop(qx, qw, layout))
+    acc = quantized_fprop(qx, qw, layout, token_order=True)
     if bias is not None:
         acc = acc + group_bias_rows(bias, layout.row_group)
     saved_input, saved_kernels = saved_operands(x, kernels, qx, qw, recipe, save_original_input=soi)

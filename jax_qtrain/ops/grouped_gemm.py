@@ -188,28 +188,59 @@ def grouped_matmul_nt(
     layout: GroupLayout,
     *,
     cols: int,
+    token_order: bool = False,
 ) -> jax.Array:
-    """float32 fprop/dgrad GEMM in the aligned layout: (P, cols), row block g times expert g.
+    """float32 fprop/dgrad GEMM in the aligned layout: (P, cols), row block g times expert g;
+    with `token_order`, (M, cols) in the rows' original order instead (`layout.from_aligned`
+    of that: rows past the groups are zero), which the 16-bit kernel writes directly.
 
     `lhs_usage`'s copy of lhs is (P, C'), `rhs_usage`'s copy of the experts is (G, N', C'');
     the contraction runs over the shorter padded length (padding is zeros).
     """
     _check_same_format(lhs.spec, rhs.spec)
+
+    def in_order(aligned_out):
+        return layout.from_aligned(aligned_out) if token_order else aligned_out
+
     if pallas_dispatch.gemm_kernels_enabled():
         out = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols=cols)
         if out is not None:
-            return out
+            return in_order(out)
     a_values, a_factor = _activation_operand(lhs, lhs_usage)
     b_values, b_factor = _expert_operand(rhs, rhs_usage)
     depth = min(a_values.shape[1], b_values.shape[2])
-    out = _exact_values_gemm(
-        a_values[:, :depth],
-        b_values[:, :cols, :depth].astype(a_values.dtype),
-        layout.aligned_sizes,
-        _NT_RAGGED_ROWS,
-    )
-    return _apply_factors(
+    a_values = a_values[:, :depth]
+    b_values = b_values[:, :cols, :depth].astype(a_values.dtype)
+    if token_order:
+        out = _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, lhs.spec)
+        if out is not None:
+            return out
+    out = _exact_values_gemm(a_values, b_values, layout.aligned_sizes, _NT_RAGGED_ROWS)
+    out = _apply_factors(
         out, a_factor, b_factor, lambda f: layout.per_slot(f)[:, None], lhs.spec.format
+    )
+    return in_order(out)
+
+
+def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spec):
+    """The 16-bit kernel on exactly-dequantized (bf16) operands, reading each group's rows
+    from its aligned slots and writing them in token order (its packed output): no
+    `from_aligned` gather of the float32 result. The per-group factors (NVFP4's S_dec) are
+    applied in its epilogue, a's then b's as `_apply_factors` does. None where it does not
+    apply (kernels off, or values that are not bf16)."""
+    if a_values.dtype != jnp.bfloat16 or not pallas_dispatch.gemm_kernels_enabled():
+        return None
+    if spec.format == "fp8":  # (no bf16 values: FP8 runs its own kernel)
+        return None
+    return pallas_dispatch.grouped_half_gemm(
+        a_values,
+        b_values,
+        layout.group_sizes,
+        rhs_layout="nk",
+        group_starts=layout.aligned_starts,
+        out_rows=layout.num_rows,
+        lhs_scale=None if a_factor is None else layout.per_slot(a_factor),
+        rhs_scale=b_factor,
     )
 
 
@@ -427,5 +458,6 @@ def grouped_matmul(
             "rowwise" if transpose_rhs else "columnwise",
             layout,
             cols=cols,
+            token_order=True,
         )
-    return layout.from_aligned(out).astype(out_dtype)
+    return out.astype(out_dtype)

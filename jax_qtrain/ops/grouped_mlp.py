@@ -122,7 +122,7 @@ def _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, kept, config: _Groupe
     qa, qw2 = forward_operands(
         a_aligned, fc2, recipe, layout, save_original_input=soi, quantized_kernels=kept_fc2
     )
-    y = layout.from_aligned(quantized_fprop(qa, qw2, layout)).astype(config.out_dtype)
+    y = quantized_fprop(qa, qw2, layout, token_order=True).astype(config.out_dtype)
 
     saved_x, saved_fc1 = saved_operands(x, fc1, qx, qw1, recipe, save_original_input=soi)
     saved_a, saved_fc2 = saved_operands(None, fc2, qa, qw2, recipe, save_original_input=soi)

@@ -196,7 +196,7 @@ def _fsdp_grouped_dense_fwd(x, kernel_shard, bias, group_sizes, key, config: _Ex
             dtype=x.dtype,
             quantized_kernels=qw,
         )
-        acc = layout.from_aligned(quantized_fprop(qx, qw, layout))
+        acc = quantized_fprop(qx, qw, layout, token_order=True)
         row_group = layout.row_group
         saved_input = saved_input_operand(x, qx, config.mode, config.save_original_input)
     if bias is not None:
@@ -296,7 +296,7 @@ def _fsdp_grouped_mlp_fwd(
         qa, _ = forward_operands(
             a_aligned, None, recipe, layout, save_original_input=soi, quantized_kernels=qw2
         )
-        y = layout.from_aligned(quantized_fprop(qa, qw2, layout)).astype(hidden)
+        y = quantized_fprop(qa, qw2, layout, token_order=True).astype(hidden)
         h = layout.from_aligned(h_aligned)
         saved_x = saved_input_operand(x, qx, mode, soi)
         saved_a = saved_input_operand(None, qa, mode, soi)

@@ -34,7 +34,9 @@ def kernel_gemms():
                 yield
 
 
-def count_calls(monkeypatch, name):
+def count_calls(monkeypatch, name, keyword_log=None):
+    """Records whether each call of `kernels.<name>` ran a kernel (a bool per call); the
+    calls' keyword arguments go to `keyword_log` when given."""
     calls = []
     original = getattr(kernels, name)
 
@@ -42,6 +44,8 @@ def count_calls(monkeypatch, name):
     def counted(*args, **kwargs):
         out = original(*args, **kwargs)
         calls.append(out is not None)
+        if keyword_log is not None:
+            keyword_log.append(kwargs)
         return out
 
     monkeypatch.setattr(kernels, name, counted)
@@ -144,11 +148,23 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
     run = jax.jit(grouped_fwd_bwd, static_argnums=4)
     with kernels.gemm_backend("reference"):
         want = run(x, w, sizes, dy, recipe)
-    calls = {adapter: count_calls(monkeypatch, adapter) for adapter in set(expected)}
+    half_gemm_keywords = []
+    calls = {
+        adapter: count_calls(
+            monkeypatch, adapter, half_gemm_keywords if adapter == "grouped_half_gemm" else None
+        )
+        for adapter in set(expected)
+    }
     with kernel_gemms():
         got = run(x, w, sizes, dy, recipe)
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
+    if name in ("mxfp8", "nvfp4"):
+        # fprop and dgrad read the aligned layout and write the tokens' order (no gather).
+        packed = [kw.get("group_starts") is not None for kw in half_gemm_keywords]
+        assert packed == [True, True]
+        scaled = [kw.get("rhs_scale") is not None for kw in half_gemm_keywords]
+        assert scaled == [name == "nvfp4"] * 2  # NVFP4's S_dec in the kernel's epilogue
     assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 

@@ -269,6 +269,86 @@ def test_pipeline_variants_match_reference(wgmma_in_flight, epilogue_buffers, sw
     assert_close(out, ref_ragged_rows(f64(lhs), f64(rhs), sizes), rel=1e-5)
 
 
+def ref_packed_rows(lhs, rhs_nk, group_sizes, group_starts, out_rows) -> np.ndarray:
+    """The packed output in float64: group g reads lhs rows from group_starts[g], and its
+    output rows follow the previous groups'; rows past the groups are 0."""
+    lhs, rhs_nk = np.asarray(lhs, np.float64), np.asarray(rhs_nk, np.float64)
+    out = np.zeros((out_rows, rhs_nk.shape[1]))
+    for g, (start, end) in enumerate(clamped_bounds(group_sizes, out_rows)):
+        first = int(group_starts[g])
+        out[start:end] = lhs[first : first + end - start] @ rhs_nk[g].T
+    return out
+
+
+# (group sizes, their lhs starts, lhs rows, output rows): groups padded to multiples of 32 as
+# the aligned layout stores them (first), then arbitrary gaps, an output whose first rows of a
+# group are not multiples of 8, whole tiles at rows that are (64 + 64) or are not (5 + 64),
+# sizes clamped at the output's end, and an output with fewer rows than a tile.
+PACKED_CASES = {
+    "aligned_layout": ([37, 0, 90, 1], [0, 64, 64, 160], 192, 140),
+    "gaps_and_whole_tiles": ([64, 5, 64, 20], [0, 70, 80, 200], 260, 170),
+    "clamped_at_the_output_end": ([50, 80, 30], [0, 64, 160], 192, 100),
+    "output_shorter_than_a_tile": ([7, 0, 20], [0, 32, 32], 64, 40),
+}
+
+
+@pytest.mark.parametrize("swizzled_epilogue", [True, False])
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
+    sizes, starts, rows, out_rows = PACKED_CASES[case]
+    config = dataclasses.replace(TINY_FWD, swizzled_epilogue=swizzled_epilogue)
+    k_lhs, k_rhs = keys(2, seed=23)
+    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
+    # Rows in the gaps between groups are huge: any read of them shows in the output.
+    in_groups = np.zeros(rows, bool)
+    for start, size in zip(starts, sizes, strict=True):
+        in_groups[start : start + size] = True
+    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (len(sizes), 64, 128), jnp.float32).astype(BF16)
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+        config=config,
+        interpret=True,
+    )
+    assert out.shape == (out_rows, 64)
+    assert_close(out, ref_packed_rows(f64(lhs), f64(rhs), sizes, starts, out_rows), rel=1e-5)
+
+
+def test_packed_output_with_fp8_row_and_group_scales():
+    # The row scales are lhs rows' (read in lhs rows), the group scales per group.
+    sizes, starts, rows, out_rows = [37, 0, 90], [0, 64, 64], 160, 130
+    k = keys(4, seed=24)
+    lhs = random_fp8(k[0], (rows, 128), E4M3)
+    rhs = random_fp8(k[1], (3, 64, 128), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (rows,), jnp.float32, 0.5, 2.0)
+    rhs_scale = jax.random.uniform(k[3], (3,), jnp.float32, 0.5, 2.0)
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        jnp.asarray(sizes, jnp.int32),
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+        config=TINY_FWD_FP8,
+        interpret=True,
+    )
+    ref = ref_packed_rows(
+        f64(lhs) * f64(lhs_scale)[:, None],
+        f64(rhs) * f64(rhs_scale)[:, None, None],
+        sizes,
+        starts,
+        out_rows,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
 SCHEDULES = {
     "persistent": dict(persistent_pipeline=True),
     "cluster": dict(cluster_n=2),
@@ -790,6 +870,12 @@ CROSS_LOWERING_CASES = {
     "odd_shapes_bf16_fwd": (
         lambda a, b, g: grouped_matmul(a, b, g),
         (S((1001, 96), BF16), S((5, 380, 96), BF16), S((5,), jnp.int32)),
+    ),
+    # A packed output (the quantized activations' aligned layout: groups padded to 32 rows):
+    # whole tiles from output rows that are multiples of 8 through the swizzled epilogue.
+    "bf16_fwd_packed_output": (
+        lambda a, b, g, starts: grouped_matmul(a, b, g, group_starts=starts, out_rows=M),
+        (S((M + G * 32, K), BF16), S((G, N, K), BF16), SIZES, SIZES),
     ),
     "odd_shapes_bf16_fwd_kn": (
         lambda a, b, g: grouped_matmul(a, b, g, rhs_layout="kn"),

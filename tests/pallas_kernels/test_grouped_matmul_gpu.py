@@ -223,6 +223,44 @@ def test_gpu_swizzled_and_plain_epilogues_store_the_same_bits(out_dtype):
     )
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("operands", ["bf16", "fp8"])
+def test_gpu_packed_output_equals_the_aligned_output_gathered(operands, out_dtype):
+    # Groups padded to multiples of 32 rows (the aligned layout) written in token order:
+    # whole tiles from rows that are multiples of 8 (swizzled TMA) and from rows that are not
+    # (plain path), partial tiles, an empty group, a tail. Same bits as the kernel's aligned
+    # output gathered row by row, and the gap rows (huge) must reach no output.
+    sizes = np.array([1000, 0, 1717, 3, 1200, 64])
+    aligned = -(-sizes // 32) * 32
+    starts = np.concatenate([[0], np.cumsum(aligned)[:-1]])
+    rows, out_rows = int(aligned.sum()) + 64, int(sizes.sum()) + 50
+    k_lhs, k_rhs = keys(2, seed=29)
+    lhs = jax.random.normal(k_lhs, (rows, K_DIM), jnp.float32)
+    in_groups = np.zeros(rows, bool)
+    for start, size in zip(starts, sizes, strict=True):
+        in_groups[start : start + size] = True
+    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e4)
+    rhs = jax.random.normal(k_rhs, (len(sizes), N_DIM, K_DIM), jnp.float32)
+    dtype = BF16 if operands == "bf16" else E4M3
+    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
+    run = jax.jit(grouped_matmul, static_argnames=("out_dtype", "out_rows"))
+    packed = run(
+        lhs,
+        rhs,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=out_dtype,
+    )
+    aligned_out = run(lhs, rhs, jnp.asarray(aligned, jnp.int32), out_dtype=out_dtype)
+    token_rows = np.concatenate(
+        [np.arange(st, st + sz) for st, sz in zip(starts, sizes, strict=True)]
+    )
+    want = np.zeros((out_rows, N_DIM), np.float32)
+    want[: len(token_rows)] = np.asarray(aligned_out, np.float32)[token_rows]
+    np.testing.assert_array_equal(np.asarray(packed, np.float32), want)
+
+
 SCHEDULES = {
     "persistent": dict(persistent_pipeline=True),
     "cluster": dict(cluster_n=2),
