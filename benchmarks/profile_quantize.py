@@ -10,8 +10,8 @@ helpers), so the rest — amaxes, tables, padding, copies — has names.
         [--backend auto|pallas]
 
 writes DIR/profile_quantize.json and .md. `--backend pallas` runs kernel paths that still await
-their GPU verification (`jax_qtrain.kernels._AWAITING_GPU_VERIFICATION`), e.g. the grouped
-NVFP4 amaxes on `nvfp4_line_amax_bits`, to time them before they join "auto". Run with
+their GPU verification (`jax_qtrain.kernels._AWAITING_GPU_VERIFICATION`), to time them before
+they join "auto" (stop 25 timed the grouped NVFP4 amaxes on `nvfp4_line_amax_bits` so). Run with
 `XLA_FLAGS=--xla_gpu_enable_command_buffer=` to get each XLA kernel's jax op path in the
 tables. `--small` profiles a tiny shape on whatever device there is (a smoke test; on the CPU
 the trace has no GPU kernels).

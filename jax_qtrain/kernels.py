@@ -319,6 +319,23 @@ def gemm_kernels_enabled() -> bool:
     return backend == "pallas" or (backend == "auto" and on_gpu())
 
 
+# GEMM kernel paths that pass the interpreter and the H200 cross-lowering but have not run on a
+# GPU yet: under gemm_backend "auto" the ops keep their previous path, under "pallas" they take
+# these. "fp8_block_packed_output": the grouped block-FP8 GEMM writing the tokens' order from
+# the aligned layout (stop 25; its gpu test: tests/pallas_kernels/test_grouped_matmul_gpu.py::
+# test_gpu_block_fp8_packed_output_equals_the_aligned_output_gathered). The 16-bit and FP8
+# kernels' packed output passed its gpu tests on the H200 (2026-12-01).
+_GEMMS_AWAITING_GPU_VERIFICATION = {"fp8_block_packed_output"}
+
+
+def gemm_path_enabled(path: str) -> bool:
+    """Whether the ops run the GEMM kernel path `path`: kernels enabled, and the path verified
+    on the H200 (`_GEMMS_AWAITING_GPU_VERIFICATION`) or the backend "pallas"."""
+    if not gemm_kernels_enabled():
+        return False
+    return _gemm_backend.value == "pallas" or path not in _GEMMS_AWAITING_GPU_VERIFICATION
+
+
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -342,13 +359,23 @@ def grouped_fp8_gemm(lhs, lhs_row_scale, rhs, rhs_group_scale, group_sizes):
     )
 
 
-def grouped_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
+def grouped_fp8_block_gemm(
+    lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, group_starts=None, out_rows=None
+):
     """float32 DeepSeek-style block-FP8 grouped GEMM: lhs (M, K) in 1×128 blocks with scales
-    (M, K/128), rhs (G, N, K) in 128×128 blocks with scales (G, N/128, K/128)."""
+    (M, K/128), rhs (G, N, K) in 128×128 blocks with scales (G, N/128, K/128); `group_starts`
+    / `out_rows`: the kernel's packed output (see `grouped_half_gemm`)."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[1] % 128:
         return None
     return _pallas().grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, group_sizes, out_dtype=jnp.float32
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        group_sizes,
+        out_dtype=jnp.float32,
+        group_starts=group_starts,
+        out_rows=out_rows,
     )
 
 

@@ -457,7 +457,6 @@ def grouped_matmul(
         num_k_steps=pl.cdiv(k_p, tile_k),
         prefetches=tuple(prefetches),
     )
-    out_rows_p = common.round_up(max(out_rows, tile_m), 8) if packed else None
     out = driver.ragged_rows_call(
         group_sizes,
         operands,
@@ -470,7 +469,7 @@ def grouped_matmul(
         interpret=interpret,
         name="grouped_matmul_fp8" if is_fp8 else "grouped_matmul_bf16",
         group_starts=group_starts,
-        num_out_rows=out_rows_p,
+        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
     )
     result_rows = out_rows if packed else num_rows
     if out.shape != (result_rows, num_cols):
@@ -547,6 +546,8 @@ def grouped_matmul_fp8_block(
     group_sizes: jax.Array,
     *,
     out_dtype: jnp.dtype = jnp.bfloat16,
+    group_starts: jax.Array | None = None,
+    out_rows: int | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -563,6 +564,8 @@ def grouped_matmul_fp8_block(
       rhs_scale: (G, ceil(N/128), K/128) f32 scale_inv of each 128x128 block.
       group_sizes: (G,) int32.
       out_dtype: bfloat16 or float32.
+      group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s (lhs_scale
+        stays per lhs row).
       config: tiling; tile_k must be 128 and tile_n 128 (one rhs scale per consumer
         and K step).
       interpret: run the Pallas interpreter.
@@ -573,6 +576,7 @@ def grouped_matmul_fp8_block(
     if k % 128:
         raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
     common.check_group_sizes(group_sizes, num_groups)
+    packed = _check_packed_output(group_starts, out_rows, num_groups)
     common.check_shape("lhs_scale", lhs_scale, (num_rows, k // 128))
     common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
     if config is None:
@@ -699,7 +703,10 @@ def grouped_matmul_fp8_block(
         parts=parts,
         interpret=interpret,
         name="grouped_matmul_fp8_block",
+        group_starts=group_starts,
+        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
     )
-    if (rows_p, cols_p) != (num_rows, num_cols):
-        out = out[:num_rows, :num_cols]
+    result_rows = out_rows if packed else num_rows
+    if out.shape != (result_rows, num_cols):
+        out = out[:result_rows, :num_cols]
     return out

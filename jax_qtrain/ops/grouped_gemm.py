@@ -152,10 +152,12 @@ def _kernel_nt(
     rhs: QuantizedTensor,
     rhs_usage: Usage,
     layout: GroupLayout,
-    *,
     cols: int,
-) -> jax.Array | None:
-    """grouped_matmul_nt on a Pallas kernel, or None where none covers the operands."""
+    token_order: bool,
+) -> tuple[jax.Array, bool] | None:
+    """grouped_matmul_nt on a native FP8 kernel: (out, whether out is in token order), or None
+    where none covers the operands. The block-FP8 kernel writes the tokens' order itself when
+    asked (its packed output) and that path is enabled; the others write the aligned layout."""
     if not rhs.has_usage(rhs_usage):
         return None
     a_data, a_scale_inv, _ = lhs.copy(lhs_usage)
@@ -164,6 +166,7 @@ def _kernel_nt(
     if a_data.shape[1] != b_data.shape[2]:
         return None
     fmt = lhs.spec.format
+    packed = False
     if fmt == "fp8":  # per-group scales: one per row slot of lhs, one per expert of rhs
         out = pallas_dispatch.grouped_fp8_gemm(
             a_data, layout.per_slot(a_scale_inv), b_data, b_scale_inv, layout.aligned_sizes
@@ -172,12 +175,19 @@ def _kernel_nt(
         (1, 128),
         (128, 128),
     ):
+        packed = token_order and pallas_dispatch.gemm_path_enabled("fp8_block_packed_output")
+        rows = dict(group_starts=layout.aligned_starts, out_rows=layout.num_rows) if packed else {}
         out = pallas_dispatch.grouped_fp8_block_gemm(
-            a_data, a_scale_inv, b_data, b_scale_inv, layout.aligned_sizes
+            a_data,
+            a_scale_inv,
+            b_data,
+            b_scale_inv,
+            layout.group_sizes if packed else layout.aligned_sizes,
+            **rows,
         )
     else:
         return None
-    return None if out is None else out[:, :cols]
+    return None if out is None else (out[:, :cols], packed)
 
 
 def grouped_matmul_nt(
@@ -203,9 +213,10 @@ def grouped_matmul_nt(
         return layout.from_aligned(aligned_out) if token_order else aligned_out
 
     if pallas_dispatch.gemm_kernels_enabled():
-        out = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols=cols)
-        if out is not None:
-            return in_order(out)
+        on_kernel = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols, token_order)
+        if on_kernel is not None:
+            out, in_token_order = on_kernel
+            return out if in_token_order else in_order(out)
     a_values, a_factor = _activation_operand(lhs, lhs_usage)
     b_values, b_factor = _expert_operand(rhs, rhs_usage)
     depth = min(a_values.shape[1], b_values.shape[2])

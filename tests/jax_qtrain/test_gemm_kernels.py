@@ -148,23 +148,27 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
     run = jax.jit(grouped_fwd_bwd, static_argnums=4)
     with kernels.gemm_backend("reference"):
         want = run(x, w, sizes, dy, recipe)
-    half_gemm_keywords = []
+    keywords = {adapter: [] for adapter in set(expected)}
     calls = {
-        adapter: count_calls(
-            monkeypatch, adapter, half_gemm_keywords if adapter == "grouped_half_gemm" else None
-        )
-        for adapter in set(expected)
+        adapter: count_calls(monkeypatch, adapter, keywords[adapter]) for adapter in set(expected)
     }
     with kernel_gemms():
         got = run(x, w, sizes, dy, recipe)
+        block_fp8_packed = kernels.gemm_path_enabled("fp8_block_packed_output")
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
-    if name in ("mxfp8", "nvfp4"):
-        # fprop and dgrad read the aligned layout and write the tokens' order (no gather).
-        packed = [kw.get("group_starts") is not None for kw in half_gemm_keywords]
-        assert packed == [True, True]
-        scaled = [kw.get("rhs_scale") is not None for kw in half_gemm_keywords]
-        assert scaled == [name == "nvfp4"] * 2  # NVFP4's S_dec in the kernel's epilogue
+    # fprop and dgrad read the aligned layout and write the tokens' order (no gather after
+    # them): the 16-bit kernel on MXFP8 / NVFP4 values, and the block-FP8 kernel once its path
+    # is verified on the H200 (always in the interpreter, under backend "pallas").
+    packed_adapter = {"mxfp8": "grouped_half_gemm", "nvfp4": "grouped_half_gemm"}.get(name)
+    if name == "fp8_block":
+        packed_adapter = "grouped_fp8_block_gemm"
+    if packed_adapter is not None:
+        packed = [kw.get("group_starts") is not None for kw in keywords[packed_adapter]]
+        assert packed == [name != "fp8_block" or block_fp8_packed] * 2
+    if name in ("mxfp8", "nvfp4"):  # NVFP4's S_dec in the kernel's epilogue
+        scaled = [kw.get("rhs_scale") is not None for kw in keywords["grouped_half_gemm"]]
+        assert scaled == [name == "nvfp4"] * 2
     assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 

@@ -349,6 +349,31 @@ def test_packed_output_with_fp8_row_and_group_scales():
     assert_close(out, ref, rel=1e-5)
 
 
+def test_packed_output_of_the_block_fp8_kernel():
+    # Groups padded to 128 rows apart (the FP8-block recipe's token block); lhs_scale per lhs row.
+    sizes, starts, rows, out_rows = [37, 0, 90, 64], [0, 128, 128, 256], 384, 200
+    k = keys(4, seed=25)
+    lhs = random_fp8(k[0], (rows, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[1], (rows, 2), jnp.float32, 0.5, 2.0)
+    rhs = random_fp8(k[2], (4, 200, 256), E4M3)
+    rhs_scale = jax.random.uniform(k[3], (4, 2, 2), jnp.float32, 0.5, 2.0)
+    out = grouped_matmul_fp8_block(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+        config=TINY_BLOCK,
+        interpret=True,
+    )
+    lhs_dq = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+    rhs_dq = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+    assert_close(out, ref_packed_rows(lhs_dq, rhs_dq, sizes, starts, out_rows), rel=1e-5)
+
+
 SCHEDULES = {
     "persistent": dict(persistent_pipeline=True),
     "cluster": dict(cluster_n=2),
@@ -497,6 +522,53 @@ def test_visit_table_is_the_documented_schedule(sizes, num_rows, tile_m):
     assert not table[1 + len(expected) :].any()
 
 
+def python_packed_visits(group_sizes, group_starts, num_out_rows: int, tile_m: int):
+    """A packed output's schedule in plain Python: (group, tile index, row_begin, num_rows,
+    output row of the first row); groups' tiles in lhs rows, the tail's in output rows."""
+    bounds = clamped_bounds(group_sizes, num_out_rows)
+    pairs = zip(group_starts, bounds, strict=True)
+    ranges = [(first, first + end - start, start) for first, (start, end) in pairs]
+    total = bounds[-1][1]
+    ranges.append((total, num_out_rows, total))
+    visits = []
+    for group, (start, end, out_start) in enumerate(ranges):
+        if end <= start:
+            continue
+        for block in range(start // tile_m, -(-end // tile_m)):
+            lo, hi = max(start, block * tile_m), min(end, (block + 1) * tile_m)
+            visits.append((group, block, lo - block * tile_m, hi - lo, lo - start + out_start))
+    return visits
+
+
+@pytest.mark.parametrize(
+    "sizes, starts, num_rows, num_out_rows, tile_m",
+    [
+        ([37, 0, 90, 1], [0, 64, 64, 160], 192, 140, 64),  # the aligned layout, a tail
+        ([2048] * 8, [2048 * g for g in range(8)], 16384, 16384, 128),  # no gaps, no tail
+        ([50, 80, 30], [0, 64, 160], 192, 100, 64),  # clamped at the output's end
+        ([-3, 0, 0], [0, 0, 0], 64, 70, 64),  # only the tail
+    ],
+)
+def test_visit_table_of_a_packed_output(sizes, starts, num_rows, num_out_rows, tile_m):
+    table = np.asarray(
+        common.visit_table(
+            jnp.asarray(sizes, jnp.int32),
+            len(sizes),
+            num_rows,
+            tile_m,
+            group_starts=jnp.asarray(starts, jnp.int32),
+            num_out_rows=num_out_rows,
+        )
+    )
+    expected = python_packed_visits(sizes, starts, num_out_rows, tile_m)
+    group_visits = sum(1 for v in expected if v[0] < len(sizes))
+    max_visits = common.max_visits(num_rows, len(sizes), tile_m, num_out_rows)
+    assert table.shape == (1 + max_visits, 5)
+    assert table[0].tolist() == [group_visits, len(expected) - group_visits, 0, 0, 0]
+    assert [tuple(row) for row in table[1 : 1 + len(expected)].tolist()] == expected
+    assert not table[1 + len(expected) :].any()
+
+
 # ------------------------------------------------------------------------------- wgrad
 
 
@@ -574,6 +646,9 @@ def _bf16(shape):
     return jnp.zeros(shape, BF16)
 
 
+_SIZES2 = jnp.zeros((2,), jnp.int32)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "needle"),
     [
@@ -581,6 +656,41 @@ def _bf16(shape):
             lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((3,), jnp.int32)),
             ValueError,
             "group_sizes",
+        ),
+        # A packed output needs both group_starts and out_rows, well-formed.
+        (
+            lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), _SIZES2, out_rows=8),
+            ValueError,
+            "group_starts and out_rows go together",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)), _bf16((2, 16, 16)), _SIZES2, group_starts=_SIZES2, out_rows=0
+            ),
+            ValueError,
+            "out_rows must be a positive int",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)),
+                _bf16((2, 16, 16)),
+                _SIZES2,
+                group_starts=jnp.zeros((3,), jnp.int32),
+                out_rows=8,
+            ),
+            ValueError,
+            "group_starts must have length 2",
+        ),
+        (
+            lambda: grouped_matmul(
+                _bf16((8, 16)),
+                _bf16((2, 16, 16)),
+                _SIZES2,
+                group_starts=jnp.zeros((2,), jnp.float32),
+                out_rows=8,
+            ),
+            TypeError,
+            "group_starts must be int32",
         ),
         (
             lambda: grouped_matmul(_bf16((8, 16)), _bf16((2, 16, 16)), jnp.zeros((2,), jnp.int16)),
@@ -876,6 +986,12 @@ CROSS_LOWERING_CASES = {
     "bf16_fwd_packed_output": (
         lambda a, b, g, starts: grouped_matmul(a, b, g, group_starts=starts, out_rows=M),
         (S((M + G * 32, K), BF16), S((G, N, K), BF16), SIZES, SIZES),
+    ),
+    "fp8_block_fwd_packed_output": (
+        lambda a, sa, b, sb, g, starts: grouped_matmul_fp8_block(
+            a, sa, b, sb, g, group_starts=starts, out_rows=M, config=H200_BLOCK
+        ),
+        (*BLOCK_AVALS, SIZES),
     ),
     "odd_shapes_bf16_fwd_kn": (
         lambda a, b, g: grouped_matmul(a, b, g, rhs_layout="kn"),

@@ -261,6 +261,41 @@ def test_gpu_packed_output_equals_the_aligned_output_gathered(operands, out_dtyp
     np.testing.assert_array_equal(np.asarray(packed, np.float32), want)
 
 
+def test_gpu_block_fp8_packed_output_equals_the_aligned_output_gathered():
+    # The FP8-block recipe's layout: groups padded to 128 rows; lhs_scale per lhs row.
+    sizes = np.array([1000, 0, 1717, 3, 1200, 64])
+    aligned = -(-sizes // 128) * 128
+    starts = np.concatenate([[0], np.cumsum(aligned)[:-1]])
+    rows, out_rows = int(aligned.sum()), int(sizes.sum()) + 50
+    k = keys(4, seed=30)
+    lhs = random_fp8(k[0], (rows, K_DIM), E4M3)
+    lhs_scale = jax.random.uniform(k[1], (rows, K_DIM // 128), jnp.float32, 0.5, 2.0)
+    rhs = random_fp8(k[2], (len(sizes), N_DIM, K_DIM), E4M3)
+    rhs_scale = jax.random.uniform(
+        k[3], (len(sizes), -(-N_DIM // 128), K_DIM // 128), jnp.float32, 0.5, 2.0
+    )
+    run = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "out_rows"))
+    packed = run(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+    )
+    aligned_out = run(
+        lhs, lhs_scale, rhs, rhs_scale, jnp.asarray(aligned, jnp.int32), out_dtype=jnp.float32
+    )
+    token_rows = np.concatenate(
+        [np.arange(st, st + sz) for st, sz in zip(starts, sizes, strict=True)]
+    )
+    want = np.zeros((out_rows, N_DIM), np.float32)
+    want[: len(token_rows)] = np.asarray(aligned_out)[token_rows]
+    np.testing.assert_array_equal(np.asarray(packed), want)
+
+
 SCHEDULES = {
     "persistent": dict(persistent_pipeline=True),
     "cluster": dict(cluster_n=2),
