@@ -626,11 +626,12 @@ def forward_suite(
 
 
 def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend: str):
-    """MXFP8 and NVFP4 operands (already quantized: activations per group, each expert's weight
-    per expert) through `jax_qtrain.grouped_matmul`, which on the GPU dequantizes them exactly to
-    bf16 and runs the Pallas 16-bit kernel: issue 5's "≥ 0.95× XLA's dense bf16 GEMM" (the
-    "XLA dense bf16" row of the same run). Peer for the MX format: `jax.nn.scaled_dot_general`
-    (XLA's own MXFP8 dot, quantizing its bf16 operands itself) on the dense (M, K)·(K, N)."""
+    """MXFP8, NVFP4 and block-FP8 operands (already quantized: activations per group, each
+    expert's weight per expert) through `jax_qtrain.grouped_matmul`. On the GPU it dequantizes
+    the MX ones exactly to bf16 and runs the Pallas 16-bit kernel (issue 5's "≥ 0.95× XLA's
+    dense bf16 GEMM": the "XLA dense bf16" row of the same run), the block-FP8 ones on their
+    own kernel. Peer for the MX format: `jax.nn.scaled_dot_general` (XLA's own MXFP8 dot,
+    quantizing its bf16 operands itself) on the dense (M, K)·(K, N)."""
     if bench.over_budget():
         return
     import jax_qtrain as jq  # the library's public op; the suites above call the kernels directly
@@ -640,7 +641,48 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
     sets = random_operands(
         jax.random.key(zlib.crc32(f"{shape}/quantized".encode())), g, m, k, n, sizes
     )
-    for name, recipe in (("mxfp8", jq.MXFP8BlockScaling()), ("nvfp4", jq.NVFP4BlockScaling())):
+    from jax_qtrain.ops import grouped_gemm
+
+    # The stop-24 path of each: the kernel's output in the aligned layout, a gather after it.
+    aligned_output = unittest.mock.patch.object(
+        grouped_gemm, "_token_order_values_gemm", lambda *a: None
+    )
+    block_aligned_output = unittest.mock.patch.object(
+        jq.kernels, "gemm_path_enabled", lambda path: False
+    )
+    xla_dequantize = unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
+    # The block-FP8 packed output runs under "pallas" until verified on the H200 (kernels.
+    # _GEMMS_AWAITING_GPU_VERIFICATION); "auto" would time the gather path twice meanwhile.
+    block_packed_backend = "pallas" if backend == "auto" else backend
+    # (label, backend, patches) per recipe: the library's path first. MXFP8 / NVFP4: the
+    # dequantize kernels, then the 16-bit kernel writing the tokens' order; the same with the
+    # aligned output and a gather (before stop 25), and with XLA dequantizing (before stop 17).
+    # Block FP8: its native kernel, writing the tokens' order or the aligned layout.
+    suites = {
+        "mxfp8": jq.MXFP8BlockScaling(),
+        "nvfp4": jq.NVFP4BlockScaling(),
+        "fp8_block": jq.Float8BlockScaling(),
+    }
+    for name, recipe in suites.items():
+        if name == "fp8_block":
+            variants = (
+                ("block-FP8 kernel, token-order output", block_packed_backend, ()),
+                ("block-FP8 kernel, aligned output + gather", backend, (block_aligned_output,)),
+            )
+        else:
+            variants = (
+                ("dequantize kernels + pallas bf16, token-order output", backend, ()),
+                (
+                    "dequantize kernels + pallas bf16, aligned output + gather",
+                    backend,
+                    (aligned_output,),
+                ),
+                (
+                    "XLA dequantize + pallas bf16, aligned output + gather",
+                    backend,
+                    (aligned_output, xla_dequantize),
+                ),
+            )
 
         @jax.jit
         def quantized_operands(lhs, rhs, sizes, recipe=recipe):
@@ -655,36 +697,18 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
                 a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend="reference"
             )
         )(*arg_sets[0])
-        # The library's path (dequantize kernels, then the 16-bit kernel writing the tokens'
-        # order), the same with the kernel's output in the aligned layout and a gather after it
-        # (the path before stop 25), and with the dequantize kernels declined as well so that
-        # XLA dequantizes (the path before stop 17).
-        from jax_qtrain.ops import grouped_gemm
-
-        aligned_output = unittest.mock.patch.object(
-            grouped_gemm, "_token_order_values_gemm", lambda *a: None
-        )
-        xla_dequantize = unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
-        variants = (
-            ("dequantize kernels + pallas bf16, token-order output", ()),
-            ("dequantize kernels + pallas bf16, aligned output + gather", (aligned_output,)),
-            (
-                "XLA dequantize + pallas bf16, aligned output + gather",
-                (aligned_output, xla_dequantize),
-            ),
-        )
-        for label, patches in variants:
-            with contextlib.ExitStack() as declined:
+        for label, variant_backend, patches in variants:
+            with contextlib.ExitStack() as patched:
                 for patch in patches:
-                    declined.enter_context(patch)
+                    patched.enter_context(patch)
                 measure(
                     bench,
                     shape=shape,
                     op="fwd",
                     impl=f"jax_qtrain {name} ({label})",
                     flops=flops,
-                    fn=lambda a, b, s: jq.grouped_matmul(
-                        a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=backend
+                    fn=lambda a, b, s, be=variant_backend: jq.grouped_matmul(
+                        a, b, s, transpose_rhs=True, out_dtype=jnp.float32, backend=be
                     ),
                     arg_sets=arg_sets,
                     ref=ref,

@@ -13,8 +13,8 @@
 #                                      their variants timed in alternation ($AB_KERNELS, default
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
-#                                      ($PENDING_TESTS, a pytest -k expression) and the quantizers'
-#                                      profile under backend auto and pallas (profile_quantize)
+#                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
+#                                      and their timing (now: the grouped GEMMs' quantized section)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -79,18 +79,16 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The default -k is stop 24's pending path (the grouped NVFP4 amaxes on nvfp4_line_amax_bits,
-  # verified in stop 25); set PENDING_TESTS for the next one.
+  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
+  # stop 25's block-FP8 packed output (kernels._GEMMS_AWAITING_GPU_VERIFICATION), timed beside
+  # the stop-24 aligned output + gather by the quantized-operand section of the GEMM benchmark.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-line_amax or groups_on_the_kernel}" tests/pallas_kernels/test_quantize.py \
-    tests/jax_qtrain/test_grouped_quantize.py > "$OUT/gpu_pending_tests.log" 2>&1
+    -rfE -k "${PENDING_TESTS:-packed_output}" \
+    ${PENDING_FILES:-tests/pallas_kernels/test_grouped_matmul_gpu.py} > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  for backend in auto pallas; do
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "${BENCH_BUDGET:-120}" python3 -m \
-      benchmarks.profile_quantize --out "$OUT/profile_$backend" --backend "$backend" \
-      --recipes ${PROFILE_RECIPES:-nvfp4} 2>&1 | grep "µs a call"
-  done
+  timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.bench_grouped_matmul "$OUT/bench" 180 \
+    --sections=quantized 2>&1 | grep -E "^\| G8" | tee "$OUT/pending_bench.md"
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
