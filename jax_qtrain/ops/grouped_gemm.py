@@ -238,10 +238,11 @@ def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spe
     from its aligned slots and writing them in token order (its packed output): no
     `from_aligned` gather of the float32 result. The per-group factors (NVFP4's S_dec) are
     applied in its epilogue, a's then b's as `_apply_factors` does. None where it does not
-    apply (kernels off, or values that are not bf16)."""
+    apply (kernels off, values that are not bf16, or FP8, whose reference multiplies by the
+    product of its two factors rather than by one after the other)."""
     if a_values.dtype != jnp.bfloat16 or not pallas_dispatch.gemm_kernels_enabled():
         return None
-    if spec.format == "fp8":  # (no bf16 values: FP8 runs its own kernel)
+    if spec.format == "fp8":
         return None
     return pallas_dispatch.grouped_half_gemm(
         a_values,
