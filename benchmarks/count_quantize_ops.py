@@ -160,17 +160,23 @@ def mxfp8_rows() -> list[tuple[str, float]]:
 def nvfp4_rows() -> list[tuple[str, float]]:
     """1×16 blocks, bf16 input: each copy alone (the columnwise one with the Hadamard
     transform, as TransformerEngine quantizes activations / gradients), row+col, with and
-    without stochastic rounding; both arithmetic paths."""
+    without stochastic rounding; both arithmetic paths, and the lean one's stochastic rounding
+    decided on integers. The blocks unrolled (`loop_blocks=False`): a loop's body would count
+    once for all its trips."""
     out = []
-    for lean in (False, True):
-        config = pk.NVFP4QuantizeConfig(lean_arithmetic=lean)
+    arithmetics = {
+        "exact": dict(lean_arithmetic=False),
+        "lean": dict(lean_arithmetic=True),
+        "lean integer-sr": dict(lean_arithmetic=True, integer_stochastic_rounding=True),
+    }
+    for arithmetic, options in arithmetics.items():
+        config = pk.NVFP4QuantizeConfig(loop_blocks=False, **options)
         for rowwise, columnwise in ((True, False), (False, True), (True, True)):
             for stochastic in (False, True):
+                if "integer" in arithmetic and not stochastic:
+                    continue  # the same kernel as "lean"
                 copies = "+".join(c for c, w in (("row", rowwise), ("col+rht", columnwise)) if w)
-                name = (
-                    f"nvfp4 bfloat16 {'lean' if lean else 'exact'} {copies}"
-                    f"{' sr' if stochastic else ''}"
-                )
+                name = f"nvfp4 bfloat16 {arithmetic} {copies}{' sr' if stochastic else ''}"
 
                 fn = functools.partial(
                     nvfp4_fixed_amax,

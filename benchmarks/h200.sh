@@ -81,14 +81,18 @@ elif [[ $STAGE == quantize ]]; then
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
   # stop 25's block-FP8 packed output (kernels._GEMMS_AWAITING_GPU_VERIFICATION), timed beside
-  # the stop-24 aligned output + gather by the quantized-operand section of the GEMM benchmark.
+  # the stop-24 aligned output + gather by the quantized-operand section of the GEMM benchmark,
+  # and NVFP4's opt-in integer stochastic rounding (in the NVFP4 bit-exact cases), timed by
+  # quantize_ab against the default.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-packed_output}" \
-    ${PENDING_FILES:-tests/pallas_kernels/test_grouped_matmul_gpu.py} > "$OUT/gpu_pending_tests.log" 2>&1
+    -rfE -k "${PENDING_TESTS:-packed_output or (nvfp4 and bit_exact)}" ${PENDING_FILES:-\
+    tests/pallas_kernels/test_grouped_matmul_gpu.py tests/pallas_kernels/test_quantize.py} \
+    > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
   timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.bench_grouped_matmul "$OUT/bench" 180 \
     --sections=quantized 2>&1 | grep -E "^\| G8" | tee "$OUT/pending_bench.md"
+  timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel nvfp4_sr 2>&1 | tail -12
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }

@@ -67,6 +67,10 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     "lean, unrolled blocks (stops 22-23)": pk.NVFP4QuantizeConfig(loop_blocks=False),
     "lean, loop_blocks (default)": pk.NVFP4QuantizeConfig(),
     "lean, loop_blocks, steps_per_cta=4": pk.NVFP4QuantizeConfig(steps_per_cta=4),
+    # Stop 25 (opt-in): stochastic rounding decided on integers; rounding to nearest is unchanged.
+    "lean, loop_blocks, integer stochastic rounding": pk.NVFP4QuantizeConfig(
+        integer_stochastic_rounding=True
+    ),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

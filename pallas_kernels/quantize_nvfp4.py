@@ -95,16 +95,30 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         Hadamard col, 8192² bf16, in alternation, 1.57× faster with stochastic rounding (324
         vs 510 µs) and 1.04× without (211 vs 220). False: unrolled (required with
         `reuse_input_tile`, whose held stores cannot leave the loop).
+      integer_stochastic_rounding: decide stochastic rounding on integers
+        (`e2m1_stochastic_integer`): each element's random byte b, placed as (b + ½)/256 of a
+        grid step in fixed point (`byte_thresholds`), against the fraction bits of |x·enc|
+        itself (of |x·enc| + 1 below 1, whose rounding error breaks a tie), instead of a float
+        uniform against a float fraction. The same decisions, so the same bits (tested against
+        the reference in the interpreter); fewer operations per element (counted by
+        benchmarks/count_quantize_ops.py). Needs `lean_arithmetic`. Opt-in (stop 25): not yet
+        run or timed on a GPU.
     """
 
     lean_arithmetic: bool = True
     loop_blocks: bool = True
+    integer_stochastic_rounding: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("lean_arithmetic", "loop_blocks"):
+        for name in ("lean_arithmetic", "loop_blocks", "integer_stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.integer_stochastic_rounding and not self.lean_arithmetic:
+            raise ValueError(
+                "integer_stochastic_rounding=True needs lean_arithmetic=True (it replaces the "
+                "lean stochastic rounding's float comparison)"
+            )
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(
                 "reuse_input_tile=True needs loop_blocks=False: the codes held for the input "
@@ -230,6 +244,55 @@ def block_uniforms(row_words: jax.Array, col_steps: jax.Array, first_col: jax.Ar
     return jnp.concatenate([byte_uniforms(words, k) for k in range(4)], axis=1)
 
 
+_FRACTION_BITS = 22  # the fraction of a grid step in |p|'s mantissa (E2M1: half a binade)
+_FRACTION_MASK = (1 << _FRACTION_BITS) - 1
+
+
+def byte_thresholds(words: jax.Array, byte: int) -> jax.Array:
+    """Byte `byte` (0..3) b of each uint32 word as the threshold (b + ½)/256 of a grid step in
+    units of 2^-22 of it: (b << 14) | 2^13 (`e2m1_stochastic_integer` rounds up above it)."""
+    shift = _FRACTION_BITS - 8 - 8 * byte  # bit 0 of the byte → bit 14
+    moved = words << shift if shift > 0 else words >> -shift
+    return (moved & jnp.uint32(0xFF << (_FRACTION_BITS - 8))) | jnp.uint32(
+        1 << (_FRACTION_BITS - 9)
+    )
+
+
+def block_thresholds(row_words: jax.Array, col_steps: jax.Array, first_col: jax.Array) -> jax.Array:
+    """`block_uniforms`' random bytes as `byte_thresholds`, (lines, 16) uint32 in RPT1."""
+    words = mixed_word(row_words ^ (col_steps + first_col * jnp.uint32(_HASH_COL_FACTOR)))
+    return jnp.concatenate([byte_thresholds(words, k) for k in range(4)], axis=1)
+
+
+def e2m1_stochastic_integer(p: jax.Array, thresholds: jax.Array) -> jax.Array:
+    """`e2m1_stochastic(p, uniforms)` decided on integers, for non-NaN p: `thresholds` are the
+    uniforms' bytes as `byte_thresholds`.
+
+    E2M1's grid steps are half a binade from 1 up (0.5, 1, 2 in [1, 2), [2, 4), [4, 6]), so
+    for 1 ≤ a = min(|p|, 6) the lower neighbour's code is (bits(a) >> 22) − 252 and the
+    fraction (a − lower) / step is bits(a)'s low 22 bits over 2^22, exactly; up iff that is
+    above (b + ½)/256, i.e. above the threshold. Below 1 the step is 0.5 throughout: z = a + 1
+    is read the same way (codes 2 lower). z may round (a has bits below 2^-23), but rounding is
+    monotone and the thresholds are on z's grid, so only an exact tie z − 1 == threshold can
+    hide the true side, which the rounding error a − (z − 1) (exact: Fast2Sum) gives: a tie
+    rounds up iff the error is positive. a = 6 gives code 7 with fraction 0; a NaN p gives
+    garbage (the caller clears NaN blocks)."""
+    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
+    below_one = a < jnp.float32(1.0)
+    one = jnp.where(below_one, jnp.float32(1.0), jnp.float32(0.0))
+    z = a + one
+    rounded_down = jnp.where(a - (z - one) > jnp.float32(0.0), jnp.uint32(1), jnp.uint32(0))
+    z_bits = lax.bitcast_convert_type(z, jnp.uint32)
+    lower = (z_bits >> _FRACTION_BITS) - jnp.where(below_one, jnp.uint32(254), jnp.uint32(252))
+    fraction = z_bits & jnp.uint32(_FRACTION_MASK)
+    up = jnp.where(
+        fraction > thresholds,
+        jnp.uint32(1),
+        jnp.where(fraction == thresholds, rounded_down, jnp.uint32(0)),
+    )
+    return lower + up
+
+
 _TWO_POW_64 = np.float32(2.0**64)
 _MAGIC_FLOOR_BITS = (22 + 127) << 23  # 2^22, whose float32 ulp is 0.5
 
@@ -287,12 +350,14 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
 
 
 def quantize_block_lines(
-    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False
+    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False, thresholds=None
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
     row (16×16 blocks); default the row's own amax. `lean`: see
-    `NVFP4QuantizeConfig.lean_arithmetic`.
+    `NVFP4QuantizeConfig.lean_arithmetic`. Stochastic rounding takes `uniforms` (float), or
+    with lean arithmetic `thresholds` (`block_thresholds`, for
+    `NVFP4QuantizeConfig.integer_stochastic_rounding`).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None:
@@ -312,7 +377,12 @@ def quantize_block_lines(
     negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
         uniforms = plgpu.layout_cast(uniforms, layout)
-    if uniforms is None:
+    if thresholds is not None:
+        if not lean:
+            raise ValueError("thresholds (integer stochastic rounding) need lean=True")
+        # NaN blocks are cleared after packing, as below.
+        magnitude = e2m1_stochastic_integer(p, plgpu.layout_cast(thresholds, layout))
+    elif uniforms is None:
         magnitude = e2m1_nearest(p)
         if not lean:  # lean: NaN blocks are cleared after packing
             magnitude = jnp.where(qc.is_nan_bits(qc.abs_bits(p)), jnp.uint32(0), magnitude)
@@ -354,6 +424,7 @@ def _quantize_copy(
     position=None,
     lean=False,
     loop_blocks=False,
+    integer_stochastic_rounding=False,
     line_table=None,
     block_table=None,
 ):
@@ -373,8 +444,9 @@ def _quantize_copy(
 
     The blocks go in groups of `_BLOCKS_PER_STORE` (one 32-byte store of codes and one of
     scales per line each), unrolled, or with `loop_blocks` as a loop over the groups
-    (`NVFP4QuantizeConfig.loop_blocks`)."""
+    (`NVFP4QuantizeConfig.loop_blocks`). `integer_stochastic_rounding`: see the config."""
     t, s_dec = scalars
+    random_bits = block_thresholds if integer_stochastic_rounding else block_uniforms
     if line_table is not None:
         # Thread t gets its line's four words (a plain global load, like the 16×16 block
         # amaxes below).
@@ -420,7 +492,7 @@ def _quantize_copy(
                 v = pair[:, half * BLOCK : (half + 1) * BLOCK]
                 if hadamard:
                     v = hadamard16_lines(v)
-                uniforms = None
+                bits = None  # stochastic rounding's uniforms or thresholds
                 if block_table is not None:
                     # One group per 16 tokens: this block's t, S_dec, seed and first hashed
                     # column are the same for every line (uniform scalar loads).
@@ -429,7 +501,7 @@ def _quantize_copy(
                     s_dec = qc.f32_from_bits(block_table[block, _S_DEC])
                 if seed is not None:
                     if block_table is not None:
-                        uniforms = block_uniforms(
+                        bits = random_bits(
                             row_words ^ block_table[block, _SEED],
                             col_steps,
                             block_table[block, _POSITION],
@@ -438,12 +510,13 @@ def _quantize_copy(
                         first_col = (col0 + (first_block + b) * BLOCK).astype(jnp.uint32)
                         if position is not None:  # uint32 adds wrap, as the reference's do
                             first_col = first_col + position[1]
-                        uniforms = block_uniforms(row_words, col_steps, first_col)
+                        bits = random_bits(row_words, col_steps, first_col)
                 block_amax_bits = None
                 if line_amaxes is not None:
                     block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
+                uniforms, thresholds = (None, bits) if integer_stochastic_rounding else (bits, None)
                 packed, block_scale = quantize_block_lines(
-                    v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean
+                    v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean, thresholds=thresholds
                 )
                 packed_group.append(packed)
                 scales.append(qc.column(block_scale))
@@ -535,7 +608,11 @@ def _tile(
     stochastic,
 ):
     tm, tk = config.tile_m, config.tile_k
-    arithmetic = dict(lean=config.lean_arithmetic, loop_blocks=config.loop_blocks)
+    arithmetic = dict(
+        lean=config.lean_arithmetic,
+        loop_blocks=config.loop_blocks,
+        integer_stochastic_rounding=config.integer_stochastic_rounding,
+    )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])

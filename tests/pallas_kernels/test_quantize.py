@@ -361,10 +361,12 @@ NVFP4_EXACT = pk.NVFP4QuantizeConfig(lean_arithmetic=False)
 # The blocks unrolled over the tile (loop_blocks=True is the default since stop 24): the same bits.
 NVFP4_UNROLLED = pk.NVFP4QuantizeConfig(loop_blocks=False)
 NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic=False)
+# Stochastic rounding decided on integers (opt-in since stop 25): the same bits.
+NVFP4_INTEGER_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True)
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED])
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_INTEGER_SR])
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -410,6 +412,55 @@ def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
+    # e2m1_stochastic_integer (the byte against |p|'s fraction bits) against e2m1_stochastic
+    # (its uniform (b + 1/2)/256 against a float fraction) for every byte: grid values, the
+    # fraction exactly at each byte's threshold and one ulp either side (the ties), values
+    # below 1 whose + 1 rounds (bits under 2^-23) next to a threshold, the clip at 6, tiny and
+    # random magnitudes.
+    kernel_nvfp4 = importlib.import_module("pallas_kernels.quantize_nvfp4")
+    grid = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    steps = np.array([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0], np.float32)
+    byte_values = np.arange(256, dtype=np.float32)
+    at_thresholds = (
+        (grid[:-1, None] + steps[:, None] * (byte_values[None, :] + 0.5) / 256)
+        .astype(np.float32)
+        .ravel()
+    )
+    points = np.concatenate([grid, [7.0, 1e30, 2.0**-140, 2.0**-30, 1 - 2.0**-25], at_thresholds])
+    points = np.concatenate(
+        [points, np.nextafter(points, np.float32(0)), np.nextafter(points, np.float32(np.inf))]
+    )
+    rng = np.random.default_rng(1)
+    # Below 1 with bits under 2^-23 (a + 1 rounds): a threshold plus a sub-ulp offset.
+    below_one = at_thresholds[at_thresholds < 1]
+    points = np.concatenate(
+        [points, below_one + np.float32(2.0**-27), below_one - np.float32(2.0**-27)]
+    )
+    points = np.concatenate([points, rng.uniform(0, 6.5, 4000).astype(np.float32)])
+    p = jnp.asarray(np.concatenate([points, -points]).astype(np.float32))
+    words = jnp.asarray(rng.integers(0, 2**32, p.shape, dtype=np.uint64).astype(np.uint32))
+    for byte in range(4):
+        uniforms = kernel_nvfp4.byte_uniforms(words, byte)
+        thresholds = kernel_nvfp4.byte_thresholds(words, byte)
+        want = kernel_nvfp4.e2m1_stochastic(p, uniforms)
+        got = kernel_nvfp4.e2m1_stochastic_integer(p, thresholds)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"byte {byte}")
+    # Every byte against the same points (all thresholds of every binade, ties included).
+    for b in range(256):
+        word = jnp.full(p.shape, b, jnp.uint32)
+        want = kernel_nvfp4.e2m1_stochastic(p, kernel_nvfp4.byte_uniforms(word, 0))
+        got = kernel_nvfp4.e2m1_stochastic_integer(p, kernel_nvfp4.byte_thresholds(word, 0))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"b={b}")
+
+
+def test_nvfp4_integer_stochastic_rounding_needs_lean_arithmetic():
+    with pytest.raises(ValueError, match="integer_stochastic_rounding=True needs lean_arithmetic"):
+        pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True, lean_arithmetic=False)
+    with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
+        pk.NVFP4QuantizeConfig(integer_stochastic_rounding=1)
+
+
 # A shard's copies placed in a larger tensor: the rowwise copy's lines start at row 4096, the
 # columnwise copy's (x's columns) at 2^32 - 16 (uint32 positions wrap, as the reference's do).
 POSITIONS = (
@@ -424,6 +475,7 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     check_nvfp4(x, True, True, positions=POSITIONS)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_UNROLLED)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_INTEGER_SR)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -593,6 +645,7 @@ def test_nvfp4_line_amax_bits_interpret(rht, dtype, shape, config):
         (True, False, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED_EXACT),
+        (True, True, jnp.float32, NVFP4_INTEGER_SR),
     ],
 )
 def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
@@ -1389,6 +1442,8 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, NVFP4_UNROLLED, (1, 16)),
         (True, True, jnp.float32, NVFP4_UNROLLED_EXACT, (1, 16)),
         (False, True, jnp.bfloat16, NVFP4_UNROLLED, (16, 16)),
+        (True, True, jnp.bfloat16, NVFP4_INTEGER_SR, (1, 16)),  # written in stop 25, not run
+        (False, True, jnp.float32, NVFP4_INTEGER_SR, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -1415,6 +1470,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, PIPELINED["nvfp4"]),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
+        (True, True, jnp.bfloat16, NVFP4_INTEGER_SR),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
