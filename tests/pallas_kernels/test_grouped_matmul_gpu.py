@@ -223,6 +223,26 @@ def test_gpu_swizzled_and_plain_epilogues_store_the_same_bits(out_dtype):
     )
 
 
+# Packed outputs: groups of this split padded apart as the aligned layout stores them.
+PACKED_SIZES = np.array([1000, 0, 1717, 3, 1200, 64])
+
+
+def padded_groups(align: int) -> tuple[np.ndarray, np.ndarray]:
+    """(aligned sizes, group starts) of PACKED_SIZES padded to multiples of `align` rows."""
+    aligned = -(-PACKED_SIZES // align) * align
+    return aligned, np.concatenate([[0], np.cumsum(aligned)[:-1]])
+
+
+def gathered_in_token_order(aligned_out, starts, out_rows: int) -> np.ndarray:
+    """The kernel's aligned output, each group's rows gathered in token order, zeros after."""
+    token_rows = np.concatenate(
+        [np.arange(st, st + sz) for st, sz in zip(starts, PACKED_SIZES, strict=True)]
+    )
+    want = np.zeros((out_rows, aligned_out.shape[1]), np.float32)
+    want[: len(token_rows)] = np.asarray(aligned_out, np.float32)[token_rows]
+    return want
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
 @pytest.mark.parametrize("operands", ["bf16", "fp8"])
 def test_gpu_packed_output_equals_the_aligned_output_gathered(operands, out_dtype):
@@ -230,9 +250,8 @@ def test_gpu_packed_output_equals_the_aligned_output_gathered(operands, out_dtyp
     # whole tiles from rows that are multiples of 8 (swizzled TMA) and from rows that are not
     # (plain path), partial tiles, an empty group, a tail. Same bits as the kernel's aligned
     # output gathered row by row, and the gap rows (huge) must reach no output.
-    sizes = np.array([1000, 0, 1717, 3, 1200, 64])
-    aligned = -(-sizes // 32) * 32
-    starts = np.concatenate([[0], np.cumsum(aligned)[:-1]])
+    sizes = PACKED_SIZES
+    aligned, starts = padded_groups(32)
     rows, out_rows = int(aligned.sum()) + 64, int(sizes.sum()) + 50
     k_lhs, k_rhs = keys(2, seed=29)
     lhs = jax.random.normal(k_lhs, (rows, K_DIM), jnp.float32)
@@ -253,19 +272,14 @@ def test_gpu_packed_output_equals_the_aligned_output_gathered(operands, out_dtyp
         out_dtype=out_dtype,
     )
     aligned_out = run(lhs, rhs, jnp.asarray(aligned, jnp.int32), out_dtype=out_dtype)
-    token_rows = np.concatenate(
-        [np.arange(st, st + sz) for st, sz in zip(starts, sizes, strict=True)]
-    )
-    want = np.zeros((out_rows, N_DIM), np.float32)
-    want[: len(token_rows)] = np.asarray(aligned_out, np.float32)[token_rows]
+    want = gathered_in_token_order(aligned_out, starts, out_rows)
     np.testing.assert_array_equal(np.asarray(packed, np.float32), want)
 
 
 def test_gpu_block_fp8_packed_output_equals_the_aligned_output_gathered():
     # The FP8-block recipe's layout: groups padded to 128 rows; lhs_scale per lhs row.
-    sizes = np.array([1000, 0, 1717, 3, 1200, 64])
-    aligned = -(-sizes // 128) * 128
-    starts = np.concatenate([[0], np.cumsum(aligned)[:-1]])
+    sizes = PACKED_SIZES
+    aligned, starts = padded_groups(128)
     rows, out_rows = int(aligned.sum()), int(sizes.sum()) + 50
     k = keys(4, seed=30)
     lhs = random_fp8(k[0], (rows, K_DIM), E4M3)
@@ -288,11 +302,7 @@ def test_gpu_block_fp8_packed_output_equals_the_aligned_output_gathered():
     aligned_out = run(
         lhs, lhs_scale, rhs, rhs_scale, jnp.asarray(aligned, jnp.int32), out_dtype=jnp.float32
     )
-    token_rows = np.concatenate(
-        [np.arange(st, st + sz) for st, sz in zip(starts, sizes, strict=True)]
-    )
-    want = np.zeros((out_rows, N_DIM), np.float32)
-    want[: len(token_rows)] = np.asarray(aligned_out)[token_rows]
+    want = gathered_in_token_order(aligned_out, starts, out_rows)
     np.testing.assert_array_equal(np.asarray(packed), want)
 
 
