@@ -651,9 +651,6 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
         jq.kernels, "gemm_path_enabled", lambda path: False
     )
     xla_dequantize = unittest.mock.patch.object(jq.kernels, "dequantize_bf16", lambda *a: None)
-    # The block-FP8 packed output runs under "pallas" until verified on the H200 (kernels.
-    # _GEMMS_AWAITING_GPU_VERIFICATION); "auto" would time the gather path twice meanwhile.
-    block_packed_backend = "pallas" if backend == "auto" else backend
     # (label, backend, patches) per recipe: the library's path first. MXFP8 / NVFP4: the
     # dequantize kernels, then the 16-bit kernel writing the tokens' order; the same with the
     # aligned output and a gather (before stop 25), and with XLA dequantizing (before stop 17).
@@ -666,7 +663,7 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
     for name, recipe in suites.items():
         if name == "fp8_block":
             variants = (
-                ("block-FP8 kernel, token-order output", block_packed_backend, ()),
+                ("block-FP8 kernel, token-order output", backend, ()),
                 ("block-FP8 kernel, aligned output + gather", backend, (block_aligned_output,)),
             )
         else:

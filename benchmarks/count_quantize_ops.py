@@ -166,7 +166,7 @@ def nvfp4_rows() -> list[tuple[str, float]]:
     out = []
     arithmetics = {
         "exact": dict(lean_arithmetic=False),
-        "lean": dict(lean_arithmetic=True),
+        "lean": dict(lean_arithmetic=True, integer_stochastic_rounding=False),
         "lean integer-sr": dict(lean_arithmetic=True, integer_stochastic_rounding=True),
     }
     for arithmetic, options in arithmetics.items():

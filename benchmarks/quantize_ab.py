@@ -65,12 +65,12 @@ NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     NVFP4_BASELINE: pk.NVFP4QuantizeConfig(lean_arithmetic=False, loop_blocks=False),
     "lean, unrolled blocks (stops 22-23)": pk.NVFP4QuantizeConfig(loop_blocks=False),
-    "lean, loop_blocks (default)": pk.NVFP4QuantizeConfig(),
-    "lean, loop_blocks, steps_per_cta=4": pk.NVFP4QuantizeConfig(steps_per_cta=4),
-    # Stop 25 (opt-in): stochastic rounding decided on integers; rounding to nearest is unchanged.
-    "lean, loop_blocks, integer stochastic rounding": pk.NVFP4QuantizeConfig(
-        integer_stochastic_rounding=True
+    "lean, loop_blocks, float stochastic rounding (stops 24-25)": pk.NVFP4QuantizeConfig(
+        integer_stochastic_rounding=False
     ),
+    "lean, loop_blocks, steps_per_cta=4": pk.NVFP4QuantizeConfig(steps_per_cta=4),
+    # Stop 26's default: stochastic rounding decided on integers; rounding to nearest unchanged.
+    "lean, loop_blocks, integer stochastic rounding (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

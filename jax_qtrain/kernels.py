@@ -321,11 +321,10 @@ def gemm_kernels_enabled() -> bool:
 
 # GEMM kernel paths that pass the interpreter and the H200 cross-lowering but have not run on a
 # GPU yet: under gemm_backend "auto" the ops keep their previous path, under "pallas" they take
-# these. "fp8_block_packed_output": the grouped block-FP8 GEMM writing the tokens' order from
-# the aligned layout (stop 25; its gpu test: tests/pallas_kernels/test_grouped_matmul_gpu.py::
-# test_gpu_block_fp8_packed_output_equals_the_aligned_output_gathered). The 16-bit and FP8
-# kernels' packed output passed its gpu tests on the H200 (2026-12-01).
-_GEMMS_AWAITING_GPU_VERIFICATION = {"fp8_block_packed_output"}
+# these. Verified so far: the packed (token-order) output of the 16-bit and FP8 grouped kernels
+# and of the block-FP8 one ("fp8_block_packed_output", stop 26), bits equal to the aligned output
+# gathered (tests/pallas_kernels/test_grouped_matmul_gpu.py::test_gpu_*packed_output_*, 2026-12-01).
+_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = set()
 
 
 def gemm_path_enabled(path: str) -> bool:

@@ -99,18 +99,23 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         (`e2m1_stochastic_integer`): each element's random byte b, placed as (b + ½)/256 of a
         grid step in fixed point (`byte_thresholds`), against the fraction bits of |x·enc|
         itself (of |x·enc| + 1 below 1, whose rounding error breaks a tie), instead of a float
-        uniform against a float fraction. The same decisions, so the same bits (tested against
-        the reference in the interpreter); fewer operations per element (counted by
-        benchmarks/count_quantize_ops.py). Needs `lean_arithmetic`. Opt-in (stop 25): not yet
-        run or timed on a GPU.
+        uniform against a float fraction. The same decisions, so the same bits (the reference's
+        bits in the interpreter and on the H200); fewer operations per element (counted by
+        benchmarks/count_quantize_ops.py: 97.9 -> 85.9 for row + Hadamard col). None (the
+        default) means `lean_arithmetic`'s value: the default since stop 26 (2026-12-01), on
+        the H200 row + Hadamard col with stochastic rounding, bf16, in alternation, 1.11x
+        faster (8192²: 296.5 vs 331.5 µs; 16384x4096: 301.5 vs 334.7). True needs
+        `lean_arithmetic`; False keeps the lean float comparison.
     """
 
     lean_arithmetic: bool = True
     loop_blocks: bool = True
-    integer_stochastic_rounding: bool = False
+    integer_stochastic_rounding: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.integer_stochastic_rounding is None:  # frozen: resolved once, here
+            object.__setattr__(self, "integer_stochastic_rounding", self.lean_arithmetic)
         for name in ("lean_arithmetic", "loop_blocks", "integer_stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

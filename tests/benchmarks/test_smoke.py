@@ -132,14 +132,18 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_quantize_ab_nvfp4_runs_small(tmp_path):
-    # NVFP4 with stochastic rounding: the lean arithmetic, unrolled and in a loop (the default),
-    # checked bit for bit against the first kernel (NaN / Inf / tiny blocks too) before it is
-    # timed, in the interpreter.
+    # NVFP4 with stochastic rounding: the lean arithmetic, unrolled and in a loop, its decision
+    # in floats and on integers (the default), checked bit for bit against the first kernel
+    # (NaN / Inf / tiny blocks too) before it is timed, in the interpreter.
     from benchmarks import quantize_ab
 
     text = quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_sr")
     rows = json.loads((tmp_path / "quantize_ab_nvfp4_sr.json").read_text())
-    for variant in ("lean, unrolled blocks (stops 22-23)", "lean, loop_blocks (default)"):
+    for variant in (
+        "lean, unrolled blocks (stops 22-23)",
+        "lean, loop_blocks, float stochastic rounding (stops 24-25)",
+        "lean, loop_blocks, integer stochastic rounding (default)",
+    ):
         assert [r["bits"] for r in rows if r["variant"] == variant] == ["identical"]
     assert all(r["us"] > 0 for r in rows) and "NVFP4 (Hadamard on col, stochastic" in text
 

@@ -154,18 +154,16 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
     }
     with kernel_gemms():
         got = run(x, w, sizes, dy, recipe)
-        block_fp8_packed = kernels.gemm_path_enabled("fp8_block_packed_output")
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
     # fprop and dgrad read the aligned layout and write the tokens' order (no gather after
-    # them): the 16-bit kernel on MXFP8 / NVFP4 values, and the block-FP8 kernel once its path
-    # is verified on the H200 (always in the interpreter, under backend "pallas").
+    # them): the 16-bit kernel on MXFP8 / NVFP4 values, the block-FP8 kernel on its codes.
     packed_adapter = {"mxfp8": "grouped_half_gemm", "nvfp4": "grouped_half_gemm"}.get(name)
     if name == "fp8_block":
         packed_adapter = "grouped_fp8_block_gemm"
     if packed_adapter is not None:
         packed = [kw.get("group_starts") is not None for kw in keywords[packed_adapter]]
-        assert packed == [name != "fp8_block" or block_fp8_packed] * 2
+        assert packed == [True, True]
     if name in ("mxfp8", "nvfp4"):  # NVFP4's S_dec in the kernel's epilogue
         scaled = [kw.get("rhs_scale") is not None for kw in keywords["grouped_half_gemm"]]
         assert scaled == [name == "nvfp4"] * 2

@@ -361,12 +361,13 @@ NVFP4_EXACT = pk.NVFP4QuantizeConfig(lean_arithmetic=False)
 # The blocks unrolled over the tile (loop_blocks=True is the default since stop 24): the same bits.
 NVFP4_UNROLLED = pk.NVFP4QuantizeConfig(loop_blocks=False)
 NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic=False)
-# Stochastic rounding decided on integers (opt-in since stop 25): the same bits.
-NVFP4_INTEGER_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True)
+# The lean float comparison for stochastic rounding (the default before stop 26, which decides
+# it on integers): the same bits.
+NVFP4_FLOAT_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False)
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_INTEGER_SR])
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR])
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -454,7 +455,10 @@ def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"b={b}")
 
 
-def test_nvfp4_integer_stochastic_rounding_needs_lean_arithmetic():
+def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
+    assert pk.NVFP4QuantizeConfig().integer_stochastic_rounding is True
+    assert pk.NVFP4QuantizeConfig(lean_arithmetic=False).integer_stochastic_rounding is False
+    assert pk.NVFP4QuantizeConfig() == pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True)
     with pytest.raises(ValueError, match="integer_stochastic_rounding=True needs lean_arithmetic"):
         pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True, lean_arithmetic=False)
     with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
@@ -475,7 +479,7 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     check_nvfp4(x, True, True, positions=POSITIONS)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_UNROLLED)
-    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_INTEGER_SR)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_FLOAT_SR)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -645,7 +649,7 @@ def test_nvfp4_line_amax_bits_interpret(rht, dtype, shape, config):
         (True, False, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED_EXACT),
-        (True, True, jnp.float32, NVFP4_INTEGER_SR),
+        (True, True, jnp.float32, NVFP4_FLOAT_SR),
     ],
 )
 def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
@@ -1442,8 +1446,8 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, NVFP4_UNROLLED, (1, 16)),
         (True, True, jnp.float32, NVFP4_UNROLLED_EXACT, (1, 16)),
         (False, True, jnp.bfloat16, NVFP4_UNROLLED, (16, 16)),
-        (True, True, jnp.bfloat16, NVFP4_INTEGER_SR, (1, 16)),  # written in stop 25, not run
-        (False, True, jnp.float32, NVFP4_INTEGER_SR, (16, 16)),
+        (True, True, jnp.bfloat16, NVFP4_FLOAT_SR, (1, 16)),
+        (False, True, jnp.float32, NVFP4_FLOAT_SR, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -1470,7 +1474,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, PIPELINED["nvfp4"]),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
-        (True, True, jnp.bfloat16, NVFP4_INTEGER_SR),
+        (True, True, jnp.bfloat16, NVFP4_FLOAT_SR),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
