@@ -79,11 +79,11 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # stop 25's block-FP8 packed output (kernels._GEMMS_AWAITING_GPU_VERIFICATION), timed beside
-  # the stop-24 aligned output + gather by the quantized-operand section of the GEMM benchmark,
-  # and NVFP4's opt-in integer stochastic rounding (in the NVFP4 bit-exact cases), timed by
-  # quantize_ab against the default.
+  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults: the
+  # last ones (stop 25's block-FP8 packed output and NVFP4 integer stochastic rounding, verified
+  # in stop 26 and now the defaults): the packed-output and NVFP4 bit-exact cases, the GEMM
+  # benchmark's quantized-operand section (packed vs aligned + gather) and quantize_ab's NVFP4
+  # stochastic-rounding variants. Point PENDING_TESTS / PENDING_FILES at the next path.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
     -rfE -k "${PENDING_TESTS:-packed_output or (nvfp4 and bit_exact)}" ${PENDING_FILES:-\
     tests/pallas_kernels/test_grouped_matmul_gpu.py tests/pallas_kernels/test_quantize.py} \
