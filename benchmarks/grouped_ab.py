@@ -19,6 +19,10 @@ for the run's clocks) are timed batch by batch in alternation
 * ``defaults``: each kernel's default config against its wgmma-overlap and pipeline-depth
   neighbours (after the visit-table change, where single sweeps ranked them differently),
   the balanced shape and the dense block-FP8 GEMM only;
+* ``block_tiles``: block FP8 only (G8 balanced and the dense 8192³ GEMM): the default CTA
+  tile of 64 x (2 x 128) against 128 x (2 x 64), whose 128x128 tiles read a fifth less lhs +
+  rhs per product (32 instead of 40 KB per 2 M multiply-adds and K step) for the same
+  accumulator registers, with a wgmma in flight, the persistent pipeline and 2-CTA clusters;
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -26,7 +30,7 @@ for the run's clocks) are timed batch by batch in alternation
   skewed G8 shapes.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
-        [--variants epilogue|schedule|grouping|defaults|wgrad]
+        [--variants epilogue|schedule|grouping|defaults|block_tiles|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -54,6 +58,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
     DEFAULT_FP8_CONFIG,
     GroupedMatmulConfig,
+    fit_fp8_block_config,
     fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
@@ -136,11 +141,29 @@ def default_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConf
     return variants
 
 
+def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMatmulConfig]:
+    """Block FP8's default config, its persistent pipeline, and 128 x (2 x 64) CTA tiles alone,
+    with a wgmma in flight, the persistent pipeline or 2-CTA clusters, each fitted to shared
+    memory for contraction size k (bf16 output)."""
+    replace = dataclasses.replace
+    tall = replace(config, tile_m=128, tile_n=64)
+    variants = {
+        "default": config,
+        "default, persistent": replace(config, persistent_pipeline=True),
+        "128x(2x64)": tall,
+        "128x(2x64), 1 in flight": replace(tall, wgmma_in_flight=1),
+        "128x(2x64), persistent": replace(tall, persistent_pipeline=True),
+        "128x(2x64), cluster 2": replace(tall, cluster_n=2),
+    }
+    return {name: fit_fp8_block_config(c, k, BF16) for name, c in variants.items()}
+
+
 VARIANT_SETS = {
     "epilogue": epilogue_variants,
     "schedule": schedule_variants,
     "grouping": None,  # not config variants: see grouping_cases
     "defaults": default_variants,
+    "block_tiles": block_tile_variants,  # block FP8 only (takes k)
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -335,16 +358,50 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants == "defaults":
+    if variants in ("defaults", "block_tiles"):
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
             block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
+    block_only = variants == "block_tiles"
+
+    def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
+        if block_only:
+            return variant_configs(block_config, k)
+        return variant_configs(block_config)
+
+    def run_block_case(shape, g, m, k, n, flops, sets, xla_dense) -> None:
+        block_sets = [
+            (
+                x["lhs8"],
+                jnp.ones((m, k // 128), jnp.float32),
+                x["rhs8"],
+                jnp.ones((g, n // 128, k // 128), jnp.float32),
+                x["sizes"],
+            )
+            for x in sets
+        ]
+        candidates = {
+            f"fp8 block {name}": (
+                jax.jit(
+                    lambda a, sa, b, sb, s, c=c: grouped_matmul_fp8_block(
+                        a, sa, b, sb, s, config=c, interpret=interpret
+                    )
+                ),
+                block_sets,
+            )
+            for name, c in block_variants(k).items()
+        }
+        run_case(f"{shape} fwd fp8 block", flops, {**candidates, "XLA dense bf16": xla_dense})
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         flops = 2 * m * k * n
         sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
         xla_dense = xla_dense_yardstick(sets)
+        if block_only:
+            run_block_case(shape, g, m, k, n, flops, sets, xla_dense)
+            del sets, xla_dense
+            continue
         candidates = {
             f"bf16 {name}": (
                 jax.jit(
@@ -375,29 +432,8 @@ def main(
             for name, c in variant_configs(fp8_config).items()
         }
         run_case(f"{shape} fwd fp8 rowwise", flops, {**candidates, "XLA dense bf16": xla_dense})
-        block_sets = [
-            (
-                x["lhs8"],
-                jnp.ones((m, k // 128), jnp.float32),
-                x["rhs8"],
-                jnp.ones((g, n // 128, k // 128), jnp.float32),
-                x["sizes"],
-            )
-            for x in sets
-        ]
-        candidates = {
-            f"fp8 block {name}": (
-                jax.jit(
-                    lambda a, sa, b, sb, s, c=c: grouped_matmul_fp8_block(
-                        a, sa, b, sb, s, config=c, interpret=interpret
-                    )
-                ),
-                block_sets,
-            )
-            for name, c in variant_configs(block_config).items()
-        }
-        run_case(f"{shape} fwd fp8 block", flops, {**candidates, "XLA dense bf16": xla_dense})
-        del sets, block_sets, candidates, xla_dense
+        run_block_case(shape, g, m, k, n, flops, sets, xla_dense)
+        del sets, candidates, xla_dense
 
     size = dense_size
     if not size:  # the grouping and wgrad cases have no dense block-FP8 part
@@ -417,7 +453,7 @@ def main(
             ),
             [(a8, a_scale, b8, b_scale)],
         )
-        for name, c in variant_configs(block_config).items()
+        for name, c in block_variants(size).items()
     }
     candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [(a16, b16)])
     run_case(f"dense {size}^3", 2 * size**3, candidates)

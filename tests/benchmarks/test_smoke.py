@@ -66,6 +66,22 @@ def test_grouped_ab_runs_small(tmp_path):
         grouped_ab.main(str(tmp_path), small=True, variants="tiles")
 
 
+def test_grouped_ab_block_tile_variants_fit_shared_memory():
+    # The block_tiles set (timed on the H200 only: each interpreted variant costs CI minutes).
+    import jax.numpy as jnp
+
+    from benchmarks import grouped_ab
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    for k in (4096, 8192):
+        variants = grouped_ab.block_tile_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
+        assert list(variants)[:2] == ["default", "default, persistent"]
+        for name, config in variants.items():
+            assert (config.tile_m, config.tile_n) == ((128, 64) if "128x" in name else (64, 128))
+            stage, scales = fwd._block_stage_bytes(config), fwd._block_scale_bytes(config, k)
+            assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
+
+
 @pytest.mark.slow
 def test_grouped_ab_wgrad_runs_small(tmp_path):
     # The token-major wgrad configs and the K-major default in the interpreter, each checked

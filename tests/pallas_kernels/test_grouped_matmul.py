@@ -247,6 +247,51 @@ def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
     assert_close(out, ref, rel=1e-5)
 
 
+# 128-row tiles, 64 columns per consumer: both consumers of a CTA share one 128-column rhs
+# scale block; N = 320 ends in a half block (cols 256..319) and a padded consumer.
+TALL_BLOCK = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64)
+
+
+@pytest.mark.parametrize("wgmma_in_flight", [0, 1])
+def test_fp8_block_tall_tiles_match_dequantized_reference(wgmma_in_flight):
+    config = dataclasses.replace(TALL_BLOCK, wgmma_in_flight=wgmma_in_flight)
+    sizes = jnp.asarray([37, 0, 150, 60], jnp.int32)
+    k = keys(4, seed=41)
+    lhs = random_fp8(k[0], (300, 256), E4M3)
+    rhs = random_fp8(k[1], (4, 320, 256), E4M3)
+    # Scales far apart per column block, so a consumer reading its neighbour's block fails.
+    lhs_scale = jax.random.uniform(k[2], (300, 2), jnp.float32, 2.0**-4, 2.0**4)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (4, 3, 2), -6, 7).astype(jnp.float32)
+    out = grouped_matmul_fp8_block(
+        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
+    )
+    ref = ref_ragged_rows(
+        dequant_fp8_block(lhs, lhs_scale, 1, 128),
+        dequant_fp8_block(rhs, rhs_scale, 128, 128),
+        sizes,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_block_dense_tall_tiles_and_bad_tile_n():
+    k = keys(4, seed=42)
+    lhs8 = random_fp8(k[0], (200, 256), E4M3)
+    rhs8 = random_fp8(k[1], (192, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (200, 2), jnp.float32, 0.5, 2.0)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (2, 2), -6, 7).astype(jnp.float32)
+    config = dataclasses.replace(TALL_BLOCK, persistent_pipeline=True)
+    out = dense_matmul_fp8_block(
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32, config=config, interpret=True
+    )
+    ref = (
+        dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
+    )
+    assert_close(out, ref, rel=1e-5)
+    wide = dataclasses.replace(TINY_BLOCK, tile_n=256)
+    with pytest.raises(ValueError, match="tile_n=128 or 64, got tile_k=128, tile_n=256"):
+        dense_matmul_fp8_block(lhs8, lhs_scale, rhs8, rhs_scale, config=wide, interpret=True)
+
+
 @pytest.mark.parametrize(
     ("wgmma_in_flight", "epilogue_buffers", "swizzled_epilogue"),
     [(1, 1, True), (1, 2, True), (0, 1, True), (0, 2, False)],
@@ -1052,6 +1097,13 @@ CROSS_LOWERING_CASES = {
             sb,
             g,
             config=dataclasses.replace(H200_BLOCK, persistent_pipeline=True, cluster_n=2),
+        ),
+        BLOCK_AVALS,
+    ),
+    # 128 x (2 x 64) CTA tiles (stop 26's block_tiles A/B), a wgmma in flight: 3 f32 tiles.
+    "fp8_block_fwd_tall_tiles": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a, sa, b, sb, g, config=dataclasses.replace(H200_BLOCK, tile_m=128, tile_n=64)
         ),
         BLOCK_AVALS,
     ),

@@ -16,6 +16,8 @@ Error bounds, as max |out - ref| / max |ref| with ref in float64 on the same
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ import pytest
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
+    fit_fp8_block_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
@@ -108,10 +111,16 @@ def test_gpu_fp8_block_forward():
         epi_tile_n=64,
         wgmma_in_flight=1,
     )
-    out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
-        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=overlapped
-    )
-    assert_close(out, ref, rel=1e-3)
+    # 128 x (2 x 64) CTA tiles: both consumers of a CTA read one 128-column rhs scale block.
+    # (Fitted: 128-row f32 epilogue buffers leave room for fewer stages.)
+    tall = dataclasses.replace(overlapped, tile_m=128, tile_n=64)
+    tall_no_overlap = dataclasses.replace(tall, wgmma_in_flight=0)
+    tall_configs = [fit_fp8_block_config(c, K_DIM, jnp.float32) for c in (tall, tall_no_overlap)]
+    for config in (overlapped, *tall_configs):
+        out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
+            lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=config
+        )
+        assert_close(out, ref, rel=1e-3)
 
 
 @pytest.mark.parametrize("epilogue_buffers", [1, 2])
