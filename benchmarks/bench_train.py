@@ -4,11 +4,13 @@ Trains the `h200` preset (d_model 512, 4 layers, 8 experts top-2, 64 × 512-byte
 once per recipe for `steps` steps and returns the comparison table (final losses, relative gap
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
-    python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers] [--out DIR]
+    python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers]
+                                      [--recompute-attention] [--out DIR]
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
 `--scan-layers` runs the decoder blocks as one `lax.scan` (compile and step times against the
-default Python loop).
+default Python loop); `--recompute-attention` saves only q, k, v for the attention's backward
+(`ModelConfig.recompute_attention`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(
     small: bool = False,
     recipes: Sequence[str] = RECIPE_NAMES,
     scan_layers: bool = False,
+    recompute_attention: bool = False,
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
@@ -37,7 +40,7 @@ def main(
         config = PRESETS["h200"].replace(
             steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
         )
-    config = config.replace(scan_layers=scan_layers)
+    config = config.replace(scan_layers=scan_layers, recompute_attention=recompute_attention)
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(
@@ -50,7 +53,8 @@ def main(
     text = (
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
         f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers "
-        f"({'one scan' if model.scan_layers else 'a Python loop'}), "
+        f"({'one scan' if model.scan_layers else 'a Python loop'}"
+        f"{', attention recomputed' if model.recompute_attention else ''}), "
         f"{model.num_experts} experts top-{model.experts_per_token}, {device_description()}\n\n"
         + markdown_table(rows)
     )
@@ -65,5 +69,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument(
+        "--recompute-attention", action=argparse.BooleanOptionalAction, default=False
+    )
     args = parser.parse_args()
-    main(args.out, args.small, args.recipes, args.scan_layers)
+    main(args.out, args.small, args.recipes, args.scan_layers, args.recompute_attention)

@@ -9,6 +9,7 @@ trace: by kind (our Pallas GEMMs, quantize and dequantize kernels, XLA's GEMMs, 
 fusions, copies) and the top kernels by name.
 
     python -m benchmarks.profile_step [--out DIR] [--recipes R ...] [--steps N] [--scan-layers]
+                                       [--recompute-attention]
                                        [--small]
 
 writes DIR/profile_step.json and .md. Kernel times are summed over every CUDA stream line of
@@ -209,13 +210,16 @@ def main(
     steps: int = 5,
     scan_layers: bool = False,
     small: bool = False,
+    recompute_attention: bool = False,
 ) -> str:
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(f"recipes must be a non-empty subset of {RECIPE_NAMES}, got {recipes}")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-    config = PRESETS["cpu" if small else "h200"].replace(scan_layers=scan_layers)
+    config = PRESETS["cpu" if small else "h200"].replace(
+        scan_layers=scan_layers, recompute_attention=recompute_attention
+    )
     rows, text = [], ""
     for recipe in recipes:
         rows.append(profile_recipe(config, recipe, steps))
@@ -233,6 +237,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--recompute-attention", action="store_true")
     arguments = parser.parse_args()
     print(
         main(
@@ -241,5 +246,6 @@ if __name__ == "__main__":
             arguments.steps,
             arguments.scan_layers,
             arguments.small,
+            arguments.recompute_attention,
         )
     )

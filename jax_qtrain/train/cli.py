@@ -53,6 +53,14 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         help="run the blocks as one lax.scan (a much smaller compiled step) instead of a "
         "Python loop (the default, --no-scan-layers)",
     )
+    group.add_argument(
+        "--recompute-attention",
+        dest="recompute_attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="save only q, k, v for the attention's backward and recompute its softmax there "
+        "(less memory traffic; default --no-recompute-attention)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -62,7 +70,8 @@ def _config_from_args(args: argparse.Namespace, base: TrainConfig | None = None)
         base = PRESETS[args.preset or "cpu"]
     elif args.preset is not None and PRESETS[args.preset].model != base.model:
         raise ValueError(f"--preset {args.preset} is not the preset the run started with")
-    names = [field for _, field, _, _ in _OVERRIDES] + ["scan_layers", "recipe"]
+    names = [field for _, field, _, _ in _OVERRIDES]
+    names += ["scan_layers", "recompute_attention", "recipe"]
     overrides = {name: getattr(args, name, None) for name in names}
     return base.replace(**{k: v for k, v in overrides.items() if v is not None})
 

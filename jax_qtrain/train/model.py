@@ -49,6 +49,13 @@ class ModelConfig:
     # kernels and GEMMs in the compiled step, not num_layers (same parameters and values). Off
     # by default until its GPU step time is measured: on the CPU it costs 5-30% per step.
     scan_layers: bool = False
+    # Keep only q, k and v for the attention's backward and recompute the scores and softmax
+    # there, instead of saving the (batch, heads, seq, seq) probabilities (float32 for the
+    # softmax's backward and a compute-dtype copy for the value product's). At the h200 preset
+    # those are 3 GB a step, stacked by the layer scan and zero-filled before it (docs/
+    # benchmarks.md, stop 26). Off by default until its GPU step time is measured; the same
+    # values either way.
+    recompute_attention: bool = False
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -63,8 +70,9 @@ class ModelConfig:
                 f"got {self.experts_per_token}"
             )
         jnp.dtype(self.compute_dtype)  # raises on an unknown dtype name
-        if not isinstance(self.scan_layers, bool):
-            raise TypeError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+        for name in ("scan_layers", "recompute_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -127,18 +135,26 @@ class CausalSelfAttention(nnx.Module):
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv = qnn.Linear(d, 3 * d, **linear)
         self.out = qnn.Linear(d, d, **linear)
+        self.recompute = config.recompute_attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d = x.shape
         qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, d)
-        return self.out(attended)
+        attend = jax.checkpoint(causal_attention) if self.recompute else causal_attention
+        return self.out(attend(q, k, v).reshape(batch, seq, d))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ / √head_dim, causal) · v for (batch, seq, heads, head_dim) q, k, v; scores
+    and softmax in float32, the value product in v's dtype."""
+    seq, head_dim = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(head_dim))
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 class Block(nnx.Module):

@@ -151,3 +151,14 @@ def test_scan_layers_option(options, scan_layers):
     config = cli._config_from_args(parser.parse_args(["--preset", "h200", *options]))
     assert config.model.scan_layers is scan_layers
     assert config.model.num_layers == PRESETS["h200"].model.num_layers
+
+
+@pytest.mark.parametrize(
+    "options, recompute",
+    [([], False), (["--recompute-attention"], True), (["--no-recompute-attention"], False)],
+)
+def test_recompute_attention_option(options, recompute):
+    parser = argparse.ArgumentParser()
+    cli._add_config_options(parser)
+    config = cli._config_from_args(parser.parse_args(["--preset", "h200", *options]))
+    assert config.model.recompute_attention is recompute

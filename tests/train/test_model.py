@@ -139,6 +139,35 @@ def test_scanned_layers_compute_the_loop(recipe):
     )
 
 
+def test_recompute_attention_saves_q_k_v_instead_of_the_probabilities():
+    """With `recompute_attention` the backward keeps no (batch, heads, seq, seq) array (the
+    softmax is recomputed from q, k there), and the loss and gradients are the same bits."""
+    seq = TINY.seq_len
+    results = {}
+    for recompute in (False, True):
+        config = dataclasses.replace(TINY, recompute_attention=recompute)
+        graphdef, state = nnx.split(Transformer(config, nnx.Rngs(0)))
+
+        def loss_of_state(state, graphdef=graphdef):
+            return _loss(nnx.merge(graphdef, state), _tokens())
+
+        residuals = jq.saved_residuals(loss_of_state, state)
+        square = [r for r in residuals if r.shape[-2:] == (seq, seq)]
+        # Saved, per layer (jax 0.11.2): the broadcast causal mask, the masked scores, their
+        # exponentials (float32) and the compute-dtype probabilities.
+        if recompute:
+            assert not square, square
+        else:
+            assert len(square) == 4 * TINY.num_layers, [(r.shape, r.dtype) for r in square]
+        for scan in (False, True):  # the h200 preset scans its blocks
+            scanned = dataclasses.replace(config, scan_layers=scan)
+            results[recompute, scan] = _loss_grads_and_statistics(scanned, None)
+    for scan in (False, True):
+        recomputed, saved = (jax.tree.leaves(results[r, scan]) for r in (True, False))
+        for got, want in zip(recomputed, saved, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -147,6 +176,7 @@ def test_scanned_layers_compute_the_loop(recipe):
         ({"experts_per_token": 5}, "experts_per_token"),
         ({"compute_dtype": "float7"}, "float7"),
         ({"scan_layers": "yes"}, "scan_layers must be a bool"),
+        ({"recompute_attention": 1}, "recompute_attention must be a bool"),
     ],
 )
 def test_bad_model_config(changes, message):
