@@ -50,11 +50,10 @@ class ModelConfig:
     # by default until its GPU step time is measured: on the CPU it costs 5-30% per step.
     scan_layers: bool = False
     # Keep only q, k and v for the attention's backward and recompute the scores and softmax
-    # there, instead of saving the (batch, heads, seq, seq) probabilities (float32 for the
-    # softmax's backward and a compute-dtype copy for the value product's). At the h200 preset
-    # those are 3 GB a step, stacked by the layer scan and zero-filled before it (docs/
-    # benchmarks.md, stop 26). Off by default until its GPU step time is measured; the same
-    # values either way.
+    # there, instead of saving (batch, heads, seq, seq) arrays (the probabilities in float32
+    # and in the compute dtype, and more; in the h200 preset's scanned step 3 GB of them are
+    # stacked across layers and zero-filled first: docs/benchmarks.md, stop 26). Off by
+    # default until its GPU step time is measured; the same values either way.
     recompute_attention: bool = False
 
     def __post_init__(self):
