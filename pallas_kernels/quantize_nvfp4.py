@@ -122,7 +122,9 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         if self.integer_stochastic_rounding and not self.lean_arithmetic:
             raise ValueError(
                 "integer_stochastic_rounding=True needs lean_arithmetic=True (it replaces the "
-                "lean stochastic rounding's float comparison)"
+                "lean stochastic rounding's float comparison); pass integer_stochastic_rounding="
+                "None to follow lean_arithmetic (also when replacing fields of a config whose "
+                "default resolved it to True)"
             )
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -461,6 +462,13 @@ def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
     assert pk.NVFP4QuantizeConfig() == pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True)
     with pytest.raises(ValueError, match="integer_stochastic_rounding=True needs lean_arithmetic"):
         pk.NVFP4QuantizeConfig(integer_stochastic_rounding=True, lean_arithmetic=False)
+    # The default resolved to True: replacing lean_arithmetic alone says how to follow it.
+    with pytest.raises(ValueError, match="pass integer_stochastic_rounding=None"):
+        dataclasses.replace(pk.NVFP4QuantizeConfig(), lean_arithmetic=False)
+    exact = dataclasses.replace(
+        pk.NVFP4QuantizeConfig(), lean_arithmetic=False, integer_stochastic_rounding=None
+    )
+    assert exact == pk.NVFP4QuantizeConfig(lean_arithmetic=False)
     with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
         pk.NVFP4QuantizeConfig(integer_stochastic_rounding=1)
 
