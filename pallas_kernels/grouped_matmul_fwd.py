@@ -518,6 +518,12 @@ def fit_fp8_block_config(
 ) -> GroupedMatmulConfig:
     """``config`` shrunk as `fit_default_config` does until the block-FP8 kernel's stages,
     epilogue and prefetched lhs scales for contraction size ``k`` fit in shared memory."""
+    if not isinstance(config, GroupedMatmulConfig):
+        raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 128 or k % 128:
+        raise ValueError(f"k must be a positive multiple of 128 (1x128 blocks), got {k!r}")
+    if jnp.dtype(out_dtype) not in common.OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}")
     return fit_default_config(
         config, _block_stage_bytes(config), out_dtype, _block_scale_bytes(config, k)
     )
@@ -533,8 +539,6 @@ def fp8_block_default_config(
     H200 it made the 8192³ GEMM 3–4% faster in two runs (2026-11-30, interleaved and
     sequential), while the grouped 8-expert GEMM was 1–2% slower with it.
     """
-    if not isinstance(k, int) or k < 128 or k % 128:
-        raise ValueError(f"k must be a positive multiple of 128 (1x128 blocks), got {k!r}")
     config = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, out_dtype)
     num_k_steps = k // 128
     depth = min(config.max_concurrent_steps, num_k_steps)

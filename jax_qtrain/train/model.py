@@ -140,11 +140,11 @@ class CausalSelfAttention(nnx.Module):
         batch, seq, d = x.shape
         qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        attend = jax.checkpoint(causal_attention) if self.recompute else causal_attention
+        attend = jax.checkpoint(_causal_attention) if self.recompute else _causal_attention
         return self.out(attend(q, k, v).reshape(batch, seq, d))
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q·kᵀ / √head_dim, causal) · v for (batch, seq, heads, head_dim) q, k, v; scores
     and softmax in float32, the value product in v's dtype."""
     seq, head_dim = q.shape[1], q.shape[-1]

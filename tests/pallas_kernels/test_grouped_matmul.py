@@ -1156,3 +1156,20 @@ def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
     for bad_k in (0, 200, 256.0):
         with pytest.raises(ValueError, match="k must be a positive multiple of 128"):
             fp8_block_default_config(bad_k, BF16)
+
+
+def test_fit_fp8_block_config_shrinks_to_shared_memory_and_rejects_bad_inputs():
+    from pallas_kernels.grouped_matmul_fwd import fit_fp8_block_config
+
+    tall = dataclasses.replace(H200_BLOCK, tile_m=128, tile_n=64, epilogue_buffers=2)
+    # f32 epilogue rows of 128 rows: the epilogue narrows to 128-byte rows first.
+    fitted = fit_fp8_block_config(tall, 4096, F32)
+    assert (fitted.epi_tile_n, fitted.max_concurrent_steps) == (32, 4)
+    assert fit_fp8_block_config(H200_BLOCK, 4096, BF16) == H200_BLOCK  # fits already
+    for bad_k in (0, 200, 256.0, True):
+        with pytest.raises(ValueError, match="k must be a positive multiple of 128"):
+            fit_fp8_block_config(H200_BLOCK, bad_k, BF16)
+    with pytest.raises(TypeError, match="config must be a GroupedMatmulConfig"):
+        fit_fp8_block_config({"tile_m": 64}, 4096, BF16)
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
+        fit_fp8_block_config(H200_BLOCK, 4096, jnp.float16)
