@@ -59,7 +59,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="save only q, k, v for the attention's backward and recompute its softmax there "
-        "(less memory traffic; default --no-recompute-attention)",
+        "(less memory, ~3%% slower steps on an H200; default --no-recompute-attention)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -47,13 +47,15 @@ class ModelConfig:
     vocab_size: int = VOCAB_SIZE
     # Run the blocks as one `lax.scan` over their stacked parameters: one copy of each layer's
     # kernels and GEMMs in the compiled step, not num_layers (same parameters and values). Off
-    # by default until its GPU step time is measured: on the CPU it costs 5-30% per step.
+    # by default: it compiles 2-3x faster but steps slower, ~11 ms on the H200 at the h200
+    # preset (docs/benchmarks.md, run E) and 5-30% on the CPU.
     scan_layers: bool = False
     # Keep only q, k and v for the attention's backward and recompute the scores and softmax
     # there, instead of saving (batch, heads, seq, seq) arrays (the probabilities in float32
     # and in the compute dtype, and more; in the h200 preset's scanned step 3 GB of them are
-    # stacked across layers and zero-filled first: docs/benchmarks.md, stop 26). Off by
-    # default until its GPU step time is measured; the same values either way.
+    # stacked across layers and zero-filled first: docs/benchmarks.md, stop 26). The same
+    # values either way; off by default because the recomputation costs more than the saved
+    # traffic: ~1 ms (3%) slower a step on the H200 at the h200 preset (stop 27).
     recompute_attention: bool = False
 
     def __post_init__(self):
