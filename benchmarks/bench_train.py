@@ -5,12 +5,13 @@ once per recipe for `steps` steps and returns the comparison table (final losses
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
     python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers]
-                                      [--recompute-attention] [--out DIR]
+                                      [--recompute-attention] [--attention KIND] [--out DIR]
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
 `--scan-layers` runs the decoder blocks as one `lax.scan` (compile and step times against the
 default Python loop); `--recompute-attention` saves only q, k, v for the attention's backward
-(`ModelConfig.recompute_attention`).
+(`ModelConfig.recompute_attention`); `--attention plain|cudnn|auto` picks the attention core
+(`ModelConfig.attention`; auto, the default, is cuDNN's fused attention on a GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from benchmarks.timing import device_description
 from jax_qtrain.train import PRESETS, RECIPE_NAMES, compare
 from jax_qtrain.train.compare import markdown_table
+from jax_qtrain.train.model import ATTENTION_KINDS, attention_implementation
 
 H200_STEPS = 300  # five runs must fit the device time of one session
 
@@ -33,6 +35,7 @@ def main(
     recipes: Sequence[str] = RECIPE_NAMES,
     scan_layers: bool = False,
     recompute_attention: bool = False,
+    attention: str = "auto",
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
@@ -40,7 +43,9 @@ def main(
         config = PRESETS["h200"].replace(
             steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
         )
-    config = config.replace(scan_layers=scan_layers, recompute_attention=recompute_attention)
+    config = config.replace(
+        scan_layers=scan_layers, recompute_attention=recompute_attention, attention=attention
+    )
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(
@@ -54,7 +59,8 @@ def main(
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
         f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers "
         f"({'one scan' if model.scan_layers else 'a Python loop'}"
-        f"{', attention recomputed' if model.recompute_attention else ''}), "
+        f"{', attention recomputed' if model.recompute_attention else ''}, "
+        f"attention {model.attention} → {attention_implementation(model)}), "
         f"{model.num_experts} experts top-{model.experts_per_token}, {device_description()}\n\n"
         + markdown_table(rows)
     )
@@ -72,5 +78,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--recompute-attention", action=argparse.BooleanOptionalAction, default=False
     )
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="auto")
     args = parser.parse_args()
-    main(args.out, args.small, args.recipes, args.scan_layers, args.recompute_attention)
+    main(
+        args.out,
+        args.small,
+        args.recipes,
+        args.scan_layers,
+        args.recompute_attention,
+        args.attention,
+    )

@@ -9,7 +9,7 @@ trace: by kind (our Pallas GEMMs, quantize and dequantize kernels, XLA's GEMMs, 
 fusions, copies) and the top kernels by name.
 
     python -m benchmarks.profile_step [--out DIR] [--recipes R ...] [--steps N] [--scan-layers]
-                                       [--recompute-attention]
+                                       [--recompute-attention] [--attention auto|plain|cudnn]
                                        [--small]
 
 writes DIR/profile_step.json and .md. Kernel times are summed over every CUDA stream line of
@@ -40,6 +40,7 @@ from flax import nnx
 from benchmarks.timing import device_description, report
 from jax_qtrain.train import PRESETS, RECIPE_NAMES
 from jax_qtrain.train.corpus import load_corpus
+from jax_qtrain.train.model import ATTENTION_KINDS, attention_implementation
 from jax_qtrain.train.trainer import CompiledSteps, build_model_and_optimizer
 
 WARM_UP_STEPS = 3
@@ -155,6 +156,7 @@ def profile_recipe(config, recipe: str, steps: int) -> dict:
     summary = summarize_kernels(events, steps) if events else None
     return dict(
         recipe=recipe,
+        attention=attention_implementation(config.model),
         step_ms=step_ms,
         compile_s=compiled.compile_time_s,
         kernels=summary,
@@ -164,8 +166,10 @@ def profile_recipe(config, recipe: str, steps: int) -> dict:
 def markdown(rows: list[dict]) -> str:
     kinds = [kind for kind, _ in KINDS] + [OTHER_KIND]
     lines = [
-        f"Device: {device_description()}. Wall ms per step over the timed steps; kernel ms per "
-        "step summed over the trace's CUDA streams, by kind.",
+        f"Device: {device_description()}. Attention core: "
+        f"{', '.join(sorted({row.get('attention', 'plain') for row in rows}))}. Wall ms per "
+        "step over the timed steps; kernel ms per step summed over the trace's CUDA streams, "
+        "by kind (cuDNN's attention kernels count as XLA GEMMs or other kernels by their names).",
         "",
         "| recipe | step ms | compile s | kernel ms | " + " | ".join(kinds) + " |",
         "|---|---:|---:|---:|" + "---:|" * len(kinds),
@@ -211,6 +215,7 @@ def main(
     scan_layers: bool = False,
     small: bool = False,
     recompute_attention: bool = False,
+    attention: str = "auto",
 ) -> str:
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
@@ -218,7 +223,7 @@ def main(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     config = PRESETS["cpu" if small else "h200"].replace(
-        scan_layers=scan_layers, recompute_attention=recompute_attention
+        scan_layers=scan_layers, recompute_attention=recompute_attention, attention=attention
     )
     rows, text = [], ""
     for recipe in recipes:
@@ -238,6 +243,7 @@ if __name__ == "__main__":
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--recompute-attention", action="store_true")
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="auto")
     arguments = parser.parse_args()
     print(
         main(
@@ -247,5 +253,6 @@ if __name__ == "__main__":
             arguments.scan_layers,
             arguments.small,
             arguments.recompute_attention,
+            arguments.attention,
         )
     )

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from jax_qtrain.train.config import PRESETS, RECIPE_NAMES, TrainConfig
+from jax_qtrain.train.model import ATTENTION_KINDS
 
 # (flag, TrainConfig or ModelConfig field, type, help)
 _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
@@ -61,6 +62,15 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         help="save only q, k, v for the attention's backward and recompute its softmax there "
         "(less memory, ~3%% slower steps on an H200; default --no-recompute-attention)",
     )
+    group.add_argument(
+        "--attention",
+        dest="attention",
+        choices=ATTENTION_KINDS,
+        default=None,
+        help="the attention core: 'plain' (scores and softmax as XLA ops), 'cudnn' (cuDNN's "
+        "fused flash attention; CUDA GPUs, 16-bit compute) or 'auto' (the default: cudnn "
+        "where it applies, plain elsewhere)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -71,7 +81,7 @@ def _config_from_args(args: argparse.Namespace, base: TrainConfig | None = None)
     elif args.preset is not None and PRESETS[args.preset].model != base.model:
         raise ValueError(f"--preset {args.preset} is not the preset the run started with")
     names = [field for _, field, _, _ in _OVERRIDES]
-    names += ["scan_layers", "recompute_attention", "recipe"]
+    names += ["scan_layers", "recompute_attention", "attention", "recipe"]
     overrides = {name: getattr(args, name, None) for name in names}
     return base.replace(**{k: v for k, v in overrides.items() if v is not None})
 

@@ -29,6 +29,8 @@ from jax_qtrain.train.corpus import VOCAB_SIZE
 
 FeedForwardKind = Literal["moe", "dense"]
 FEED_FORWARD_KINDS: tuple[str, ...] = ("moe", "dense")
+AttentionKind = Literal["auto", "plain", "cudnn"]
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "plain", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,12 @@ class ModelConfig:
     # values either way; off by default because the recomputation costs more than the saved
     # traffic: ~1 ms (3%) slower a step on the H200 at the h200 preset (stop 27).
     recompute_attention: bool = False
+    # The attention core: "plain" is `_causal_attention` below (scores, mask and softmax as
+    # separate XLA ops); "cudnn" is cuDNN's fused flash attention through
+    # `jax.nn.dot_product_attention` (CUDA GPUs, 16-bit compute dtypes); "auto" takes cudnn
+    # where it applies (`attention_implementation`) and plain elsewhere, so CPU runs are the
+    # same with either of "auto" and "plain".
+    attention: AttentionKind = "auto"
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -69,6 +77,10 @@ class ModelConfig:
             raise ValueError(
                 f"experts_per_token must be in 1..num_experts ({self.num_experts}), "
                 f"got {self.experts_per_token}"
+            )
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"attention must be one of {list(ATTENTION_KINDS)}, got {self.attention!r}"
             )
         jnp.dtype(self.compute_dtype)  # raises on an unknown dtype name
         for name in ("scan_layers", "recompute_attention"):
@@ -129,6 +141,32 @@ def build_feed_forward(config: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
     )
 
 
+def cudnn_attention_applies(config: ModelConfig) -> bool:
+    """Whether cuDNN's fused attention can run `config`'s attention here: a CUDA backend, a
+    16-bit compute dtype and a head size cuDNN's flash attention takes (a multiple of 8, at
+    most 128)."""
+    return (
+        jax.default_backend() == "gpu"
+        and config.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and config.head_dim % 8 == 0
+        and config.head_dim <= 128
+    )
+
+
+def attention_implementation(config: ModelConfig) -> Literal["plain", "cudnn"]:
+    """The attention core `config.attention` runs on this backend ("auto" resolved)."""
+    if config.attention == "auto":
+        return "cudnn" if cudnn_attention_applies(config) else "plain"
+    if config.attention == "cudnn" and not cudnn_attention_applies(config):
+        raise ValueError(
+            "attention='cudnn' needs a CUDA GPU, compute_dtype bfloat16 or float16 and a head "
+            f"size that is a multiple of 8 up to 128; here: backend {jax.default_backend()!r}, "
+            f"compute_dtype {config.compute_dtype}, head size {config.head_dim}. Use "
+            "attention='auto' (cuDNN where it applies) or 'plain'"
+        )
+    return config.attention
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d = config.d_model
@@ -137,13 +175,22 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = qnn.Linear(d, 3 * d, **linear)
         self.out = qnn.Linear(d, d, **linear)
         self.recompute = config.recompute_attention
+        self.implementation = attention_implementation(config)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d = x.shape
         qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        attend = jax.checkpoint(_causal_attention) if self.recompute else _causal_attention
+        attend = _cudnn_causal_attention if self.implementation == "cudnn" else _causal_attention
+        if self.recompute:
+            attend = jax.checkpoint(attend)
         return self.out(attend(q, k, v).reshape(batch, seq, d))
+
+
+def _cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`_causal_attention` as one cuDNN flash-attention kernel (and one for its backward):
+    the (batch, heads, seq, seq) scores never reach memory."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
