@@ -79,6 +79,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _dist_given(config) -> bool:
+    args = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    return any(a in ("-d", "--dist") or a.startswith("--dist=") for a in args)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n 2` (the CI command) balances by work stealing instead of xdist's default
+    `load`, which hands out fixed chunks of tests by count: the tests' durations vary from
+    milliseconds to a minute, and a chunk of heavy sharding tests sent last left one worker
+    running alone for ~3.5 minutes at the end of the suite (2026-12-01). Work stealing gives an
+    idle worker half of the other's queue. An explicit --dist is honoured."""
+    if config.getoption("dist") != "load" or _dist_given(config):
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
 def pytest_runtest_logreport(report):
     """With JQ_EAGER_FAILURES=1 (benchmarks/h200.sh), each failure's traceback is printed when it
     happens: a device stage cut at its time limit never reaches pytest's closing summary."""

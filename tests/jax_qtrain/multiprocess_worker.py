@@ -71,8 +71,11 @@ def train(mesh) -> dict[str, object]:
     from flax import nnx
     from jax.experimental import multihost_utils
 
+    from tests.jax_qtrain.sharding_helpers import replicate_uncommitted
+
     model, batches, sharding = _model_and_batches(mesh)
     optimizer = nnx.Optimizer(model, optax.sgd(2.0**-10), wrt=nnx.Param)
+    replicate_uncommitted((model, optimizer), mesh)
     batch_sharding = jax.sharding.NamedSharding(mesh, sharding.batch_spec())
 
     @nnx.jit

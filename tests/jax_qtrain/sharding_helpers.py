@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_qtrain as jq
 
@@ -104,6 +105,23 @@ def module_value_and_grads(model, x, dy):
         return y, *vjp(dy)
 
     return run(params, rest, x, dy)
+
+
+def replicate_uncommitted(graph, mesh) -> None:
+    """Replicate on `mesh` the arrays of an NNX graph's state that live uncommitted on one device
+    (sown MoE statistics, an optimizer's step count), as a jitted step over its sharded
+    parameters returns them. Otherwise the step's second call sees other input shardings and
+    compiles it all again (seconds per sharded training step on the CPU); the values, and so
+    every result, are the same."""
+    replicated = NamedSharding(mesh, P())
+
+    def put(a):
+        if a.committed:
+            return a
+        value = np.asarray(a)  # the same in every process: this also works on a multi-process mesh
+        return jax.make_array_from_callback(a.shape, replicated, lambda index: value[index])
+
+    nnx.update(graph, jax.tree.map(put, nnx.state(graph)))
 
 
 def quantized_leaf_shapes(shape, recipe, role, usage) -> list[tuple[tuple[int, ...], np.dtype]]:

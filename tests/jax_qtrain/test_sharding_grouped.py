@@ -21,6 +21,7 @@ from tests.jax_qtrain.sharding_helpers import (
     kernel_shapes,
     mesh_1d,
     module_value_and_grads,
+    replicate_uncommitted,
 )
 
 DEVICES, EXPERTS, TOKENS = 4, 8, 64  # TOKENS per device
@@ -402,6 +403,7 @@ def check_kept_experts_train_like_plain(name, kernel_dim, features, **options):
 
     def train(model):
         optimizer = jq.nn.Optimizer(model, optax.sgd(2.0**-4), wrt=nnx.Param)
+        replicate_uncommitted((model, optimizer), model.sharding.mesh)
 
         @nnx.jit
         def step(model, optimizer, x):

@@ -16,6 +16,7 @@ from tests.jax_qtrain.sharding_helpers import (
     layer_data,
     mesh_1d,
     module_value_and_grads,
+    replicate_uncommitted,
 )
 
 
@@ -234,6 +235,7 @@ def test_sharded_linear_with_a_kept_weight_trains_like_the_plain_one(name):
 
     def train(model):
         optimizer = jq.nn.Optimizer(model, optax.sgd(2.0**-6), wrt=nnx.Param)
+        replicate_uncommitted((model, optimizer), model.sharding.mesh)
 
         @nnx.jit
         def step(model, optimizer, x):
