@@ -5,13 +5,17 @@ once per recipe for `steps` steps and returns the comparison table (final losses
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
     python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers]
-                                      [--recompute-attention] [--attention KIND] [--out DIR]
+                                      [--recompute-attention] [--attention KIND] [--seed N]
+                                      [--high-precision-layers K] [--out DIR]
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
 `--scan-layers` runs the decoder blocks as one `lax.scan` (compile and step times against the
 default Python loop); `--recompute-attention` saves only q, k, v for the attention's backward
 (`ModelConfig.recompute_attention`); `--attention plain|cudnn|auto` picks the attention core
-(`ModelConfig.attention`; auto, the default, is cuDNN's fused attention on a GPU).
+(`ModelConfig.attention`; auto, the default, is cuDNN's fused attention on a GPU); `--seed`
+sets the runs' initial weights and batch order (default 0), so that a loss gap can be sampled
+over several seeds; `--high-precision-layers K` leaves the last K blocks unquantized
+(`ModelConfig.high_precision_layers`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main(
     scan_layers: bool = False,
     recompute_attention: bool = False,
     attention: str = "auto",
+    seed: int = 0,
+    high_precision_layers: int = 0,
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
@@ -45,7 +51,7 @@ def main(
         )
     config = config.replace(
         scan_layers=scan_layers, recompute_attention=recompute_attention, attention=attention
-    )
+    ).replace(seed=seed, high_precision_layers=high_precision_layers)
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(
@@ -59,10 +65,11 @@ def main(
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
         f"{config.tokens_per_step} bytes, d_model {model.d_model}, {model.num_layers} layers "
         f"({'one scan' if model.scan_layers else 'a Python loop'}"
-        f"{', attention recomputed' if model.recompute_attention else ''}, "
+        f"{', attention recomputed' if model.recompute_attention else ''}"
+        f"{f', last {high_precision_layers} unquantized' if high_precision_layers else ''}, "
         f"attention {model.attention} → {attention_implementation(model)}), "
-        f"{model.num_experts} experts top-{model.experts_per_token}, {device_description()}\n\n"
-        + markdown_table(rows)
+        f"{model.num_experts} experts top-{model.experts_per_token}, seed {config.seed}, "
+        f"{device_description()}\n\n" + markdown_table(rows)
     )
     (base / "bench_train.md").write_text(text)
     print(text)
@@ -79,6 +86,8 @@ if __name__ == "__main__":
         "--recompute-attention", action=argparse.BooleanOptionalAction, default=False
     )
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--high-precision-layers", type=int, default=0)
     args = parser.parse_args()
     main(
         args.out,
@@ -87,4 +96,6 @@ if __name__ == "__main__":
         args.scan_layers,
         args.recompute_attention,
         args.attention,
+        args.seed,
+        args.high_precision_layers,
     )

@@ -32,6 +32,12 @@ _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
     ("--eval-every", "eval_every", int, "steps between validation losses"),
     ("--eval-windows", "eval_windows", int, "validation windows"),
     ("--checkpoint-every", "checkpoint_every", int, "steps between checkpoints"),
+    (
+        "--high-precision-layers",
+        "high_precision_layers",
+        int,
+        "how many of the last blocks compute without quantization (default 0)",
+    ),
 )
 
 

@@ -6,7 +6,8 @@
 
 The attention's query/key/value and output projections and every feed-forward GEMM are
 `jax_qtrain.nn` layers without a recipe of their own, so they quantize with whatever
-`jax_qtrain.autocast` is active when the model runs (none: high precision). The attention
+`jax_qtrain.autocast` is active when the model runs (none: high precision; the last
+`ModelConfig.high_precision_layers` blocks always run without). The attention
 score and value products, the norms, the softmax, the MoE router and the output head stay in
 high precision, as in TransformerEngine.
 
@@ -18,6 +19,7 @@ MoE load-balancing loss; 0 for a dense block) and is built by `build_feed_forwar
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import jax
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_qtrain import nn as qnn
+from jax_qtrain.ops.context import autocast
 from jax_qtrain.train.corpus import VOCAB_SIZE
 
 FeedForwardKind = Literal["moe", "dense"]
@@ -65,6 +68,12 @@ class ModelConfig:
     # where it applies (`attention_implementation`) and plain elsewhere, so CPU runs are the
     # same with either of "auto" and "plain".
     attention: AttentionKind = "auto"
+    # How many of the last decoder blocks compute without quantization (`autocast(None)`: their
+    # GEMMs in `compute_dtype`) whatever the run's recipe: NVIDIA's NVFP4 pretraining recipe
+    # keeps a few numerically sensitive layers, chiefly the final blocks, in high precision
+    # ("selective high-precision layers", arXiv 2509.25149). 0 (the default) quantizes every
+    # block; with scan_layers the quantized and the high-precision blocks are two scans.
+    high_precision_layers: int = 0
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -86,6 +95,15 @@ class ModelConfig:
         for name in ("scan_layers", "recompute_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if (
+            isinstance(self.high_precision_layers, bool)
+            or not isinstance(self.high_precision_layers, int)
+            or not 0 <= self.high_precision_layers <= self.num_layers
+        ):
+            raise ValueError(
+                f"high_precision_layers must be an int in 0..num_layers ({self.num_layers}), "
+                f"got {self.high_precision_layers!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -234,27 +252,39 @@ class Transformer(nnx.Module):
         seq = tokens.shape[1]
         x = self.embed(tokens) + self.positions[...][:seq]
         x = x.astype(self.config.dtype)
-        if self.config.scan_layers and len(self.blocks) > 1:
-            x, aux_loss = self._scanned_blocks(x)
-        else:
-            aux_loss = jnp.zeros((), jnp.float32)
-            for block in self.blocks:
-                x, block_aux = block(x)
-                aux_loss = aux_loss + block_aux
+        aux_loss = jnp.zeros((), jnp.float32)
+        quantized = len(self.blocks) - self.config.high_precision_layers
+        x, aux_loss = self._run_blocks(self.blocks[:quantized], x, aux_loss)
+        if quantized < len(self.blocks):
+            with autocast(None):
+                x, aux_loss = self._run_blocks(self.blocks[quantized:], x, aux_loss)
         h = self.final_norm(x.astype(jnp.float32))
         logits = h @ self.embed.embedding[...].T
         return logits, aux_loss
 
-    def _scanned_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The blocks as one `lax.scan` over their states stacked on a leading layer axis.
+    def _run_blocks(
+        self, blocks: Sequence[Block], x: jax.Array, aux_loss: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """`blocks` one after the other, their aux losses added to `aux_loss` in order."""
+        if self.config.scan_layers and len(blocks) > 1:
+            return self._scanned_blocks(blocks, x, aux_loss)
+        for block in blocks:
+            x, block_aux = block(x)
+            aux_loss = aux_loss + block_aux
+        return x, aux_loss
+
+    def _scanned_blocks(
+        self, blocks: Sequence[Block], x: jax.Array, aux_loss: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """`blocks` as one `lax.scan` over their states stacked on a leading layer axis.
 
         The parameters stay one module per layer (checkpoints and `model.blocks[i]` unchanged);
         the stack is built in the call, and its gradient is sliced back per layer. What a block
         sows (the MoE's `nnx.Intermediate` statistics) comes out stacked and is written back to
         each block, as the loop would have left it.
         """
-        graphdef = nnx.graphdef(self.blocks[0])  # every block has the same structure
-        states = [nnx.state(block) for block in self.blocks]
+        graphdef = nnx.graphdef(blocks[0])  # every block has the same structure
+        states = [nnx.state(block) for block in blocks]
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
         def layer(x, state):
@@ -263,10 +293,9 @@ class Transformer(nnx.Module):
             return x, (aux_loss, nnx.state(block, nnx.Intermediate))
 
         x, (aux_losses, intermediates) = jax.lax.scan(layer, x, stacked)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(blocks):
             nnx.update(block, jax.tree.map(lambda leaf, i=i: leaf[i], intermediates))
-        aux_loss = jnp.zeros((), jnp.float32)
-        for i in range(len(self.blocks)):  # summed in the loop's order
+        for i in range(len(blocks)):  # summed in the loop's order
             aux_loss = aux_loss + aux_losses[i]
         return x, aux_loss
 

@@ -162,3 +162,20 @@ def test_recompute_attention_option(options, recompute):
     cli._add_config_options(parser)
     config = cli._config_from_args(parser.parse_args(["--preset", "h200", *options]))
     assert config.model.recompute_attention is recompute
+
+
+def test_high_precision_layers_option():
+    parser = argparse.ArgumentParser()
+    cli._add_config_options(parser)
+    config = cli._config_from_args(parser.parse_args(["--preset", "h200"]))
+    assert config.model.high_precision_layers == 0
+    config = cli._config_from_args(
+        parser.parse_args(["--preset", "h200", "--high-precision-layers", "1"])
+    )
+    assert config.model.high_precision_layers == 1
+    with pytest.raises(
+        ValueError, match=r"high_precision_layers must be an int in 0\.\.num_layers"
+    ):
+        cli._config_from_args(
+            parser.parse_args(["--preset", "h200", "--high-precision-layers", "5"])
+        )

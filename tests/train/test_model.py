@@ -168,6 +168,49 @@ def test_recompute_attention_saves_q_k_v_instead_of_the_probabilities():
             np.testing.assert_array_equal(got, want)
 
 
+def _float8_residuals(config: ModelConfig, recipe) -> list:
+    graphdef, state = nnx.split(Transformer(config, nnx.Rngs(0)))
+
+    def loss_of_state(state):
+        return _loss(nnx.merge(graphdef, state), _tokens())
+
+    with jq.autocast(recipe):
+        residuals = jq.saved_residuals(loss_of_state, state)
+    return [r for r in residuals if r.dtype == jnp.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_high_precision_layers_leave_the_last_blocks_unquantized(scan_layers):
+    """`high_precision_layers=k` runs the last k blocks as `autocast(None)` does whatever the
+    recipe: all of them give the unquantized model's loss, gradients and statistics bit for bit
+    (so their backward is not quantized either); one of three keeps exactly the first two
+    blocks' float8 residuals (a scan of two layers when the blocks are scanned) and a loss
+    between neither of the others'."""
+    three = dataclasses.replace(TINY, num_layers=3, scan_layers=scan_layers)
+    recipe = jq.MXFP8BlockScaling()
+    every = _loss_grads_and_statistics(dataclasses.replace(three, high_precision_layers=3), recipe)
+    unquantized = _loss_grads_and_statistics(three, None)
+    assert jax.tree.structure(every) == jax.tree.structure(unquantized)
+    for got, want in zip(jax.tree.leaves(every), jax.tree.leaves(unquantized), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    last = dataclasses.replace(three, high_precision_layers=1)
+    quantized_residuals = _float8_residuals(three, recipe)
+    last_residuals = _float8_residuals(last, recipe)
+    assert quantized_residuals and not _float8_residuals(three, None)
+    if scan_layers:
+        assert {r.shape[0] for r in quantized_residuals} == {3}
+        assert {r.shape[0] for r in last_residuals} == {2}
+        assert len(last_residuals) == len(quantized_residuals)
+    else:
+        assert 3 * len(last_residuals) == 2 * len(quantized_residuals)
+    losses = {
+        float(_loss_grads_and_statistics(config, recipe)[0])
+        for config in (three, last, dataclasses.replace(three, high_precision_layers=3))
+    }
+    assert len(losses) == 3, losses
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -177,6 +220,9 @@ def test_recompute_attention_saves_q_k_v_instead_of_the_probabilities():
         ({"compute_dtype": "float7"}, "float7"),
         ({"scan_layers": "yes"}, "scan_layers must be a bool"),
         ({"recompute_attention": 1}, "recompute_attention must be a bool"),
+        ({"high_precision_layers": 3}, r"high_precision_layers must be an int in 0\.\.num_layers"),
+        ({"high_precision_layers": -1}, "high_precision_layers"),
+        ({"high_precision_layers": True}, "high_precision_layers"),
     ],
 )
 def test_bad_model_config(changes, message):
