@@ -5,7 +5,7 @@
     summary = train(PRESETS["cpu"].replace(recipe="mxfp8", steps=50), "runs/mxfp8")
 """
 
-from jax_qtrain.train.compare import compare
+from jax_qtrain.train.compare import compare, compare_over_seeds
 from jax_qtrain.train.config import PRESETS, RECIPE_NAMES, TrainConfig, recipe_for
 from jax_qtrain.train.corpus import Corpus, load_corpus
 from jax_qtrain.train.model import ModelConfig, Transformer
@@ -21,6 +21,7 @@ __all__ = [
     "TrainConfig",
     "Transformer",
     "compare",
+    "compare_over_seeds",
     "load_corpus",
     "read_metrics",
     "recipe_for",

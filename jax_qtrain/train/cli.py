@@ -102,6 +102,16 @@ def _recipe_list(text: str) -> list[str]:
     return recipes
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(seed) for seed in text.split(",") if seed.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"seeds must be comma-separated integers, got {text!r}"
+        ) from None
+    return seeds
+
+
 def _default_out(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -145,6 +155,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     compare_parser.add_argument(
         "--out", type=Path, default=None, help="output directory (default runs/compare-<time>)"
     )
+    compare_parser.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        help="comma-separated seeds: compare once per seed (OUT/seed-<s>/) and tabulate each "
+        "recipe's gap to bf16 seed by seed, with their mean and worst (instead of --seed)",
+    )
     _add_config_options(compare_parser)
 
 
@@ -180,16 +197,34 @@ def run_compare(args: argparse.Namespace) -> int:
     from jax_qtrain.train.compare import (
         PLOT_FILE,
         TABLE_FILE,
+        check_seeds,
         compare,
+        compare_over_seeds,
         markdown_table,
         prepare_comparison,
+        seed_gap_table,
     )
     from jax_qtrain.train.trainer import RunError
 
     out = args.out if args.out is not None else _default_out("compare")
     try:
+        if args.seeds is not None and args.seed is not None:
+            raise RunError("give --seed or --seeds, not both")
         config = _config_from_args(args)
+        seeds = None if args.seeds is None else check_seeds(args.seeds)
         prepare_comparison(out, args.recipes)  # fails before anything is written
+        if seeds is not None:
+            print(
+                f"comparing {','.join(args.recipes)} over seeds {','.join(map(str, seeds))} "
+                f"in {out}",
+                file=sys.stderr,
+            )
+            summary = compare_over_seeds(
+                config, args.recipes, seeds, out, progress=not args.no_progress
+            )
+            print(seed_gap_table(summary), end="")
+            print(f"plots: {out}/seed-*/{PLOT_FILE}; table: {out / TABLE_FILE}")
+            return 0
         print(f"comparing {','.join(args.recipes)} in {out}", file=sys.stderr)
         rows = compare(config, args.recipes, out, progress=not args.no_progress)
     except (RunError, ValueError) as error:

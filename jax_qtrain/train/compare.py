@@ -7,6 +7,11 @@
 
 Every run has the same seed, so the same initial weights and batches: the curves differ only
 by the recipe's numerics. The relative gap is (val_loss − bf16 val_loss) / bf16 val_loss.
+
+`compare_over_seeds` repeats that for several seeds (OUT/seed-<s>/ each, laid out as above)
+and tabulates each recipe's gaps seed by seed: a short run's gap moves by about a point from
+one seed to another (docs/benchmarks.md, stop 28), so one seed can pass or fail a tolerance
+by chance.
 """
 
 from __future__ import annotations
@@ -166,3 +171,112 @@ def compare(
     payload = {"config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
     (out_dir / JSON_FILE).write_text(json.dumps(payload, indent=2) + "\n")
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedGapRow:
+    """One recipe over several seeds; each gap is against bf16's run of the same seed."""
+
+    recipe: str
+    seeds: tuple[int, ...]
+    final_val_losses: tuple[float, ...]
+    val_gaps_vs_bf16: tuple[float, ...] | None  # relative, per seed; None without bf16
+    mean_val_gap_vs_bf16: float | None
+    worst_val_gap_vs_bf16: float | None  # the largest (most positive) of the seeds' gaps
+    step_time_ms: float  # median over the seeds
+
+
+def seed_gap_rows(
+    rows_by_seed: dict[int, Sequence[ComparisonRow]],
+) -> list[SeedGapRow]:
+    seeds = tuple(rows_by_seed)
+    recipes = [row.recipe for row in rows_by_seed[seeds[0]]]
+    summary = []
+    for recipe in recipes:
+        rows = [next(r for r in rows_by_seed[seed] if r.recipe == recipe) for seed in seeds]
+        gaps = None
+        if all(r.val_gap_vs_bf16 is not None for r in rows):
+            gaps = tuple(float(r.val_gap_vs_bf16) for r in rows)
+        summary.append(
+            SeedGapRow(
+                recipe=recipe,
+                seeds=seeds,
+                final_val_losses=tuple(r.final_val_loss for r in rows),
+                val_gaps_vs_bf16=gaps,
+                mean_val_gap_vs_bf16=None if gaps is None else float(np.mean(gaps)),
+                worst_val_gap_vs_bf16=None if gaps is None else max(gaps),
+                step_time_ms=float(np.median([r.step_time_ms for r in rows])),
+            )
+        )
+    return summary
+
+
+def seed_gap_table(rows: Sequence[SeedGapRow]) -> str:
+    seeds = rows[0].seeds
+    lines = [
+        "| recipe | final val loss, seeds " + " / ".join(map(str, seeds)) + " | val gap vs bf16 "
+        "per seed | mean gap | worst gap | step time (ms, median) |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def percent(gap: float | None) -> str:
+        return "—" if gap is None else f"{100 * gap:+.2f}%"
+
+    for r in rows:
+        losses = " / ".join(f"{loss:.4f}" for loss in r.final_val_losses)
+        gaps = "—" if r.val_gaps_vs_bf16 is None else " / ".join(map(percent, r.val_gaps_vs_bf16))
+        lines.append(
+            f"| {r.recipe} | {losses} | {gaps} | {percent(r.mean_val_gap_vs_bf16)} "
+            f"| {percent(r.worst_val_gap_vs_bf16)} | {r.step_time_ms:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+    seeds = tuple(seeds)
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise RunError(f"seeds must be one or more integers >= 0, got {list(seeds)}")
+    if len(set(seeds)) != len(seeds):
+        raise RunError(f"a seed is listed twice in {list(seeds)}")
+    return seeds
+
+
+def compare_over_seeds(
+    config: TrainConfig,
+    recipes: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    corpus: Corpus | None = None,
+) -> list[SeedGapRow]:
+    """`compare` once per seed into OUT/seed-<s>/; OUT/comparison.md and .json get the gaps
+    of every seed side by side (`config.seed` is replaced by each of `seeds`)."""
+    out_dir = Path(out_dir)
+    seeds = check_seeds(seeds)
+    for recipe in recipes:  # validates the recipe names before anything is written
+        dataclasses.replace(config, recipe=recipe)
+    prepare_comparison(out_dir, recipes)
+    corpus = load_corpus() if corpus is None else corpus
+    rows_by_seed = {
+        seed: compare(
+            dataclasses.replace(config, seed=seed),
+            recipes,
+            out_dir / f"seed-{seed}",
+            progress=progress,
+            corpus=corpus,
+        )
+        for seed in seeds
+    }
+    summary = seed_gap_rows(rows_by_seed)
+    (out_dir / TABLE_FILE).write_text(seed_gap_table(summary))
+    payload = {
+        "config": config.to_dict(),
+        "seeds": list(seeds),
+        "rows": [dataclasses.asdict(r) for r in summary],
+        "rows_by_seed": {
+            str(seed): [dataclasses.asdict(r) for r in rows] for seed, rows in rows_by_seed.items()
+        },
+    }
+    (out_dir / JSON_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    return summary

@@ -179,3 +179,25 @@ def test_high_precision_layers_option():
         cli._config_from_args(
             parser.parse_args(["--preset", "h200", "--high-precision-layers", "5"])
         )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--seeds", "0,0"], "a seed is listed twice in [0, 0]"),
+        (["--seeds", "0,-1"], "seeds must be one or more integers >= 0, got [0, -1]"),
+        (["--seeds", "0,1", "--seed", "2"], "give --seed or --seeds, not both"),
+    ],
+)
+def test_bad_seeds_in_compare(tmp_path, capsys, options, message):
+    status, err = _run(
+        ["compare", "--recipes", "bf16", "--out", str(tmp_path / "out"), *options], capsys
+    )
+    assert status == 2 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_seeds_that_are_not_integers(tmp_path, capsys):
+    status, err = _run(["compare", "--seeds", "0,x", "--out", str(tmp_path / "out")], capsys)
+    assert status == 2 and "seeds must be comma-separated integers, got '0,x'" in err
+    assert not (tmp_path / "out").exists()
