@@ -5,17 +5,19 @@ once per recipe for `steps` steps and returns the comparison table (final losses
 to bf16, step time, tokens/s). The loss curves are in OUT/bench_train/comparison.png.
 
     python -m benchmarks.bench_train [--small] [--recipes R ...] [--scan-layers]
-                                      [--recompute-attention] [--attention KIND] [--seed N]
-                                      [--high-precision-layers K] [--out DIR]
+                                      [--recompute-attention] [--attention KIND] [--seeds N ...]
+                                      [--high-precision-layers K] [--steps N] [--out DIR]
 
 `--small` trains the CPU preset for 20 steps instead (a smoke test that runs anywhere);
 `--scan-layers` runs the decoder blocks as one `lax.scan` (compile and step times against the
 default Python loop); `--recompute-attention` saves only q, k, v for the attention's backward
 (`ModelConfig.recompute_attention`); `--attention plain|cudnn|auto` picks the attention core
-(`ModelConfig.attention`; auto, the default, is cuDNN's fused attention on a GPU); `--seed`
-sets the runs' initial weights and batch order (default 0), so that a loss gap can be sampled
-over several seeds; `--high-precision-layers K` leaves the last K blocks unquantized
-(`ModelConfig.high_precision_layers`).
+(`ModelConfig.attention`; auto, the default, is cuDNN's fused attention on a GPU); `--seeds`
+sets the runs' initial weights and batch order (default 0; several seeds run the comparison
+once per seed and add a table of each recipe's gap seed by seed, `compare_over_seeds`);
+`--high-precision-layers K` leaves the last K blocks unquantized
+(`ModelConfig.high_precision_layers`); `--steps` replaces the 300 steps (the h200 preset's
+schedule is 2000).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.timing import device_description
 from jax_qtrain.train import PRESETS, RECIPE_NAMES, compare
-from jax_qtrain.train.compare import markdown_table
+from jax_qtrain.train.compare import compare_over_seeds, markdown_table, seed_gap_table
 from jax_qtrain.train.model import ATTENTION_KINDS, attention_implementation
 
 H200_STEPS = 300  # five runs must fit the device time of one session
@@ -40,18 +42,23 @@ def main(
     scan_layers: bool = False,
     recompute_attention: bool = False,
     attention: str = "auto",
-    seed: int = 0,
+    seeds: Sequence[int] = (0,),
     high_precision_layers: int = 0,
+    steps: int | None = None,
 ) -> str:
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
     else:
+        steps = H200_STEPS if steps is None else steps
         config = PRESETS["h200"].replace(
-            steps=H200_STEPS, eval_every=H200_STEPS // 4, checkpoint_every=H200_STEPS
+            steps=steps,
+            eval_every=max(1, steps // 4),
+            checkpoint_every=steps,
+            warmup_steps=min(PRESETS["h200"].warmup_steps, steps // 2),
         )
     config = config.replace(
         scan_layers=scan_layers, recompute_attention=recompute_attention, attention=attention
-    ).replace(seed=seed, high_precision_layers=high_precision_layers)
+    ).replace(seed=seeds[0], high_precision_layers=high_precision_layers)
     unknown = sorted(set(recipes) - set(RECIPE_NAMES))
     if unknown or not recipes:
         raise ValueError(
@@ -59,7 +66,15 @@ def main(
         )
     base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="bench_train-"))
     runs = base / "bench_train"
-    rows = compare(config, list(recipes), runs, progress=True)
+    if len(seeds) > 1:
+        summary = compare_over_seeds(config, list(recipes), seeds, runs, progress=True)
+        per_seed = [
+            f"seed {seed}:\n\n" + (runs / f"seed-{seed}" / "comparison.md").read_text()
+            for seed in seeds
+        ]
+        table = seed_gap_table(summary) + "\n" + "\n".join(per_seed)
+    else:
+        table = markdown_table(compare(config, list(recipes), runs, progress=True))
     model = config.model
     text = (
         f"`jax-qtrain compare`, preset {'cpu' if small else 'h200'}: {config.steps} steps × "
@@ -68,8 +83,9 @@ def main(
         f"{', attention recomputed' if model.recompute_attention else ''}"
         f"{f', last {high_precision_layers} unquantized' if high_precision_layers else ''}, "
         f"attention {model.attention} → {attention_implementation(model)}), "
-        f"{model.num_experts} experts top-{model.experts_per_token}, seed {config.seed}, "
-        f"{device_description()}\n\n" + markdown_table(rows)
+        f"{model.num_experts} experts top-{model.experts_per_token}, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
+        f"{device_description()}\n\n" + table
     )
     (base / "bench_train.md").write_text(text)
     print(text)
@@ -86,7 +102,8 @@ if __name__ == "__main__":
         "--recompute-attention", action=argparse.BooleanOptionalAction, default=False
     )
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--high-precision-layers", type=int, default=0)
     args = parser.parse_args()
     main(
@@ -96,6 +113,7 @@ if __name__ == "__main__":
         args.scan_layers,
         args.recompute_attention,
         args.attention,
-        args.seed,
+        args.seeds,
         args.high_precision_layers,
+        args.steps,
     )

@@ -49,6 +49,15 @@ def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
             bench_train.main(str(tmp_path), small=True, recipes=recipes)
 
 
+def test_train_benchmark_over_two_seeds(tmp_path):
+    from benchmarks import bench_train
+
+    text = bench_train.main(str(tmp_path), small=True, recipes=["bf16"], seeds=(0, 1))
+    assert "seeds 0, 1" in text and "| recipe | final val loss, seeds 0 / 1 |" in text
+    assert "seed 0:" in text and "seed 1:" in text
+    assert (tmp_path / "bench_train" / "seed-1" / "bf16" / "summary.json").exists()
+
+
 @pytest.mark.slow
 def test_grouped_ab_runs_small(tmp_path):
     # The schedule set: the persistent pipeline and 2-CTA clusters in the interpreter, each
