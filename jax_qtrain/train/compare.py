@@ -72,6 +72,10 @@ def comparison_rows(summaries: Sequence[RunSummary]) -> list[ComparisonRow]:
     return rows
 
 
+def _percent(gap: float | None) -> str:
+    return "—" if gap is None else f"{100 * gap:+.2f}%"
+
+
 def markdown_table(rows: Sequence[ComparisonRow]) -> str:
     lines = [
         "| recipe | final train loss | final val loss | val gap vs bf16 | step time (ms) "
@@ -79,9 +83,9 @@ def markdown_table(rows: Sequence[ComparisonRow]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        gap = "—" if r.val_gap_vs_bf16 is None else f"{100 * r.val_gap_vs_bf16:+.2f}%"
         lines.append(
-            f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} | {gap} "
+            f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} "
+            f"| {_percent(r.val_gap_vs_bf16)} "
             f"| {r.step_time_ms:.1f} | {r.tokens_per_s:,.0f} | {r.compile_time_s:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -218,16 +222,12 @@ def seed_gap_table(rows: Sequence[SeedGapRow]) -> str:
         "per seed | mean gap | worst gap | step time (ms, median) |",
         "|---|---|---|---|---|---|",
     ]
-
-    def percent(gap: float | None) -> str:
-        return "—" if gap is None else f"{100 * gap:+.2f}%"
-
     for r in rows:
         losses = " / ".join(f"{loss:.4f}" for loss in r.final_val_losses)
-        gaps = "—" if r.val_gaps_vs_bf16 is None else " / ".join(map(percent, r.val_gaps_vs_bf16))
+        gaps = "—" if r.val_gaps_vs_bf16 is None else " / ".join(map(_percent, r.val_gaps_vs_bf16))
         lines.append(
-            f"| {r.recipe} | {losses} | {gaps} | {percent(r.mean_val_gap_vs_bf16)} "
-            f"| {percent(r.worst_val_gap_vs_bf16)} | {r.step_time_ms:.1f} |"
+            f"| {r.recipe} | {losses} | {gaps} | {_percent(r.mean_val_gap_vs_bf16)} "
+            f"| {_percent(r.worst_val_gap_vs_bf16)} | {r.step_time_ms:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -255,7 +255,7 @@ class Transformer(nnx.Module):
         aux_loss = jnp.zeros((), jnp.float32)
         quantized = len(self.blocks) - self.config.high_precision_layers
         x, aux_loss = self._run_blocks(self.blocks[:quantized], x, aux_loss)
-        if quantized < len(self.blocks):
+        if self.config.high_precision_layers:
             with autocast(None):
                 x, aux_loss = self._run_blocks(self.blocks[quantized:], x, aux_loss)
         h = self.final_norm(x.astype(jnp.float32))
