@@ -29,7 +29,12 @@ from pathlib import Path
 
 from benchmarks.timing import device_description
 from jax_qtrain.train import PRESETS, RECIPE_NAMES, compare
-from jax_qtrain.train.compare import compare_over_seeds, markdown_table, seed_gap_table
+from jax_qtrain.train.compare import (
+    check_seeds,
+    compare_over_seeds,
+    markdown_table,
+    seed_gap_table,
+)
 from jax_qtrain.train.model import ATTENTION_KINDS, attention_implementation
 
 H200_STEPS = 300  # five runs must fit the device time of one session
@@ -46,6 +51,7 @@ def main(
     high_precision_layers: int = 0,
     steps: int | None = None,
 ) -> str:
+    seeds = check_seeds(seeds)
     if small:
         config = PRESETS["cpu"].replace(steps=20, eval_every=10, checkpoint_every=20)
     else:

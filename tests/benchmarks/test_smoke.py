@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks.run import benchmark_modules
+from jax_qtrain.train.trainer import RunError
 
 
 @pytest.mark.parametrize("name", benchmark_modules())
@@ -47,6 +48,9 @@ def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
     for recipes in (["fp16"], []):
         with pytest.raises(ValueError, match="recipes must be a non-empty subset"):
             bench_train.main(str(tmp_path), small=True, recipes=recipes)
+    for seeds in ((), (0, 0), (-1,)):
+        with pytest.raises(RunError, match="seed"):
+            bench_train.main(str(tmp_path), small=True, seeds=seeds)
 
 
 def test_train_benchmark_over_two_seeds(tmp_path):
