@@ -17,7 +17,7 @@ sets the runs' initial weights and batch order (default 0; several seeds run the
 once per seed and add a table of each recipe's gap seed by seed, `compare_over_seeds`);
 `--high-precision-layers K` leaves the last K blocks unquantized
 (`ModelConfig.high_precision_layers`); `--steps` replaces the 300 steps (the h200 preset's
-schedule is 2000).
+schedule is 1000).
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ for the run's clocks) are timed batch by batch in alternation
   tile of 64 x (2 x 128) against 128 x (2 x 64), whose 128x128 tiles read a fifth less lhs +
   rhs per product (32 instead of 40 KB per 2 M multiply-adds and K step) for the same
   accumulator registers, with a wgmma in flight, the persistent pipeline and 2-CTA clusters;
+* ``wide_tiles``: the bf16 and FP8 rowwise defaults (CTA tile 128 x (2 x 128): each consumer
+  issues two m64n128 wgmmas per K slice, re-reading the rhs slice) against 64 x (2 x 256),
+  whose consumers issue one m64n256 wgmma each: a sixth less shared-memory traffic per
+  multiply-add (20 instead of 24 KB per 128 x 256 x 16), for more L2 traffic per product (the
+  lhs tile is half as tall). 72 KB per 64-wide K step leave room for two stages only, so K
+  steps of 32 (bf16) / 64 (FP8) with more stages too. Block FP8 keeps its default (its chunk
+  accumulator doubles the registers);
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -30,7 +37,7 @@ for the run's clocks) are timed batch by batch in alternation
   skewed G8 shapes.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
-        [--variants epilogue|schedule|grouping|defaults|block_tiles|wgrad]
+        [--variants epilogue|schedule|grouping|defaults|block_tiles|wide_tiles|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -158,12 +165,32 @@ def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, Groupe
     return {name: fit_fp8_block_config(c, k, BF16) for name, c in variants.items()}
 
 
+def wide_tile_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The default, then 64 x (2 x 256) CTA tiles at K steps and depths that fit in shared
+    memory (bf16 when the default's K step is 64, FP8 when it is 128; see the docstring)."""
+    wide = dataclasses.replace(config, tile_m=64, tile_n=256, epilogue_buffers=1)
+    short_k = config.tile_k // 2  # 64-byte swizzle rows, bf16 or FP8
+    return {
+        "default": config,
+        f"64x(2x256), k{short_k}, 5 stages": dataclasses.replace(
+            wide, tile_k=short_k, max_concurrent_steps=5, wgmma_in_flight=0
+        ),
+        f"64x(2x256), k{short_k}, 5 stages, 1 in flight": dataclasses.replace(
+            wide, tile_k=short_k, max_concurrent_steps=5, wgmma_in_flight=1
+        ),
+        f"64x(2x256), k{config.tile_k}, 2 stages": dataclasses.replace(
+            wide, max_concurrent_steps=2, wgmma_in_flight=0
+        ),
+    }
+
+
 VARIANT_SETS = {
     "epilogue": epilogue_variants,
     "schedule": schedule_variants,
     "grouping": None,  # not config variants: see grouping_cases
     "defaults": default_variants,
     "block_tiles": block_tile_variants,  # block FP8 only (takes k)
+    "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -358,7 +385,7 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants in ("defaults", "block_tiles"):
+    if variants in ("defaults", "block_tiles", "wide_tiles"):
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
@@ -368,6 +395,8 @@ def main(
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:
             return variant_configs(block_config, k)
+        if variants == "wide_tiles":  # the yardstick of the run's clocks only
+            return {"default": block_config}
         return variant_configs(block_config)
 
     def run_block_case(shape, g, m, k, n, flops, sets, xla_dense) -> None:
