@@ -45,7 +45,10 @@ class ComparisonRow:
     recipe: str
     final_train_loss: float
     final_val_loss: float
-    val_gap_vs_bf16: float | None  # relative; None without a bf16 run
+    best_val_loss: float  # the run's lowest validation loss, at best_val_step
+    best_val_step: int
+    val_gap_vs_bf16: float | None  # relative, of the final losses; None without a bf16 run
+    epochs: float  # passes over the training split (the same for every recipe)
     step_time_ms: float
     tokens_per_s: float
     compile_time_s: float
@@ -63,7 +66,10 @@ def comparison_rows(summaries: Sequence[RunSummary]) -> list[ComparisonRow]:
                 recipe=s.recipe,
                 final_train_loss=s.final_train_loss,
                 final_val_loss=s.final_val_loss,
+                best_val_loss=s.best_val_loss,
+                best_val_step=s.best_val_step,
                 val_gap_vs_bf16=gap,
+                epochs=s.epochs,
                 step_time_ms=s.step_time_s * 1e3,
                 tokens_per_s=s.tokens_per_s,
                 compile_time_s=s.compile_time_s,
@@ -77,17 +83,21 @@ def _percent(gap: float | None) -> str:
 
 
 def markdown_table(rows: Sequence[ComparisonRow]) -> str:
+    """The comparison table, and below it how many epochs the runs trained (a best validation
+    loss well before the last step, past a few epochs, means the runs overfit the corpus and
+    the final gap measures that as much as the recipes' numerics)."""
     lines = [
-        "| recipe | final train loss | final val loss | val gap vs bf16 | step time (ms) "
-        "| tokens/s | compile (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | final train loss | final val loss | best val loss (step) | val gap vs bf16 "
+        "| step time (ms) | tokens/s | compile (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} "
-            f"| {_percent(r.val_gap_vs_bf16)} "
+            f"| {r.best_val_loss:.4f} ({r.best_val_step}) | {_percent(r.val_gap_vs_bf16)} "
             f"| {r.step_time_ms:.1f} | {r.tokens_per_s:,.0f} | {r.compile_time_s:.1f} |"
         )
+    lines += ["", f"Each run trained {rows[0].epochs:.2f} epochs of the training split."]
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +177,8 @@ def compare(
     rows = comparison_rows(summaries)
     model = config.model
     title = (
-        f"{config.steps} steps × {config.tokens_per_step} bytes, d_model {model.d_model}, "
+        f"{config.steps} steps × {config.tokens_per_step} bytes ({rows[0].epochs:.2f} epochs), "
+        f"d_model {model.d_model}, "
         f"{model.num_layers} layers, {model.feed_forward} feed-forward"
     )
     plot_losses({r: out_dir / r for r in recipes}, out_dir / PLOT_FILE, title)

@@ -5,7 +5,7 @@
                          every step, {"kind": "eval", "step", "val_loss"} after evaluations,
                          {"kind": "resume", "step"} where a resumed run restarted
     OUT/checkpoints/N/   Orbax checkpoint of the model and optimizer state after N steps
-    OUT/summary.json     final losses and timings (written last)
+    OUT/summary.json     final and best losses, epochs and timings (written last)
 
 A run is a pure function of its TrainConfig and the corpus: the initial parameters come from
 `seed`, batch `step` from (`seed`, `step`) (see corpus.py), and a checkpoint holds every array
@@ -53,6 +53,11 @@ class RunSummary:
     steps: int
     final_train_loss: float
     final_val_loss: float
+    # The lowest validation loss of the run and the step it was measured at: past about three
+    # epochs of a small corpus the validation loss turns up again (docs/training.md).
+    best_val_loss: float
+    best_val_step: int
+    epochs: float  # bytes trained on / bytes of the training split
     step_time_s: float  # median over the steps (robust to a busy machine); excludes compiling
     tokens_per_s: float
     compile_time_s: float
@@ -60,6 +65,34 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# How far above its best a final validation loss may end before the run reports overfitting.
+OVERFITTING_TOLERANCE = 0.01
+
+
+def best_evaluation(eval_records: list[dict]) -> tuple[float, int]:
+    """The lowest validation loss and its step (the first of equal ones; the last evaluation
+    when every loss is NaN)."""
+    losses = np.array([r["val_loss"] for r in eval_records], dtype=np.float64)
+    if np.isnan(losses).all():
+        return float(losses[-1]), int(eval_records[-1]["step"])
+    best = int(np.nanargmin(losses))
+    return float(losses[best]), int(eval_records[best]["step"])
+
+
+def overfitting_note(summary: RunSummary) -> str | None:
+    """A line for the user when the final validation loss ended more than
+    OVERFITTING_TOLERANCE above the run's best one, else None."""
+    best, final = summary.best_val_loss, summary.final_val_loss
+    if not final > best * (1 + OVERFITTING_TOLERANCE):  # False for NaN too
+        return None
+    return (
+        f"{summary.recipe}: validation loss {final:.4f} after {summary.steps} steps is "
+        f"{100 * (final / best - 1):.1f}% above its best, {best:.4f} at step "
+        f"{summary.best_val_step} ({summary.epochs:.1f} epochs of the training split): the model "
+        "overfits the corpus; fewer --steps may train a better one"
+    )
 
 
 # --- checking the output directory before anything is written ------------------------------
@@ -408,15 +441,22 @@ def train(
     train_records = [r for r in records if r["kind"] == "train"]
     eval_records = [r for r in records if r["kind"] == "eval"]
     step_time = float(np.median([r["step_time_s"] for r in train_records]))
+    best_val_loss, best_val_step = best_evaluation(eval_records)
     summary = RunSummary(
         recipe=config.recipe,
         steps=config.steps,
         final_train_loss=train_records[-1]["loss"],
         final_val_loss=eval_records[-1]["val_loss"],
+        best_val_loss=best_val_loss,
+        best_val_step=best_val_step,
+        epochs=config.steps * config.tokens_per_step / len(corpus.train.data),
         step_time_s=step_time,
         tokens_per_s=config.tokens_per_step / step_time,
         compile_time_s=steps.compile_time_s,
         parameters=parameters,
     )
     _write_json_atomically(out_dir / SUMMARY_FILE, summary.to_dict())
+    note = overfitting_note(summary)
+    if progress and note:
+        print(note, file=sys.stderr)
     return summary

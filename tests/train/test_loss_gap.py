@@ -46,7 +46,14 @@ def test_default_model_and_schedule_loss_gaps(tmp_path, capsys):
             PRESETS["cpu"].replace(recipe=recipe, batch_size=BATCH_SIZE).to_dict()
         )
         losses = f"{row['final_train_loss']:.4f} | {row['final_val_loss']:.4f}"
-        assert f"| {recipe} | {losses} |" in table
+        best = f"{row['best_val_loss']:.4f} ({row['best_val_step']})"
+        assert f"| {recipe} | {losses} | {best} |" in table
+        assert (row["best_val_loss"], row["best_val_step"], row["epochs"]) == (
+            summary["best_val_loss"],
+            summary["best_val_step"],
+            summary["epochs"],
+        )
+    assert f"Each run trained {rows['bf16']['epochs']:.2f} epochs of the training split." in table
 
     baseline = rows["bf16"]["final_val_loss"]
     # The baseline learned: far below ln 256 ≈ 5.55 nats, the loss of a uniform guess.

@@ -14,10 +14,14 @@ from jax_qtrain.train.config import TrainConfig, recipe_for
 from jax_qtrain.train.trainer import (
     CONFIG_FILE,
     METRICS_FILE,
+    OVERFITTING_TOLERANCE,
     SUMMARY_FILE,
     RunError,
+    RunSummary,
+    best_evaluation,
     latest_checkpoint_step,
     learning_rate_schedule,
+    overfitting_note,
     read_metrics,
     restore_model,
     train,
@@ -62,6 +66,50 @@ def test_run_writes_config_metrics_checkpoints_and_summary(finished_run, corpus)
     assert summary.final_train_loss == train_records[-1]["loss"]
     assert summary.final_val_loss == eval_records[-1]["val_loss"]
     assert summary.recipe == "mxfp8" and summary.steps == TINY.steps
+    best = min(eval_records, key=lambda r: r["val_loss"])
+    assert (summary.best_val_loss, summary.best_val_step) == (best["val_loss"], best["step"])
+    assert summary.epochs == TINY.steps * TINY.tokens_per_step / len(corpus.train.data)
+
+
+def test_best_evaluation_skips_nan_and_takes_the_first_of_equal_losses():
+    records = [
+        {"step": 4, "val_loss": float("nan")},
+        {"step": 8, "val_loss": 2.0},
+        {"step": 12, "val_loss": 1.5},
+        {"step": 16, "val_loss": 1.5},
+        {"step": 20, "val_loss": 1.7},
+    ]
+    assert best_evaluation(records) == (1.5, 12)
+    nan, step = best_evaluation([{"step": 4, "val_loss": float("nan")}] * 2)
+    assert np.isnan(nan) and step == 4
+
+
+def _summary(final_val_loss: float, best_val_loss: float) -> RunSummary:
+    return RunSummary(
+        recipe="bf16",
+        steps=2000,
+        final_train_loss=0.24,
+        final_val_loss=final_val_loss,
+        best_val_loss=best_val_loss,
+        best_val_step=1000,
+        epochs=6.5,
+        step_time_s=0.026,
+        tokens_per_s=1.2e6,
+        compile_time_s=40.0,
+        parameters=55_000_000,
+    )
+
+
+def test_overfitting_note_names_the_best_step_past_the_tolerance():
+    # The h200 preset's old 2000 steps on the H200 image's corpus (docs/training.md).
+    note = overfitting_note(_summary(1.118, 0.900))
+    assert note is not None
+    assert "1.1180 after 2000 steps is 24.2% above its best, 0.9000 at step 1000" in note
+    assert "6.5 epochs" in note and "--steps" in note
+    # Within the tolerance, at the best, or NaN: nothing to say.
+    assert overfitting_note(_summary(0.900 * (1 + OVERFITTING_TOLERANCE), 0.900)) is None
+    assert overfitting_note(_summary(0.9, 0.9)) is None
+    assert overfitting_note(_summary(float("nan"), 0.9)) is None
 
 
 def test_restore_model_has_the_trained_weights(finished_run, corpus):
