@@ -52,9 +52,23 @@ class ComparisonRow:
     step_time_ms: float
     tokens_per_s: float
     compile_time_s: float
+    evaluations: tuple[tuple[int, float], ...] = ()  # (step, validation loss) of each evaluation
 
 
-def comparison_rows(summaries: Sequence[RunSummary]) -> list[ComparisonRow]:
+def evaluations_of(run_dir: Path) -> tuple[tuple[int, float], ...]:
+    """(step, validation loss) of every evaluation in a run's metrics file."""
+    return tuple(
+        (int(r["step"]), float(r["val_loss"])) for r in read_metrics(run_dir) if r["kind"] == "eval"
+    )
+
+
+def comparison_rows(
+    summaries: Sequence[RunSummary],
+    evaluations: dict[str, tuple[tuple[int, float], ...]] | None = None,
+) -> list[ComparisonRow]:
+    """One row per run; `evaluations` (recipe -> (step, val loss) pairs) fills the rows'
+    evaluations when given."""
+    evaluations = evaluations or {}
     baseline = next((s for s in summaries if s.recipe == BASELINE), None)
     rows = []
     for s in summaries:
@@ -70,6 +84,7 @@ def comparison_rows(summaries: Sequence[RunSummary]) -> list[ComparisonRow]:
                 best_val_step=s.best_val_step,
                 val_gap_vs_bf16=gap,
                 epochs=s.epochs,
+                evaluations=tuple(evaluations.get(s.recipe, ())),
                 step_time_ms=s.step_time_s * 1e3,
                 tokens_per_s=s.tokens_per_s,
                 compile_time_s=s.compile_time_s,
@@ -98,6 +113,34 @@ def markdown_table(rows: Sequence[ComparisonRow]) -> str:
             f"| {r.step_time_ms:.1f} | {r.tokens_per_s:,.0f} | {r.compile_time_s:.1f} |"
         )
     lines += ["", f"Each run trained {rows[0].epochs:.2f} epochs of the training split."]
+    if any(r.evaluations for r in rows):
+        lines += ["", *evaluation_table(rows).splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def evaluation_table(rows: Sequence[ComparisonRow]) -> str:
+    """Each recipe's validation loss at every evaluation, with its gap to bf16's at the same
+    step: how the gap moves over training (early steps favour bf16 on small models; late
+    ones, past a few epochs, favour whichever run memorizes the corpus more slowly)."""
+    steps = sorted({step for r in rows for step, _ in r.evaluations})
+    baseline = next((dict(r.evaluations) for r in rows if r.recipe == BASELINE), {})
+    lines = [
+        "Validation loss at each evaluation (gap vs bf16 at the same step):",
+        "",
+        "| step | " + " | ".join(r.recipe for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for step in steps:
+        cells = []
+        for r in rows:
+            loss = dict(r.evaluations).get(step)
+            if loss is None:
+                cells.append("—")
+            elif r.recipe == BASELINE or step not in baseline:
+                cells.append(f"{loss:.4f}")
+            else:
+                cells.append(f"{loss:.4f} ({_percent((loss - baseline[step]) / baseline[step])})")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +217,7 @@ def compare(
         train(run_config, out_dir / run_config.recipe, progress=progress, corpus=corpus)
         for run_config in configs
     ]
-    rows = comparison_rows(summaries)
+    rows = comparison_rows(summaries, {r: evaluations_of(out_dir / r) for r in recipes})
     model = config.model
     title = (
         f"{config.steps} steps × {config.tokens_per_step} bytes ({rows[0].epochs:.2f} epochs), "

@@ -54,6 +54,12 @@ def test_default_model_and_schedule_loss_gaps(tmp_path, capsys):
             summary["epochs"],
         )
     assert f"Each run trained {rows['bf16']['epochs']:.2f} epochs of the training split." in table
+    # The last evaluation is the final one: its row has every recipe's final loss.
+    final_step = rows["bf16"]["evaluations"][-1][0]
+    assert final_step == PRESETS["cpu"].steps
+    for row in rows.values():
+        assert row["evaluations"][-1] == [final_step, row["final_val_loss"]]
+    assert f"| {final_step} | {rows['bf16']['final_val_loss']:.4f} | " in table
 
     baseline = rows["bf16"]["final_val_loss"]
     # The baseline learned: far below ln 256 ≈ 5.55 nats, the loss of a uniform guess.
