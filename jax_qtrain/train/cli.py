@@ -190,7 +190,18 @@ def run_train(args: argparse.Namespace) -> int:
         f"{summary.step_time_s * 1e3:.0f} ms/step, {summary.tokens_per_s:,.0f} tokens/s "
         f"({summary.parameters:,} parameters); metrics in {out}/metrics.jsonl"
     )
+    _print_overfitting_notes([summary])
     return 0
+
+
+def _print_overfitting_notes(results) -> None:
+    """On stderr, whatever --no-progress says: a run that overfits its corpus is worth a line."""
+    from jax_qtrain.train.trainer import overfitting_note
+
+    for result in results:
+        note = overfitting_note(result)
+        if note:
+            print(f"jax-qtrain: note: {note}", file=sys.stderr)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -231,4 +242,5 @@ def run_compare(args: argparse.Namespace) -> int:
         return _fail(str(error))
     print(markdown_table(rows), end="")
     print(f"plot: {out / PLOT_FILE}; table: {out / TABLE_FILE}")
+    _print_overfitting_notes(rows)
     return 0

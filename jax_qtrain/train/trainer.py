@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +82,26 @@ def best_evaluation(eval_records: list[dict]) -> tuple[float, int]:
     return float(losses[best]), int(eval_records[best]["step"])
 
 
-def overfitting_note(summary: RunSummary) -> str | None:
+class RunResult(Protocol):
+    """What `overfitting_note` reads: a RunSummary or a comparison row."""
+
+    recipe: str
+    final_val_loss: float
+    best_val_loss: float
+    best_val_step: int
+    epochs: float
+
+
+def overfitting_note(result: RunResult) -> str | None:
     """A line for the user when the final validation loss ended more than
-    OVERFITTING_TOLERANCE above the run's best one, else None."""
-    best, final = summary.best_val_loss, summary.final_val_loss
+    OVERFITTING_TOLERANCE above the run's best one, else None (the CLI prints it)."""
+    best, final = result.best_val_loss, result.final_val_loss
     if not final > best * (1 + OVERFITTING_TOLERANCE):  # False for NaN too
         return None
     return (
-        f"{summary.recipe}: validation loss {final:.4f} after {summary.steps} steps is "
-        f"{100 * (final / best - 1):.1f}% above its best, {best:.4f} at step "
-        f"{summary.best_val_step} ({summary.epochs:.1f} epochs of the training split): the model "
+        f"{result.recipe}: the final validation loss {final:.4f} is "
+        f"{100 * (final / best - 1):.1f}% above the run's best, {best:.4f} at step "
+        f"{result.best_val_step} ({result.epochs:.1f} epochs of the training split): the model "
         "overfits the corpus; fewer --steps may train a better one"
     )
 
@@ -456,7 +467,4 @@ def train(
         parameters=parameters,
     )
     _write_json_atomically(out_dir / SUMMARY_FILE, summary.to_dict())
-    note = overfitting_note(summary)
-    if progress and note:
-        print(note, file=sys.stderr)
     return summary

@@ -201,3 +201,34 @@ def test_seeds_that_are_not_integers(tmp_path, capsys):
     status, err = _run(["compare", "--seeds", "0,x", "--out", str(tmp_path / "out")], capsys)
     assert status == 2 and "seeds must be comma-separated integers, got '0,x'" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("final_val_loss, noted", [(1.118, True), (0.905, False)])
+def test_train_notes_a_run_that_ends_above_its_best_validation_loss(
+    tmp_path, capsys, monkeypatch, final_val_loss, noted
+):
+    # The note is the CLI's (on stderr even with --no-progress); the run itself is stubbed out
+    # with the summary of the h200 preset's old 2000 steps (docs/training.md).
+    from jax_qtrain.train import trainer
+
+    def finished_run(config, out, **kwargs):
+        return trainer.RunSummary(
+            recipe=config.recipe,
+            steps=config.steps,
+            final_train_loss=0.24,
+            final_val_loss=final_val_loss,
+            best_val_loss=0.900,
+            best_val_step=1000,
+            epochs=6.5,
+            step_time_s=0.026,
+            tokens_per_s=1.2e6,
+            compile_time_s=40.0,
+            parameters=55_000_000,
+        )
+
+    monkeypatch.setattr(trainer, "train", finished_run)
+    status, err = _run(["train", "--out", str(tmp_path / "run"), "--no-progress"], capsys)
+    assert status == 0
+    note = "jax-qtrain: note: bf16: the final validation loss 1.1180 is 24.2% above the run's best"
+    assert (note in err) == noted
+    assert ("fewer --steps" in err) == noted

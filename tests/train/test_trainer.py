@@ -104,8 +104,9 @@ def test_overfitting_note_names_the_best_step_past_the_tolerance():
     # The h200 preset's old 2000 steps on the H200 image's corpus (docs/training.md).
     note = overfitting_note(_summary(1.118, 0.900))
     assert note is not None
-    assert "1.1180 after 2000 steps is 24.2% above its best, 0.9000 at step 1000" in note
-    assert "6.5 epochs" in note and "--steps" in note
+    assert "bf16: the final validation loss 1.1180 is 24.2% above the run's best" in note
+    assert "0.9000 at step 1000 (6.5 epochs" in note
+    assert "--steps" in note
     # Within the tolerance, at the best, or NaN: nothing to say.
     assert overfitting_note(_summary(0.900 * (1 + OVERFITTING_TOLERANCE), 0.900)) is None
     assert overfitting_note(_summary(0.9, 0.9)) is None
