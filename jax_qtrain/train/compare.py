@@ -122,8 +122,11 @@ def evaluation_table(rows: Sequence[ComparisonRow]) -> str:
     """Each recipe's validation loss at every evaluation, with its gap to bf16's at the same
     step: how the gap moves over training (early steps favour bf16 on small models; late
     ones, past a few epochs, favour whichever run memorizes the corpus more slowly)."""
-    steps = sorted({step for r in rows for step, _ in r.evaluations})
-    baseline = next((dict(r.evaluations) for r in rows if r.recipe == BASELINE), {})
+    losses = [dict(r.evaluations) for r in rows]  # step -> loss, per recipe
+    steps = sorted({step for by_step in losses for step in by_step})
+    baseline = next(
+        (by_step for r, by_step in zip(rows, losses, strict=True) if r.recipe == BASELINE), {}
+    )
     lines = [
         "Validation loss at each evaluation (gap vs bf16 at the same step):",
         "",
@@ -132,8 +135,8 @@ def evaluation_table(rows: Sequence[ComparisonRow]) -> str:
     ]
     for step in steps:
         cells = []
-        for r in rows:
-            loss = dict(r.evaluations).get(step)
+        for r, by_step in zip(rows, losses, strict=True):
+            loss = by_step.get(step)
             if loss is None:
                 cells.append("—")
             elif r.recipe == BASELINE or step not in baseline:
