@@ -62,6 +62,11 @@ def evaluations_of(run_dir: Path) -> tuple[tuple[int, float], ...]:
     )
 
 
+def relative_gap(loss: float, baseline_loss: float) -> float:
+    """(loss − baseline) / baseline: the gaps every table reports."""
+    return (loss - baseline_loss) / baseline_loss
+
+
 def comparison_rows(
     summaries: Sequence[RunSummary],
     evaluations: dict[str, tuple[tuple[int, float], ...]] | None = None,
@@ -74,7 +79,7 @@ def comparison_rows(
     for s in summaries:
         gap = None
         if baseline is not None:
-            gap = (s.final_val_loss - baseline.final_val_loss) / baseline.final_val_loss
+            gap = relative_gap(s.final_val_loss, baseline.final_val_loss)
         rows.append(
             ComparisonRow(
                 recipe=s.recipe,
@@ -142,7 +147,7 @@ def evaluation_table(rows: Sequence[ComparisonRow]) -> str:
             elif r.recipe == BASELINE or step not in baseline:
                 cells.append(f"{loss:.4f}")
             else:
-                cells.append(f"{loss:.4f} ({_percent((loss - baseline[step]) / baseline[step])})")
+                cells.append(f"{loss:.4f} ({_percent(relative_gap(loss, baseline[step]))})")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,7 @@ import pytest
 from jax_qtrain.train.config import TrainConfig
 from jax_qtrain.train.corpus import load_corpus
 from jax_qtrain.train.model import ModelConfig
+from jax_qtrain.train.trainer import RunSummary
 
 # A few seconds per run on a CPU, for tests of the machinery rather than of the numbers.
 TINY_MODEL = ModelConfig(
@@ -53,3 +54,21 @@ def pytest_collection_modifyitems(config, items):
     `pytest -n 2` they overlap the rest of the suite instead of finishing last."""
     slow = [item for item in items if "slow" in item.keywords and "tests/train/" in item.nodeid]
     items[:] = slow + [item for item in items if item not in slow]
+
+
+def h200_2000_step_summary(final_val_loss: float, recipe: str = "bf16") -> RunSummary:
+    """The h200 preset's old 2000-step bf16 run on the H200 (docs/training.md): best validation
+    loss 0.900 at step 1000, 6.5 epochs; `final_val_loss` as the test needs it."""
+    return RunSummary(
+        recipe=recipe,
+        steps=2000,
+        final_train_loss=0.24,
+        final_val_loss=final_val_loss,
+        best_val_loss=0.900,
+        best_val_step=1000,
+        epochs=6.5,
+        step_time_s=0.026,
+        tokens_per_s=1.2e6,
+        compile_time_s=40.0,
+        parameters=55_000_000,
+    )

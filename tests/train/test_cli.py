@@ -16,7 +16,7 @@ from jax_qtrain.__main__ import main
 from jax_qtrain.train import cli
 from jax_qtrain.train.config import PRESETS
 from jax_qtrain.train.trainer import CONFIG_FILE
-from tests.train.conftest import TINY_OPTIONS
+from tests.train.conftest import TINY_OPTIONS, h200_2000_step_summary
 
 
 def _files_under(path: Path) -> list[str]:
@@ -212,19 +212,7 @@ def test_train_notes_a_run_that_ends_above_its_best_validation_loss(
     from jax_qtrain.train import trainer
 
     def finished_run(config, out, **kwargs):
-        return trainer.RunSummary(
-            recipe=config.recipe,
-            steps=config.steps,
-            final_train_loss=0.24,
-            final_val_loss=final_val_loss,
-            best_val_loss=0.900,
-            best_val_step=1000,
-            epochs=6.5,
-            step_time_s=0.026,
-            tokens_per_s=1.2e6,
-            compile_time_s=40.0,
-            parameters=55_000_000,
-        )
+        return h200_2000_step_summary(final_val_loss, recipe=config.recipe)
 
     monkeypatch.setattr(trainer, "train", finished_run)
     status, err = _run(["train", "--out", str(tmp_path / "run"), "--no-progress"], capsys)

@@ -17,7 +17,6 @@ from jax_qtrain.train.trainer import (
     OVERFITTING_TOLERANCE,
     SUMMARY_FILE,
     RunError,
-    RunSummary,
     best_evaluation,
     latest_checkpoint_step,
     learning_rate_schedule,
@@ -26,7 +25,7 @@ from jax_qtrain.train.trainer import (
     restore_model,
     train,
 )
-from tests.train.conftest import TINY
+from tests.train.conftest import TINY, h200_2000_step_summary
 
 
 @pytest.fixture(scope="module")
@@ -84,33 +83,17 @@ def test_best_evaluation_skips_nan_and_takes_the_first_of_equal_losses():
     assert np.isnan(nan) and step == 4
 
 
-def _summary(final_val_loss: float, best_val_loss: float) -> RunSummary:
-    return RunSummary(
-        recipe="bf16",
-        steps=2000,
-        final_train_loss=0.24,
-        final_val_loss=final_val_loss,
-        best_val_loss=best_val_loss,
-        best_val_step=1000,
-        epochs=6.5,
-        step_time_s=0.026,
-        tokens_per_s=1.2e6,
-        compile_time_s=40.0,
-        parameters=55_000_000,
-    )
-
-
 def test_overfitting_note_names_the_best_step_past_the_tolerance():
     # The h200 preset's old 2000 steps on the H200 image's corpus (docs/training.md).
-    note = overfitting_note(_summary(1.118, 0.900))
+    note = overfitting_note(h200_2000_step_summary(1.118))
     assert note is not None
     assert "bf16: the final validation loss 1.1180 is 24.2% above the run's best" in note
     assert "0.9000 at step 1000 (6.5 epochs" in note
     assert "--steps" in note
     # Within the tolerance, at the best, or NaN: nothing to say.
-    assert overfitting_note(_summary(0.900 * (1 + OVERFITTING_TOLERANCE), 0.900)) is None
-    assert overfitting_note(_summary(0.9, 0.9)) is None
-    assert overfitting_note(_summary(float("nan"), 0.9)) is None
+    assert overfitting_note(h200_2000_step_summary(0.900 * (1 + OVERFITTING_TOLERANCE))) is None
+    assert overfitting_note(h200_2000_step_summary(0.9)) is None
+    assert overfitting_note(h200_2000_step_summary(float("nan"))) is None
 
 
 def test_restore_model_has_the_trained_weights(finished_run, corpus):
