@@ -74,6 +74,9 @@ def comparison_rows(
     """One row per run; `evaluations` (recipe -> (step, val loss) pairs) fills the rows'
     evaluations when given."""
     evaluations = evaluations or {}
+    unknown = sorted(set(evaluations) - {s.recipe for s in summaries})
+    if unknown:
+        raise ValueError(f"evaluations: recipes without a run summary: {unknown}")
     baseline = next((s for s in summaries if s.recipe == BASELINE), None)
     rows = []
     for s in summaries:
@@ -98,6 +101,11 @@ def comparison_rows(
     return rows
 
 
+def _check_rows(rows: Sequence) -> None:
+    if not rows:
+        raise ValueError("rows: a table needs at least one recipe's row, got none")
+
+
 def _percent(gap: float | None) -> str:
     return "—" if gap is None else f"{100 * gap:+.2f}%"
 
@@ -106,6 +114,7 @@ def markdown_table(rows: Sequence[ComparisonRow]) -> str:
     """The comparison table, and below it how many epochs the runs trained (a best validation
     loss well before the last step, past a few epochs, means the runs overfit the corpus and
     the final gap measures that as much as the recipes' numerics)."""
+    _check_rows(rows)
     lines = [
         "| recipe | final train loss | final val loss | best val loss (step) | val gap vs bf16 "
         "| step time (ms) | tokens/s | compile (s) |",
@@ -127,6 +136,7 @@ def evaluation_table(rows: Sequence[ComparisonRow]) -> str:
     """Each recipe's validation loss at every evaluation, with its gap to bf16's at the same
     step: how the gap moves over training (early steps favour bf16 on small models; late
     ones, past a few epochs, favour whichever run memorizes the corpus more slowly)."""
+    _check_rows(rows)
     losses = [dict(r.evaluations) for r in rows]  # step -> loss, per recipe
     steps = sorted({step for by_step in losses for step in by_step})
     baseline = next(
@@ -278,6 +288,7 @@ def seed_gap_rows(
 
 
 def seed_gap_table(rows: Sequence[SeedGapRow]) -> str:
+    _check_rows(rows)
     seeds = rows[0].seeds
     lines = [
         "| recipe | final val loss, seeds " + " / ".join(map(str, seeds)) + " | val gap vs bf16 "

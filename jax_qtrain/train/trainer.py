@@ -75,6 +75,8 @@ OVERFITTING_TOLERANCE = 0.01
 def best_evaluation(eval_records: list[dict]) -> tuple[float, int]:
     """The lowest validation loss and its step (the first of equal ones; the last evaluation
     when every loss is NaN)."""
+    if not eval_records:
+        raise ValueError("eval_records: need at least one evaluation, got none")
     losses = np.array([r["val_loss"] for r in eval_records], dtype=np.float64)
     if np.isnan(losses).all():
         return float(losses[-1]), int(eval_records[-1]["step"])

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_qtrain.train.compare import ComparisonRow, evaluation_table, markdown_table
+import pytest
+
+from jax_qtrain.train.compare import (
+    ComparisonRow,
+    comparison_rows,
+    evaluation_table,
+    markdown_table,
+    seed_gap_table,
+)
 
 
 def _row(recipe: str, evaluations: tuple[tuple[int, float], ...]) -> ComparisonRow:
@@ -55,3 +63,14 @@ def test_markdown_table_has_the_best_loss_the_epochs_and_the_evaluations():
     # Rows without evaluations (hand-made, or before they were recorded): the first table only.
     bare = [dataclasses.replace(BF16, evaluations=())]
     assert "Validation loss at each evaluation" not in markdown_table(bare)
+
+
+@pytest.mark.parametrize("table", [markdown_table, evaluation_table, seed_gap_table])
+def test_tables_of_no_rows_are_refused(table):
+    with pytest.raises(ValueError, match="rows: a table needs at least one recipe's row"):
+        table([])
+
+
+def test_evaluations_of_a_recipe_without_a_summary_are_refused():
+    with pytest.raises(ValueError, match=r"evaluations: recipes without a run summary: \['fp8'\]"):
+        comparison_rows([], {"fp8": ((10, 2.0),)})

@@ -81,6 +81,8 @@ def test_best_evaluation_skips_nan_and_takes_the_first_of_equal_losses():
     assert best_evaluation(records) == (1.5, 12)
     nan, step = best_evaluation([{"step": 4, "val_loss": float("nan")}] * 2)
     assert np.isnan(nan) and step == 4
+    with pytest.raises(ValueError, match="eval_records: need at least one evaluation"):
+        best_evaluation([])
 
 
 def test_overfitting_note_names_the_best_step_past_the_tolerance():
