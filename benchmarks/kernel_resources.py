@@ -78,6 +78,14 @@ def kernel_cases():
             lambda: pk.quantize_mxfp8(x, columnwise=True, config=pk.MXFP8QuantizeConfig(**reuse)),
         ),
         (
+            "mxfp8 row+col stage_columnwise_in_input",
+            lambda: pk.quantize_mxfp8(
+                x,
+                columnwise=True,
+                config=pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True),
+            ),
+        ),
+        (
             "fp8 block 1x128 row+col",
             lambda: pk.quantize_fp8_block(x, block_shape=(1, 128), rowwise=True, columnwise=True),
         ),

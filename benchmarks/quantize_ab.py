@@ -11,10 +11,12 @@ OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
 (`lean_arithmetic=False`, the baseline), each variant (`split_copies`, `lean_arithmetic` (now
-the default), both, `reuse_input_tile`), the row+col E4M3 cast skeleton of bench_quantize.py
-(the same tiles, loads and stores without block scaling: the ceiling of this structure), the
-skeleton with `reuse_input_tile` (the codes staged in the input tile's memory: half the shared
-memory per CTA) and XLA's `x + 1` (the copy floor). They are timed with
+the default), both, `reuse_input_tile`, `stage_columnwise_in_input`), the row+col E4M3 cast
+skeleton of bench_quantize.py (the same tiles, loads and stores without block scaling: the
+ceiling of this structure), the skeleton with `reuse_input_tile` (the codes staged in the input
+tile's memory: half the shared memory per CTA) and with `stage_columnwise_in_input` (the
+columnwise codes staged over each 32-row slab once read: 4 CTAs per SM instead of 3), and XLA's
+`x + 1` (the copy floor). They are timed with
 `benchmarks.timing.interleaved_seconds` (batches of calls, alternating between candidates, so
 clock drift hits all alike). Before timing, each variant's four outputs are compared with the
 baseline's on the device, bit for bit, on the timed input and on one with NaN / Inf / huge /
@@ -54,12 +56,23 @@ VARIANTS: dict[str, pk.MXFP8QuantizeConfig] = {
     "lean_arithmetic (default)": pk.MXFP8QuantizeConfig(),
     "split_copies + lean_arithmetic": pk.MXFP8QuantizeConfig(split_copies=True),
     "reuse_input_tile + lean_arithmetic": pk.MXFP8QuantizeConfig(reuse_input_tile=True),
+    "stage_columnwise_in_input + lean_arithmetic": pk.MXFP8QuantizeConfig(
+        stage_columnwise_in_input=True
+    ),
+    # Stop 30 made tile-major scales the default; their predecessor, and with reuse.
+    "lean, line-major scales (stop 29's default)": pk.MXFP8QuantizeConfig(tile_major_scales=False),
+    "reuse_input_tile + lean, line-major scales": pk.MXFP8QuantizeConfig(
+        tile_major_scales=False, reuse_input_tile=True
+    ),
 }
 FP8_BLOCK_BASELINE = "exact arithmetic (the first kernel)"
 FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
     FP8_BLOCK_BASELINE: pk.FP8BlockQuantizeConfig(lean_arithmetic=False),
     "lean_arithmetic (default)": pk.FP8BlockQuantizeConfig(),
     "reuse_input_tile + lean_arithmetic": pk.FP8BlockQuantizeConfig(reuse_input_tile=True),
+    "lean, line-major scales (stop 29's default)": pk.FP8BlockQuantizeConfig(
+        tile_major_scales=False
+    ),
 }
 NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
@@ -75,7 +88,10 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"
 SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
+SKELETON_SLABS = "row+col e4m3 cast skeleton, stage_columnwise_in_input"
 XLA_COPY = "x + 1 (XLA fusion)"
+# Timed beside every kernel's variants: what the tile structure and the copy floor reach.
+STRUCTURE_CEILINGS = (SKELETON, SKELETON_REUSE, SKELETON_SLABS, XLA_COPY)
 
 
 def mxfp8_row_col(config: pk.MXFP8QuantizeConfig) -> Callable:
@@ -207,9 +223,12 @@ def run_shape(shape: tuple[int, int], timing: dict, kernel: str = "mxfp8") -> li
         out.append(row)
     # Structure ceilings: bytes are what they read and write (2 + 2 per element, bf16 in).
     reuse = qc.TileConfig(reuse_input_tile=True)
+    # (The skeleton reads its columnwise copy in 32-row slabs like the cast-transpose.)
+    slabs = pk.CastTransposeConfig(stage_columnwise_in_input=True)
     for name, fn in (
         (SKELETON, jax.jit(pallas_cast_skeleton)),
         (SKELETON_REUSE, jax.jit(lambda v: pallas_cast_skeleton(v, reuse))),
+        (SKELETON_SLABS, jax.jit(lambda v: pallas_cast_skeleton(v, slabs))),
         (XLA_COPY, jax.jit(lambda v: v + 1)),
     ):
         row = dict(shape=f"{rows}x{cols}", variant=name, config="", bits="—", bytes=4 * rows * cols)

@@ -36,6 +36,8 @@ LINE_CHUNK = 32
 class CastTransposeConfig(qc.TileConfig):
     """Tuning knobs of the FP8 cast-transpose kernel (see `qc.TileConfig`)."""
 
+    reads_columnwise_in_slabs = True  # `_tile`: the rowwise chunks, then 32-row slabs
+
 
 class CastTransposed(NamedTuple):
     """Outputs of `cast_transpose_fp8`; a copy that was not requested is None."""

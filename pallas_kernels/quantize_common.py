@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -273,7 +274,20 @@ class TileConfig:
         docs/benchmarks.md) ptxas then hoists the tile's loads and keeps it all live (249
         registers for MXFP8 row+col instead of 63), so occupancy does not rise; 1–3% faster
         in alternation, within run-to-run spread: not a default.
+      stage_columnwise_in_input: stage the columnwise codes in the input tile's own memory,
+        one 32-row slab at a time: the columnwise pass reads rows 32s..32s+31 of the tile (all
+        threads), meets the others at a warpgroup barrier, and writes that slab's codes
+        (tile_k lines × 32 bytes) over those rows; only the rowwise codes keep a buffer of
+        their own. No code waits in registers (unlike `reuse_input_tile`), and a bf16
+        128×128 row+col CTA needs 48 KiB of shared memory instead of 66: 4 CTAs per SM
+        instead of 3. Only kernels whose columnwise pass reads the tile in 32-row slabs, in
+        order, after the rowwise pass accept it (`reads_columnwise_in_slabs`: MXFP8 and the
+        cast-transpose); one-tile CTAs with staged outputs only.
     """
+
+    # Whether the kernel's columnwise pass reads the tile in 32-row slabs, in order, after its
+    # rowwise pass (what `stage_columnwise_in_input` relies on). Set by the kernels' configs.
+    reads_columnwise_in_slabs: ClassVar[bool] = False
 
     tile_m: int = TILE
     tile_k: int = TILE
@@ -281,6 +295,7 @@ class TileConfig:
     max_concurrent_steps: int = 2
     stage_outputs: bool = True
     reuse_input_tile: bool = False
+    stage_columnwise_in_input: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_k", "steps_per_cta", "max_concurrent_steps"):
@@ -296,7 +311,7 @@ class TileConfig:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
             )
-        for name in ("stage_outputs", "reuse_input_tile"):
+        for name in ("stage_outputs", "reuse_input_tile", "stage_columnwise_in_input"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.reuse_input_tile and (self.steps_per_cta != 1 or not self.stage_outputs):
@@ -305,6 +320,20 @@ class TileConfig:
                 f"stage_outputs=True), got steps_per_cta={self.steps_per_cta}, "
                 f"stage_outputs={self.stage_outputs}"
             )
+        if self.stage_columnwise_in_input:
+            if not self.reads_columnwise_in_slabs:
+                raise ValueError(
+                    f"stage_columnwise_in_input is not supported by {type(self).__name__}: its "
+                    "kernel does not read the columnwise copy in 32-row slabs after the rowwise "
+                    "one"
+                )
+            if self.steps_per_cta != 1 or not self.stage_outputs or self.reuse_input_tile:
+                raise ValueError(
+                    "stage_columnwise_in_input needs one-tile CTAs with staged outputs of their "
+                    f"own (steps_per_cta=1, stage_outputs=True, reuse_input_tile=False), got "
+                    f"steps_per_cta={self.steps_per_cta}, stage_outputs={self.stage_outputs}, "
+                    f"reuse_input_tile={self.reuse_input_tile}"
+                )
 
     def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
@@ -317,6 +346,63 @@ class TileConfig:
 
     def smem_bytes(self, dtype) -> int:
         return self.tile_m * self.tile_k * jnp.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class LineScaleConfig(TileConfig):
+    """`TileConfig` of the kernels that write one scale per block of each line (MXFP8, FP8
+    block 1×128).
+
+    Attributes (besides `TileConfig`'s):
+      tile_major_scales (default True): write each tile's scales as one contiguous
+        (lines, blocks per tile) piece of a tile-major array, (tiles, lines, blocks per
+        tile), which the wrapper turns into the (lines, blocks) layout with one small XLA
+        transpose. Stored straight into the (lines, blocks) layout (False), a tile's scales
+        are 4 bytes per line (MXFP8; one float32 for 1×128), lines a whole row of scales
+        apart: every thread's store is a partial 32-byte sector of its own, and the L2, the
+        busiest unit of these kernels, takes one request per sector. Nsight Compute on the
+        H200 (docs/benchmarks.md, 2026-12-02, 8192² row+col): L2 write sectors 5.24M →
+        4.33M, kernel time 92.1 → 79.9 µs (MXFP8) and 92.8 → 77.9 µs (FP8 block 1×128).
+    """
+
+    tile_major_scales: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.tile_major_scales, bool):
+            raise TypeError(f"tile_major_scales must be a bool, got {self.tile_major_scales!r}")
+
+
+def line_scales_shape(lines: int, blocks: int, blocks_per_tile: int, tile_major: bool) -> tuple:
+    """Shape of the scale output a kernel writes: (lines, blocks), or tile-major (see
+    `LineScaleConfig.tile_major_scales`)."""
+    if tile_major:
+        return (blocks // blocks_per_tile, lines, blocks_per_tile)
+    return (lines, blocks)
+
+
+def store_tile_line_scales(scale_gmem, line0, lines: int, block0, values, tile_major: bool):
+    """One tile's scales, `values` (lines, n) held row-per-thread (n blocks per line, the first
+    block0), into a scale output of `line_scales_shape`."""
+    n = values.shape[1]
+    if tile_major:
+        view = scale_gmem.at[block0 // n, pl.ds(line0, lines), :]
+    else:
+        view = scale_gmem.at[pl.ds(line0, lines), pl.ds(block0, n)]
+    store_line_bytes(view, values)
+
+
+def untile_line_scales(scales: jax.Array) -> jax.Array:
+    """A scale output of `line_scales_shape` in the (lines, blocks) layout. Byte scales move
+    as 32-bit words (4 bytes of a line stay together): XLA transposes words faster than bytes."""
+    if scales.ndim == 2:
+        return scales
+    tiles, lines, per_tile = scales.shape
+    if scales.dtype.itemsize == 1 and per_tile % 4 == 0:
+        words = lax.bitcast_convert_type(scales.reshape(tiles, lines, per_tile // 4, 4), jnp.uint32)
+        moved = lax.bitcast_convert_type(words.transpose(1, 0, 2), jnp.uint8)
+        return moved.reshape(lines, tiles * per_tile)
+    return scales.transpose(1, 0, 2).reshape(lines, tiles * per_tile)
 
 
 def tile_transforms(dtype) -> tuple:
@@ -396,6 +482,42 @@ class HeldStore:
         self.held.append((self.view, index, value))
 
 
+# Rows of the input tile per slab of `stage_columnwise_in_input` (the MXFP8 block length).
+SLAB_ROWS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabDest:
+    """Where a tile's columnwise codes go with `TileConfig.stage_columnwise_in_input`: slab s
+    (the codes of input rows 32s..32s+31: output columns 32s..32s+31, all tile_k lines) lies
+    over those rows of the input tile. `cols(32s, 32)` returns a store that first waits until
+    every thread has read them."""
+
+    slabs: tuple
+    lines: int
+
+    def cols(self, start: int, width: int):
+        if start % SLAB_ROWS or width != SLAB_ROWS:
+            raise ValueError(
+                f"columnwise codes staged in the input tile are written one {SLAB_ROWS}-column "
+                f"slab at a time, got columns {start}..{start + width}"
+            )
+        return StoreAfterBarrier(self.slabs[start // SLAB_ROWS])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreAfterBarrier:
+    """A shared-memory view whose `view[...] = value` store waits at a warpgroup barrier first:
+    the input rows it overwrites were loaded by every thread before (in program order) the
+    barrier (`commit_smem`: a fence and a warpgroup barrier; the CTA is one warpgroup)."""
+
+    view: object
+
+    def __setitem__(self, index, value) -> None:
+        plgpu.commit_smem()
+        self.view[index] = value
+
+
 def _staged(config: TileConfig, outputs) -> bool:
     return config.stage_outputs and bool(outputs)
 
@@ -404,19 +526,59 @@ def _reuses_input(config: TileConfig, outputs) -> bool:
     return config.reuse_input_tile and _staged(config, outputs)
 
 
+def _slabbed(config: TileConfig, outputs) -> bool:
+    """Whether the columnwise output (of `outputs`, `DataOutput`s) is staged in input slabs."""
+    return (
+        config.stage_columnwise_in_input
+        and _staged(config, outputs)
+        and any(out.columnwise for out in outputs)
+    )
+
+
+def _own_buffers(config: TileConfig, outputs) -> list:
+    """The outputs that are staged in shared-memory buffers of their own."""
+    if not _staged(config, outputs):
+        return []
+    if _slabbed(config, outputs):
+        return [out for out in outputs if not out.columnwise]
+    return list(outputs)
+
+
+def _columnwise_slabs(config: TileConfig, dtype) -> list:
+    """The columnwise codes' slabs, each (tile_k, 32) bytes, as one `RefUnion` group that puts
+    slab s over input rows 32s..32s+31: the (8, 32)-tiled input tile keeps each 32-row slab
+    contiguous (input_slab bytes from 32s · tile_k · itemsize), and a union group lays its refs
+    out one after the other at 1024-byte alignment, so a filler after each slab (input_slab −
+    code_slab bytes, a multiple of 1024) moves the next slab to the next input slab. The
+    hardware tests catch any other placement (codes written over rows not yet read)."""
+    input_slab = SLAB_ROWS * config.tile_k * jnp.dtype(dtype).itemsize
+    code_slab = config.tile_k * SLAB_ROWS
+    group = []
+    for s in range(config.tile_m // SLAB_ROWS):
+        if s:
+            group.append(plgpu.SMEM((input_slab - code_slab,), jnp.uint8))
+        group.append(plgpu.SMEM((config.tile_k, SLAB_ROWS), jnp.uint8, transforms=OUT_TRANSFORMS))
+    return group
+
+
 def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
     """Scratch for `for_each_tile`: the input tile buffer and its barrier (one-tile CTAs; the
     pipeline allocates its own), then the staged output tiles; with `reuse_input_tile`, one
-    `RefUnion` of the input tile and the staged output tiles, then the barrier."""
+    `RefUnion` of the input tile and the staged output tiles, then the barrier; with
+    `stage_columnwise_in_input`, one `RefUnion` of the input tile and the columnwise slabs,
+    the barrier, then the rowwise output tile."""
     staged = [
         plgpu.SMEM(out.block(config), jnp.uint8, transforms=OUT_TRANSFORMS)
-        for out in (outputs if _staged(config, outputs) else ())
+        for out in _own_buffers(config, outputs)
     ]
     if config.steps(cols) > 1:
         return tuple(staged)
     smem = plgpu.SMEM((config.tile_m, config.tile_k), dtype, transforms=tile_transforms(dtype))
     if _reuses_input(config, outputs):
         return (plgpu.RefUnion(smem, staged), plgpu.Barrier())
+    if _slabbed(config, outputs):
+        union = plgpu.RefUnion(smem, _columnwise_slabs(config, dtype))
+        return (union, plgpu.Barrier(), *staged)
     return (smem, plgpu.Barrier(), *staged)
 
 
@@ -429,8 +591,8 @@ def check_smem(config: TileConfig, dtype, cols: int, outputs=()) -> None:
     needed = stages * config.smem_bytes(dtype)
     if _reuses_input(config, outputs):
         needed = max(needed, sum(math.prod(out.block(config)) for out in outputs))
-    elif _staged(config, outputs):
-        needed += sum(math.prod(out.block(config)) for out in outputs)
+    else:
+        needed += sum(math.prod(out.block(config)) for out in _own_buffers(config, outputs))
     if needed > H100_SMEM_BYTES - 4096:  # leave room for barriers and reduction scratch
         raise ValueError(
             f"config {config} needs {needed} bytes of shared memory for {jnp.dtype(dtype)} "
@@ -443,9 +605,7 @@ def split_refs(refs, config: TileConfig, cols: int, outputs=()) -> tuple[list, t
     """(output refs, scratch refs) of a kernel that used `tile_scratch`."""
     if _reuses_input(config, outputs):
         return list(refs[:-2]), tuple(refs[-2:])
-    n_scratch = (0 if config.steps(cols) > 1 else 2) + (
-        len(outputs) if _staged(config, outputs) else 0
-    )
+    n_scratch = (0 if config.steps(cols) > 1 else 2) + len(_own_buffers(config, outputs))
     if n_scratch == 0:
         return list(refs), ()
     return list(refs[:-n_scratch]), tuple(refs[-n_scratch:])
@@ -483,9 +643,16 @@ def for_each_tile(
     staged = _staged(config, outputs)
     i, j = lax.axis_index("m"), lax.axis_index("k")
     reuse = _reuses_input(config, outputs)
+    slabbed = _slabbed(config, [out for _, out in outputs])
+    # Per output: its shared-memory tile, or (stage_columnwise_in_input) the columnwise slabs.
     if reuse:
         union, barrier = scratch
         x_smem, out_smems = union
+    elif slabbed:
+        union, barrier, *own = scratch
+        x_smem, slab_group = union
+        slabs = tuple(slab_group[0::2])  # between them: the fillers
+        out_smems = [slabs if out.columnwise else own.pop(0) for _, out in outputs]
     elif steps == 1:
         x_smem, barrier, *out_smems = scratch
     else:
@@ -504,7 +671,9 @@ def for_each_tile(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         held = [] if reuse else None
         dests = [
-            TileDest(smem, 0, 0, out.block(config)[0], held)
+            SlabDest(smem, out.block(config)[0])
+            if isinstance(smem, tuple)
+            else TileDest(smem, 0, 0, out.block(config)[0], held)
             for smem, (_, out) in zip(out_smems, outputs, strict=True)
         ]
         body(x_smem, m0, k0, dests)
@@ -518,7 +687,16 @@ def for_each_tile(
         for smem, (gmem, out) in zip(out_smems, outputs, strict=True):
             rows, width = out.block(config)
             bi, bj = out.block_index(i, jt)
-            plgpu.copy_smem_to_gmem(smem, gmem.at[pl.ds(bi * rows, rows), pl.ds(bj * width, width)])
+            if isinstance(smem, tuple):
+                for s, slab in enumerate(smem):
+                    column = bj * width + s * SLAB_ROWS
+                    plgpu.copy_smem_to_gmem(
+                        slab, gmem.at[pl.ds(bi * rows, rows), pl.ds(column, SLAB_ROWS)]
+                    )
+            else:
+                plgpu.copy_smem_to_gmem(
+                    smem, gmem.at[pl.ds(bi * rows, rows), pl.ds(bj * width, width)]
+                )
 
     if steps == 1:
         m0, k0 = i * tm, j * tk

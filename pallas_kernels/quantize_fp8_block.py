@@ -38,10 +38,11 @@ BLOCK_SHAPES = ((1, 128), (128, 128))
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8BlockQuantizeConfig(qc.TileConfig):
-    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`).
+class FP8BlockQuantizeConfig(qc.LineScaleConfig):
+    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`; `tile_major_scales` of
+    `qc.LineScaleConfig` applies to 1×128 blocks: a 128×128 tile has one scale).
 
-    Attributes (besides `qc.TileConfig`'s):
+    Attributes (besides `qc.LineScaleConfig`'s and `qc.TileConfig`'s):
       lean_arithmetic (default True; measured on the H200 2026-11-30, bit-identical to the
         exact arithmetic and 1.25x / 1.10x faster for 1x128 / 128x128 row+col bf16,
         docs/benchmarks.md): the same bits with fewer operations per element (counted in
@@ -213,9 +214,13 @@ def _store_line_scales(scale_gmem, columnwise: bool, config, m0, k0, scale_invs)
     """One tile's 1×128 scale_invs (a column per block of each line) into the copy's scales:
     the rowwise copy's lines are x's rows, the columnwise copy's are x's columns."""
     lines, line0, col0 = (config.tile_k, k0, m0) if columnwise else (config.tile_m, m0, k0)
-    qc.store_line_bytes(
-        scale_gmem.at[pl.ds(line0, lines), pl.ds(col0 // BLOCK, len(scale_invs))],
+    qc.store_tile_line_scales(
+        scale_gmem,
+        line0,
+        lines,
+        col0 // BLOCK,
         qc.concat_columns(scale_invs),
+        config.tile_major_scales,
     )
 
 
@@ -402,14 +407,23 @@ def quantize_fp8_block(
     xp = qc.pad_to(x, pr, pc)
     qc.check_smem(config, x.dtype, pc, qc.data_outputs(rowwise, columnwise))
     out_types = []
+    tile_major = config.tile_major_scales and not two_d
     if rowwise:
-        scale_shape = (pr // BLOCK, pc // BLOCK) if two_d else (pr, pc // BLOCK)
+        scale_shape = (
+            (pr // BLOCK, pc // BLOCK)
+            if two_d
+            else qc.line_scales_shape(pr, pc // BLOCK, config.tile_k // BLOCK, tile_major)
+        )
         out_types += [
             jax.ShapeDtypeStruct((pr, pc), jnp.uint8),  # codes as bytes, bitcast below
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
         ]
     if columnwise:
-        scale_shape = (pc // BLOCK, pr // BLOCK) if two_d else (pc, pr // BLOCK)
+        scale_shape = (
+            (pc // BLOCK, pr // BLOCK)
+            if two_d
+            else qc.line_scales_shape(pc, pr // BLOCK, config.tile_m // BLOCK, tile_major)
+        )
         out_types += [
             jax.ShapeDtypeStruct((pc, pr), jnp.uint8),
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
@@ -443,6 +457,7 @@ def quantize_fp8_block(
         outs = outs[2:]
         result[f"{copy}_data"] = qc.crop_codes(data, lines, width, fp8_dtype)
         scale_lines = lines // BLOCK if two_d else lines
+        scale = qc.untile_line_scales(scale)
         result[f"{copy}_scale_inv"] = qc.crop(scale, scale_lines, width // BLOCK)
     return FP8BlockQuantized(
         rowwise_data=result.get("rowwise_data"),

@@ -32,13 +32,13 @@ BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8QuantizeConfig(qc.TileConfig):
+class MXFP8QuantizeConfig(qc.LineScaleConfig):
     """Tuning knobs of the MXFP8 quantize kernel (see `qc.TileConfig`). Every setting gives the
     same bits (tested in the interpreter and on the H200); the defaults are the fastest
     measured (docs/benchmarks.md, 2026-11-30: lean_arithmetic ~4% faster, split_copies ~7%
     slower with it off and no faster with it on).
 
-    Attributes (besides `qc.TileConfig`'s):
+    Attributes (besides `qc.LineScaleConfig`'s and `qc.TileConfig`'s):
       split_copies: when both copies are requested, a CTA of two warpgroups (256 threads):
         warpgroup 0 quantizes the rowwise copy and warpgroup 1 the columnwise copy of the same
         shared-memory tile, concurrently, each storing its own output. Halves the per-tile
@@ -56,6 +56,8 @@ class MXFP8QuantizeConfig(qc.TileConfig):
     split_copies: bool = False
     lean_arithmetic: bool = True
 
+    reads_columnwise_in_slabs = True  # `_tile`: the rowwise blocks, then 32-row slabs
+
     def __post_init__(self):
         super().__post_init__()
         for name in ("split_copies", "lean_arithmetic"):
@@ -67,11 +69,12 @@ class MXFP8QuantizeConfig(qc.TileConfig):
                 "split_copies needs one-tile CTAs (steps_per_cta=1), got "
                 f"steps_per_cta={self.steps_per_cta}"
             )
-        if self.split_copies and self.reuse_input_tile:
-            raise ValueError(
-                "split_copies and reuse_input_tile cannot be combined: each warpgroup would "
-                "overwrite the tile the other is still reading"
-            )
+        for other in ("reuse_input_tile", "stage_columnwise_in_input"):
+            if self.split_copies and getattr(self, other):
+                raise ValueError(
+                    f"split_copies and {other} cannot be combined: each warpgroup would "
+                    "overwrite the tile the other is still reading"
+                )
 
 
 class MXFP8Quantized(NamedTuple):
@@ -299,15 +302,17 @@ def _tile(x_smem, m0, k0, dests, *, scale_gmems, config, fp8_dtype, copies, in_d
                 codes, byte = quantize(v, qc.rows_layout(in_dtype), fp8_dtype, amax_bits=amax_bits)
                 qc.store_line_bytes(dest.cols(j * BLOCK, BLOCK), qc.as_bytes(codes))
                 scale_bytes.append(qc.column(byte))
-            scale_view = scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // BLOCK, tk // BLOCK)]
+            lines = (m0, tm, k0 // BLOCK)
         else:
             for i in range(tm // BLOCK):
                 v = qc.load_columns(x_smem.at[pl.ds(i * BLOCK, BLOCK), :])
                 codes, byte = quantize(v, qc.RPT1, fp8_dtype)
                 qc.store_line_bytes(dest.cols(i * BLOCK, BLOCK), qc.as_bytes(codes))
                 scale_bytes.append(qc.column(byte))
-            scale_view = scale_gmem.at[pl.ds(k0, tk), pl.ds(m0 // BLOCK, tm // BLOCK)]
-        qc.store_line_bytes(scale_view, qc.concat_columns(scale_bytes))
+            lines = (k0, tk, m0 // BLOCK)
+        qc.store_tile_line_scales(
+            scale_gmem, *lines, qc.concat_columns(scale_bytes), config.tile_major_scales
+        )
 
 
 def quantize_mxfp8(
@@ -334,15 +339,22 @@ def quantize_mxfp8(
     xp = qc.pad_to(x, padded_rows, padded_cols)
     qc.check_smem(config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise))
     out_types = []  # codes come out as bytes and are bitcast to fp8_dtype below
+    tile_major = config.tile_major_scales
     if rowwise:
+        scale_shape = qc.line_scales_shape(
+            padded_rows, padded_cols // BLOCK, config.tile_k // BLOCK, tile_major
+        )
         out_types += [
             jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.uint8),
-            jax.ShapeDtypeStruct((padded_rows, padded_cols // BLOCK), jnp.uint8),
+            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
         ]
     if columnwise:
+        scale_shape = qc.line_scales_shape(
+            padded_cols, padded_rows // BLOCK, config.tile_m // BLOCK, tile_major
+        )
         out_types += [
             jax.ShapeDtypeStruct((padded_cols, padded_rows), jnp.uint8),
-            jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.uint8),
+            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
         ]
     split_copies = config.split_copies and rowwise and columnwise
     outs = qc.run_tiles(
@@ -365,11 +377,11 @@ def quantize_mxfp8(
         data, scale = outs[:2]
         outs = outs[2:]
         result["rowwise_data"] = qc.crop_codes(data, rows, cols32, fp8_dtype)
-        result["rowwise_scale"] = qc.crop(scale, rows, cols32 // BLOCK)
+        result["rowwise_scale"] = qc.crop(qc.untile_line_scales(scale), rows, cols32 // BLOCK)
     if columnwise:
         data, scale = outs[:2]
         result["columnwise_data"] = qc.crop_codes(data, cols, rows32, fp8_dtype)
-        result["columnwise_scale"] = qc.crop(scale, cols, rows32 // BLOCK)
+        result["columnwise_scale"] = qc.crop(qc.untile_line_scales(scale), cols, rows32 // BLOCK)
     return MXFP8Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

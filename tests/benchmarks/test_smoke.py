@@ -146,9 +146,7 @@ def test_quantize_ab_runs_small(tmp_path):
     rows = json.loads((tmp_path / "quantize_ab.json").read_text())
     assert {r["variant"] for r in rows} == {
         *quantize_ab.VARIANTS,
-        quantize_ab.SKELETON,
-        quantize_ab.SKELETON_REUSE,
-        quantize_ab.XLA_COPY,
+        *quantize_ab.STRUCTURE_CEILINGS,
     }
     assert all(
         r["bits"] == "identical"
@@ -168,9 +166,7 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
     rows = json.loads((tmp_path / "quantize_ab_fp8_block_1x128.json").read_text())
     assert {r["variant"] for r in rows} == {
         *quantize_ab.FP8_BLOCK_VARIANTS,
-        quantize_ab.SKELETON,
-        quantize_ab.SKELETON_REUSE,
-        quantize_ab.XLA_COPY,
+        *quantize_ab.STRUCTURE_CEILINGS,
     }
     assert [r["bits"] for r in rows if r["variant"] == "lean_arithmetic (default)"] == ["identical"]
     assert all(r["us"] > 0 for r in rows) and "FP8 block 1x128" in text

@@ -181,6 +181,12 @@ MXFP8_SPLIT_EXACT = pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=Fa
 # Codes staged in the input tile's shared memory once it has been read. The interpreter keeps
 # RefUnion members apart, so only the GPU tests can see a code written too early.
 MXFP8_REUSE = pk.MXFP8QuantizeConfig(reuse_input_tile=True)
+# The columnwise codes staged over each 32-row slab of the input tile once every thread has
+# read it (a warpgroup barrier per slab): again only the GPU tests see a slab written early.
+MXFP8_SLABS = pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True)
+# Scales stored straight into the (lines, blocks) layout (the default writes them tile-major,
+# one contiguous piece per tile, and the wrapper rearranges them).
+MXFP8_LINE_MAJOR = pk.MXFP8QuantizeConfig(tile_major_scales=False)
 
 
 def mxfp8_edge_matrix() -> np.ndarray:
@@ -239,6 +245,7 @@ def check_fp8_block(x, fp8_dtype, block, pow2, config=None, eps=0.0):
 # FP8 block's exact arithmetic (lean_arithmetic is the default): the same bits.
 FP8_BLOCK_EXACT = pk.FP8BlockQuantizeConfig(lean_arithmetic=False)
 FP8_BLOCK_REUSE = pk.FP8BlockQuantizeConfig(reuse_input_tile=True)
+FP8_BLOCK_LINE_MAJOR = pk.FP8BlockQuantizeConfig(tile_major_scales=False)
 
 
 def fp8_block_edge_matrix() -> np.ndarray:
@@ -284,7 +291,10 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on the CPU")
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_SPLIT, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE])
+@pytest.mark.parametrize(
+    "config",
+    [None, MXFP8_SPLIT, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE, MXFP8_SLABS, MXFP8_LINE_MAJOR],
+)
 @pytest.mark.parametrize(
     "shape, dtype, fp8_dtype, seed",
     [
@@ -298,7 +308,7 @@ def test_mxfp8_interpret(shape, dtype, fp8_dtype, seed, config):
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_REUSE])
+@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_REUSE, MXFP8_SLABS])
 def test_mxfp8_interpret_edge_blocks(config):
     x = mxfp8_edge_matrix()
     for fp8_dtype in (E4M3, E5M2):
@@ -746,6 +756,8 @@ def test_nvfp4_grouped_arguments_are_checked():
         ((128, 128), E5M2, True, (128, 256), jnp.float32, None),
         ((1, 128), E4M3, True, (200, 130), jnp.bfloat16, FP8_BLOCK_REUSE),  # padding
         ((128, 128), E5M2, True, (256, 256), jnp.float32, FP8_BLOCK_REUSE),
+        ((1, 128), E5M2, True, (200, 390), jnp.bfloat16, FP8_BLOCK_LINE_MAJOR),  # padding
+        ((128, 128), E4M3, True, (256, 256), jnp.bfloat16, FP8_BLOCK_LINE_MAJOR),  # ignored
     ],
 )
 def test_fp8_block_interpret(block, fp8_dtype, pow2, shape, dtype, config):
@@ -910,6 +922,61 @@ def test_reuse_input_tile_interpret():
 
 
 @cpu_only
+def test_stage_columnwise_in_input_interpret():
+    # The columnwise codes staged over the input tile's 32-row slabs: MXFP8 one copy at a time
+    # and with 256×256 tiles (8 slabs of 256 lines), the cast-transpose (f32 input: slabs of
+    # 16 KiB with 4 KiB of codes). Both copies, bf16 / f32 and edge blocks: the tests above.
+    x = sample((256, 384), jnp.bfloat16, 18, block=32)
+    want = ref_mxfp8(x, E4M3)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        got = pk.quantize_mxfp8(
+            x, rowwise=rowwise, columnwise=columnwise, config=MXFP8_SLABS, interpret=INTERPRET
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"stage_columnwise_in_input, one copy: mxfp8 {name}")
+    config = pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True, **_TILE_256)
+    check_mxfp8(sample((512, 256), jnp.bfloat16, 19, block=32), E5M2, config)
+    config = pk.CastTransposeConfig(stage_columnwise_in_input=True)
+    check_cast_transpose(scaled_sample((200, 136), jnp.float32, 20), E4M3, config)
+
+
+@cpu_only
+def test_scale_layouts_interpret():
+    # Both scale layouts the kernels can write (tile-major, the default, and straight into the
+    # (lines, blocks) layout) with every tile shape, one copy at a time, the unstaged,
+    # pipelined and split-copies structures (the default structure: test_mxfp8_interpret /
+    # test_fp8_block_interpret).
+    x = sample((200, 392), jnp.bfloat16, 21, block=32)
+    for options in (
+        dict(tile_m=256),
+        dict(tile_k=256, stage_outputs=False),
+        dict(steps_per_cta=2),
+        dict(split_copies=True),
+    ):
+        for tile_major in (True, False):
+            config = pk.MXFP8QuantizeConfig(tile_major_scales=tile_major, **options)
+            check_mxfp8(x, E4M3, config)
+    want = ref_mxfp8(x, E5M2)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        got = pk.quantize_mxfp8(
+            x,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            fp8_dtype=E5M2,
+            config=MXFP8_LINE_MAJOR,
+            interpret=INTERPRET,
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"line-major scales, one copy: mxfp8 {name}")
+    for options in (dict(tile_m=256, tile_k=256, stage_outputs=False), dict(lean_arithmetic=False)):
+        for tile_major in (True, False):
+            config = pk.FP8BlockQuantizeConfig(tile_major_scales=tile_major, **options)
+            check_fp8_block(x, E4M3, (1, 128), True, config)
+
+
+@cpu_only
 def test_dequantize_interpret():
     x = sample((128, 256), jnp.float32, 5, block=32)
     d, s, *_ = ref_mxfp8(x, E5M2)
@@ -975,6 +1042,22 @@ def test_wrappers_reject_bad_arguments():
         pk.CastTransposeConfig(reuse_input_tile=True, stage_outputs=False)
     with pytest.raises(ValueError, match="split_copies and reuse_input_tile cannot be combined"):
         pk.MXFP8QuantizeConfig(split_copies=True, reuse_input_tile=True)
+    with pytest.raises(TypeError, match="tile_major_scales must be a bool"):
+        pk.FP8BlockQuantizeConfig(tile_major_scales=None)
+    with pytest.raises(TypeError, match="stage_columnwise_in_input must be a bool"):
+        pk.MXFP8QuantizeConfig(stage_columnwise_in_input=1)
+    with pytest.raises(ValueError, match="split_copies and stage_columnwise_in_input cannot"):
+        pk.MXFP8QuantizeConfig(split_copies=True, stage_columnwise_in_input=True)
+    for other in (
+        dict(steps_per_cta=2),
+        dict(stage_outputs=False),
+        dict(reuse_input_tile=True),
+    ):
+        with pytest.raises(ValueError, match="stage_columnwise_in_input needs one-tile CTAs"):
+            pk.CastTransposeConfig(stage_columnwise_in_input=True, **other)
+    for config_type in (pk.FP8BlockQuantizeConfig, pk.NVFP4QuantizeConfig, pk.DequantizeConfig):
+        with pytest.raises(ValueError, match="stage_columnwise_in_input is not supported by"):
+            config_type(stage_columnwise_in_input=True)
     with pytest.raises(ValueError, match="reuse_input_tile needs lean_arithmetic=True"):
         pk.FP8BlockQuantizeConfig(reuse_input_tile=True, lean_arithmetic=False)
     with pytest.raises(ValueError, match="reuse_input_tile must be False for dequantize"):
@@ -1144,6 +1227,10 @@ CROSS_LOWERED = {
     "mxfp8 row+col reuse_input_tile": (
         lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_REUSE),
         jnp.bfloat16,
+    ),
+    "mxfp8 e5m2 row+col stage_columnwise_in_input": (
+        lambda x: pk.quantize_mxfp8(x, columnwise=True, fp8_dtype=E5M2, config=MXFP8_SLABS),
+        jnp.float32,
     ),
     "fp8 block 1x128 e5m2 row+col reuse_input_tile": (
         lambda x: pk.quantize_fp8_block(x, columnwise=True, fp8_dtype=E5M2, config=FP8_BLOCK_REUSE),
@@ -1394,6 +1481,12 @@ def gpu_inputs(dtype, seed, block):
         (jnp.bfloat16, E4M3, MXFP8_SPLIT),
         (jnp.bfloat16, E4M3, MXFP8_REUSE),
         (jnp.float32, E5M2, MXFP8_REUSE),
+        (jnp.bfloat16, E4M3, MXFP8_SLABS),
+        (jnp.float32, E5M2, MXFP8_SLABS),
+        (jnp.bfloat16, E4M3, pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True, **_TILE_256)),
+        (jnp.bfloat16, E4M3, MXFP8_LINE_MAJOR),
+        (jnp.float32, E5M2, MXFP8_LINE_MAJOR),
+        (jnp.bfloat16, E5M2, pk.MXFP8QuantizeConfig(tile_major_scales=False, tile_m=256)),
         (jnp.bfloat16, E4M3, MXFP8_EXACT),
         (jnp.float32, E5M2, MXFP8_EXACT),
         (jnp.bfloat16, E4M3, MXFP8_SPLIT_EXACT),
@@ -1410,7 +1503,9 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE])
+@pytest.mark.parametrize(
+    "config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE, MXFP8_SLABS, MXFP8_LINE_MAJOR]
+)
 def test_gpu_mxfp8_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up, one subnormal multiplier
     # for Inf blocks) meets the blocks it depends on: Inf blocks with huge finite values, NaN
@@ -1538,6 +1633,8 @@ def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(confi
         ((1, 128), E4M3, True, jnp.bfloat16, PIPELINED["fp8_block"]),
         ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_REUSE),
         ((128, 128), E5M2, True, jnp.float32, FP8_BLOCK_REUSE),
+        ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_LINE_MAJOR),
+        ((1, 128), E5M2, False, jnp.float32, FP8_BLOCK_LINE_MAJOR),
         ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, False, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, True, jnp.float32, FP8_BLOCK_EXACT),
@@ -1570,7 +1667,7 @@ def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, FP8_BLOCK_EXACT, FP8_BLOCK_REUSE])
+@pytest.mark.parametrize("config", [None, FP8_BLOCK_EXACT, FP8_BLOCK_REUSE, FP8_BLOCK_LINE_MAJOR])
 def test_gpu_fp8_block_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up: cvt.rn.satfinite) and its
     # scale shortcut meet the blocks they depend on: NaN of both signs, Inf among huge finite
@@ -1615,6 +1712,8 @@ def test_gpu_fp8_block_edge_blocks_bit_exact(config):
         (jnp.float32, E5M2, PIPELINED["cast_transpose"]),
         (jnp.bfloat16, E4M3, pk.CastTransposeConfig(stage_outputs=False)),
         (jnp.float32, E4M3, pk.CastTransposeConfig(reuse_input_tile=True)),
+        (jnp.float32, E5M2, pk.CastTransposeConfig(stage_columnwise_in_input=True)),
+        (jnp.bfloat16, E4M3, pk.CastTransposeConfig(stage_columnwise_in_input=True)),
     ],
 )
 def test_gpu_cast_transpose_bit_exact(dtype, fp8_dtype, config):
