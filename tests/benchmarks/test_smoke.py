@@ -157,6 +157,18 @@ def test_quantize_ab_runs_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_quantize_ablation_runs_small(tmp_path):
+    # Every stage of both copies and the kernels themselves, in the interpreter; the script
+    # first checks that its full-arithmetic stage equals quantize_mxfp8 bit for bit.
+    from benchmarks import quantize_ablation
+
+    text = quantize_ablation.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "quantize_ablation.json").read_text())
+    assert len(rows) == len(quantize_ablation.CASES) + 6
+    assert all(r["us"] > 0 for r in rows) and "| row amax, col amax |" in text
+
+
+@pytest.mark.slow
 def test_quantize_ab_fp8_block_runs_small(tmp_path):
     # FP8 block exact arithmetic against lean_arithmetic (the default), bit for bit first, in
     # the interpreter.
