@@ -494,7 +494,6 @@ class SlabDest:
     every thread has read them."""
 
     slabs: tuple
-    lines: int
 
     def cols(self, start: int, width: int):
         if start % SLAB_ROWS or width != SLAB_ROWS:
@@ -671,7 +670,7 @@ def for_each_tile(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         held = [] if reuse else None
         dests = [
-            SlabDest(smem, out.block(config)[0])
+            SlabDest(smem)
             if isinstance(smem, tuple)
             else TileDest(smem, 0, 0, out.block(config)[0], held)
             for smem, (_, out) in zip(out_smems, outputs, strict=True)

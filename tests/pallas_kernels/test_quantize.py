@@ -174,6 +174,23 @@ def check_mxfp8(x, fp8_dtype, config=None):
         assert_same_bits(got, want, f"mxfp8 {name} ({config})")
 
 
+def check_mxfp8_one_copy_at_a_time(x, fp8_dtype, config, label: str):
+    """The rowwise copy alone, then the columnwise copy alone, against the reference."""
+    want = ref_mxfp8(x, fp8_dtype)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        got = pk.quantize_mxfp8(
+            x,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            fp8_dtype=fp8_dtype,
+            config=config,
+            interpret=INTERPRET,
+        )
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            if g is not None:
+                assert_same_bits(g, w, f"{label}, one copy: mxfp8 {name}")
+
+
 # MXFP8 variants besides the default (lean_arithmetic on): every one gives the same bits.
 MXFP8_SPLIT = pk.MXFP8QuantizeConfig(split_copies=True)
 MXFP8_EXACT = pk.MXFP8QuantizeConfig(lean_arithmetic=False)
@@ -322,18 +339,7 @@ def test_mxfp8_split_copies_variants_interpret():
     # One copy only (split_copies is ignored: one warpgroup), unstaged outputs with two
     # warpgroups (each stores its rows straight to global memory), 256-row tiles.
     x = sample((256, 256), jnp.bfloat16, 4, block=32)
-    want = ref_mxfp8(x, E4M3)
-    for rowwise, columnwise in ((True, False), (False, True)):
-        got = pk.quantize_mxfp8(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            config=MXFP8_SPLIT_EXACT,
-            interpret=INTERPRET,
-        )
-        for g, w, name in zip(got, want, NAMES, strict=True):
-            if g is not None:
-                assert_same_bits(g, w, f"split, one copy: mxfp8 {name}")
+    check_mxfp8_one_copy_at_a_time(x, E4M3, MXFP8_SPLIT_EXACT, "split")
     for config in (
         pk.MXFP8QuantizeConfig(split_copies=True, stage_outputs=False),
         pk.MXFP8QuantizeConfig(split_copies=True, lean_arithmetic=True, tile_m=256),
@@ -911,14 +917,7 @@ def test_reuse_input_tile_interpret():
         assert_same_bits(g, w, f"reuse_input_tile nvfp4 {name}")
     config = pk.CastTransposeConfig(reuse_input_tile=True)
     check_cast_transpose(scaled_sample((200, 136), jnp.float32, 17), E5M2, config)
-    want = ref_mxfp8(x, E4M3)
-    for rowwise, columnwise in ((True, False), (False, True)):
-        got = pk.quantize_mxfp8(
-            x, rowwise=rowwise, columnwise=columnwise, config=MXFP8_REUSE, interpret=INTERPRET
-        )
-        for g, w, name in zip(got, want, NAMES, strict=True):
-            if g is not None:
-                assert_same_bits(g, w, f"reuse_input_tile, one copy: mxfp8 {name}")
+    check_mxfp8_one_copy_at_a_time(x, E4M3, MXFP8_REUSE, "reuse_input_tile")
 
 
 @cpu_only
@@ -927,14 +926,7 @@ def test_stage_columnwise_in_input_interpret():
     # and with 256×256 tiles (8 slabs of 256 lines), the cast-transpose (f32 input: slabs of
     # 16 KiB with 4 KiB of codes). Both copies, bf16 / f32 and edge blocks: the tests above.
     x = sample((256, 384), jnp.bfloat16, 18, block=32)
-    want = ref_mxfp8(x, E4M3)
-    for rowwise, columnwise in ((True, False), (False, True)):
-        got = pk.quantize_mxfp8(
-            x, rowwise=rowwise, columnwise=columnwise, config=MXFP8_SLABS, interpret=INTERPRET
-        )
-        for g, w, name in zip(got, want, NAMES, strict=True):
-            if g is not None:
-                assert_same_bits(g, w, f"stage_columnwise_in_input, one copy: mxfp8 {name}")
+    check_mxfp8_one_copy_at_a_time(x, E4M3, MXFP8_SLABS, "stage_columnwise_in_input")
     config = pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True, **_TILE_256)
     check_mxfp8(sample((512, 256), jnp.bfloat16, 19, block=32), E5M2, config)
     config = pk.CastTransposeConfig(stage_columnwise_in_input=True)
@@ -957,19 +949,7 @@ def test_scale_layouts_interpret():
         for tile_major in (True, False):
             config = pk.MXFP8QuantizeConfig(tile_major_scales=tile_major, **options)
             check_mxfp8(x, E4M3, config)
-    want = ref_mxfp8(x, E5M2)
-    for rowwise, columnwise in ((True, False), (False, True)):
-        got = pk.quantize_mxfp8(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            fp8_dtype=E5M2,
-            config=MXFP8_LINE_MAJOR,
-            interpret=INTERPRET,
-        )
-        for g, w, name in zip(got, want, NAMES, strict=True):
-            if g is not None:
-                assert_same_bits(g, w, f"line-major scales, one copy: mxfp8 {name}")
+    check_mxfp8_one_copy_at_a_time(x, E5M2, MXFP8_LINE_MAJOR, "line-major scales")
     for options in (dict(tile_m=256, tile_k=256, stage_outputs=False), dict(lean_arithmetic=False)):
         for tile_major in (True, False):
             config = pk.FP8BlockQuantizeConfig(tile_major_scales=tile_major, **options)
