@@ -91,9 +91,8 @@ def staged_kernel(x: jax.Array, row_stage: str | None, col_stage: str | None, in
                     scale_bytes.append(qc.column(byte))
             if has_scale:
                 line0, block0 = (k0, m0 // BLOCK) if columnwise else (m0, k0 // BLOCK)
-                qc.store_tile_line_scales(
-                    next(scale_refs), line0, 128, block0, qc.concat_columns(scale_bytes), False
-                )
+                line_major = next(scale_refs).at[pl.ds(line0, 128), pl.ds(block0, 4)]
+                qc.store_line_bytes(line_major, qc.concat_columns(scale_bytes))
 
     def kernel(x_gmem, *refs):
         outs, scratch = qc.split_refs(refs, config, cols, outputs)

@@ -33,12 +33,13 @@ CHUNK = 32  # columns dequantized at a time per thread
 @dataclasses.dataclass(frozen=True)
 class DequantizeConfig(qc.TileConfig):
     """Tile of the *stored copy* handled per CTA (see `qc.TileConfig`; one tile per CTA and
-    TMA in and out: steps_per_cta must stay 1 and stage_outputs True)."""
+    TMA in and out: steps_per_cta and steps_per_cta_m must stay 1 and stage_outputs True)."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.steps_per_cta != 1:
-            raise ValueError(f"steps_per_cta must be 1 for dequantize, got {self.steps_per_cta}")
+        for name in ("steps_per_cta", "steps_per_cta_m"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name} must be 1 for dequantize, got {getattr(self, name)}")
         if not self.stage_outputs:
             raise ValueError("stage_outputs must be True for dequantize (tiles always go by TMA)")
         if self.reuse_input_tile:

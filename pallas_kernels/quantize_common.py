@@ -261,6 +261,10 @@ class TileConfig:
         latency is hidden by running several CTAs per SM. More: the CTA streams its tiles
         through a TMA pipeline (`plgpu.emit_pipeline`), prefetching the next tiles while it
         quantizes one. Reduced to a divisor of the number of column tiles.
+      steps_per_cta_m: consecutive tiles along M that one CTA handles (default 1): the CTA
+        walks a block of steps_per_cta_m × steps_per_cta tiles through the pipeline, a row of
+        tiles at a time. Any value above 1 makes the CTA pipelined. Reduced to a divisor of the
+        number of row tiles. What `LineScaleConfig.stage_scales` needs for the columnwise copy.
       max_concurrent_steps: pipeline depth (shared-memory buffers) when steps_per_cta > 1.
       stage_outputs: write the codes of each tile into shared memory and copy them out with
         TMA (whole 128-byte lines), instead of storing each thread's row straight to global
@@ -292,21 +296,29 @@ class TileConfig:
     tile_m: int = TILE
     tile_k: int = TILE
     steps_per_cta: int = 1
+    steps_per_cta_m: int = 1
     max_concurrent_steps: int = 2
     stage_outputs: bool = True
     reuse_input_tile: bool = False
     stage_columnwise_in_input: bool = False
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_k", "steps_per_cta", "max_concurrent_steps"):
+        for name in (
+            "tile_m",
+            "tile_k",
+            "steps_per_cta",
+            "steps_per_cta_m",
+            "max_concurrent_steps",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         for name in ("tile_m", "tile_k"):
             if getattr(self, name) not in (128, 256):
                 raise ValueError(f"{name} must be 128 or 256, got {getattr(self, name)}")
-        if not 1 <= self.steps_per_cta <= 64:
-            raise ValueError(f"steps_per_cta must be in [1, 64], got {self.steps_per_cta}")
+        for name in ("steps_per_cta", "steps_per_cta_m"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ValueError(f"{name} must be in [1, 64], got {getattr(self, name)}")
         if not 1 <= self.max_concurrent_steps <= 4:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
@@ -314,10 +326,11 @@ class TileConfig:
         for name in ("stage_outputs", "reuse_input_tile", "stage_columnwise_in_input"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.reuse_input_tile and (self.steps_per_cta != 1 or not self.stage_outputs):
+        if self.reuse_input_tile and (self.pipelined or not self.stage_outputs):
             raise ValueError(
-                "reuse_input_tile needs one-tile CTAs with staged outputs (steps_per_cta=1, "
-                f"stage_outputs=True), got steps_per_cta={self.steps_per_cta}, "
+                "reuse_input_tile needs one-tile CTAs with staged outputs (steps_per_cta="
+                f"steps_per_cta_m=1, stage_outputs=True), got steps_per_cta={self.steps_per_cta}, "
+                f"steps_per_cta_m={self.steps_per_cta_m}, "
                 f"stage_outputs={self.stage_outputs}"
             )
         if self.stage_columnwise_in_input:
@@ -327,7 +340,7 @@ class TileConfig:
                     "kernel does not read the columnwise copy in 32-row slabs after the rowwise "
                     "one"
                 )
-            if self.steps_per_cta != 1 or not self.stage_outputs or self.reuse_input_tile:
+            if self.pipelined or not self.stage_outputs or self.reuse_input_tile:
                 raise ValueError(
                     "stage_columnwise_in_input needs one-tile CTAs with staged outputs of their "
                     f"own (steps_per_cta=1, stage_outputs=True, reuse_input_tile=False), got "
@@ -338,14 +351,34 @@ class TileConfig:
     def padded_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return round_up(rows, self.tile_m), round_up(cols, self.tile_k)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether a CTA may handle several tiles (then it streams them through a pipeline, even
+        where a small input reduces its block of tiles to one)."""
+        return self.steps_per_cta > 1 or self.steps_per_cta_m > 1
+
+    def runs_pipeline(self, cols: int) -> bool:
+        """Whether the CTAs of an input `cols` padded columns wide stream their tiles through
+        the pipeline: several tiles along K, or any steps_per_cta_m > 1 (decided without the
+        rows, which the scratch and compiler parameters do not know; a block of tiles that
+        some input reduces to one is a one-step pipeline)."""
+        return self.steps(cols) > 1 or self.steps_per_cta_m > 1
+
     def steps(self, cols: int) -> int:
-        """Tiles per CTA for a padded width `cols`: the largest divisor of the number of column
-        tiles that is at most steps_per_cta."""
-        tiles = cols // self.tile_k
-        return max(s for s in range(1, min(self.steps_per_cta, tiles) + 1) if tiles % s == 0)
+        """Tiles per CTA along K for a padded width `cols`: the largest divisor of the number
+        of column tiles that is at most steps_per_cta."""
+        return _largest_divisor_at_most(cols // self.tile_k, self.steps_per_cta)
+
+    def steps_m(self, rows: int) -> int:
+        """Tiles per CTA along M for `rows` padded rows (as `steps`, with steps_per_cta_m)."""
+        return _largest_divisor_at_most(rows // self.tile_m, self.steps_per_cta_m)
 
     def smem_bytes(self, dtype) -> int:
         return self.tile_m * self.tile_k * jnp.dtype(dtype).itemsize
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(limit, n) + 1) if n % d == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,46 +396,168 @@ class LineScaleConfig(TileConfig):
         busiest unit of these kernels, takes one request per sector. Nsight Compute on the
         H200 (docs/benchmarks.md, 2026-12-02, 8192² row+col): L2 write sectors 5.24M →
         4.33M, kernel time 92.1 → 79.9 µs (MXFP8) and 92.8 → 77.9 µs (FP8 block 1×128).
+      untile_kernel (default True): rearrange tile-major scales with the Pallas kernel of
+        untile_scales.py, every copy in one launch, instead of one XLA transpose per copy
+        (where the kernel cannot: tiles holding other than one 32-bit word per line, or
+        counts of tiles not a multiple of 32).
+      stage_scales (default False): collect the scales of all the CTA's tiles in shared
+        memory and write them straight into the (lines, blocks) layout by TMA once the CTA is
+        done, so no XLA transpose follows the kernel. A TMA box row must be a multiple of 16
+        bytes, so a copy is staged only where the CTA's block of tiles gives each line that
+        many bytes of scales: 4 tiles along the copy's blocks (MXFP8 and 1×128: 4 bytes per
+        128-wide tile), i.e. steps_per_cta ≥ 4 for the rowwise copy and steps_per_cta_m ≥ 4
+        for the columnwise one; a copy whose block of tiles is too small for it (a config or
+        an input with fewer tiles) is written as `tile_major_scales` says. Bit-exact on the
+        H200 but slower (docs/benchmarks.md, stop 31: MXFP8 row+col 8192² 86.0 µs with 4×4
+        tiles per CTA, 83.1 with 4×8, against 79.0 with one-tile CTAs and the untile kernel):
+        blocks of tiles balance worse over the SMs than one-tile CTAs.
     """
 
     tile_major_scales: bool = True
+    untile_kernel: bool = True
+    stage_scales: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.tile_major_scales, bool):
-            raise TypeError(f"tile_major_scales must be a bool, got {self.tile_major_scales!r}")
+        for name in ("tile_major_scales", "untile_kernel", "stage_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def line_scales_shape(lines: int, blocks: int, blocks_per_tile: int, tile_major: bool) -> tuple:
-    """Shape of the scale output a kernel writes: (lines, blocks), or tile-major (see
-    `LineScaleConfig.tile_major_scales`)."""
-    if tile_major:
-        return (blocks // blocks_per_tile, lines, blocks_per_tile)
-    return (lines, blocks)
+LINE_MAJOR, TILE_MAJOR, STAGED = "line-major", "tile-major", "staged"
+TMA_ROW_BYTES = 16  # a TMA box's rows are whole multiples of 16 bytes
+TMA_BOX_LINES = 256  # and it spans at most 256 elements along each dimension
 
 
-def store_tile_line_scales(scale_gmem, line0, lines: int, block0, values, tile_major: bool):
-    """One tile's scales, `values` (lines, n) held row-per-thread (n blocks per line, the first
-    block0), into a scale output of `line_scales_shape`."""
-    n = values.shape[1]
-    if tile_major:
-        view = scale_gmem.at[block0 // n, pl.ds(line0, lines), :]
+@dataclasses.dataclass(frozen=True)
+class LineScales:
+    """How a kernel writes one copy's per-line block scales (see `LineScaleConfig`).
+
+    `lines` × `blocks`: the padded copy's scales; `blocks_per_tile`: blocks of a line in one
+    tile; `cta_lines` × `cta_blocks`: the part of them one CTA's block of tiles covers."""
+
+    columnwise: bool
+    layout: str
+    lines: int
+    blocks: int
+    blocks_per_tile: int
+    cta_lines: int
+    cta_blocks: int
+    dtype: jnp.dtype
+
+    @property
+    def out_shape(self) -> tuple:
+        """The kernel's scale output: (lines, blocks), or (tiles, lines, blocks per tile)."""
+        if self.layout == TILE_MAJOR:
+            return (self.blocks // self.blocks_per_tile, self.lines, self.blocks_per_tile)
+        return (self.lines, self.blocks)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Shared memory a staged copy's scales take per CTA (0 when not staged)."""
+        return (
+            self.cta_lines * self.cta_blocks * self.dtype.itemsize if self.layout == STAGED else 0
+        )
+
+    def out_type(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.out_shape, self.dtype)
+
+    def scratch_types(self) -> list:
+        """The shared-memory stage a staged copy needs (none otherwise)."""
+        if self.layout != STAGED:
+            return []
+        return [plgpu.SMEM((self.cta_lines, self.cta_blocks), self.dtype)]
+
+
+def line_scales(
+    config: LineScaleConfig, shape: tuple[int, int], columnwise: bool, block: int, dtype
+) -> LineScales:
+    """`LineScales` of the rowwise or columnwise copy of an input padded to `shape`, with
+    `block` elements per scale of type `dtype`."""
+    rows, cols = shape
+    steps_m, steps_k = config.steps_m(rows), config.steps(cols)
+    if columnwise:
+        lines, blocks, per_tile = cols, rows // block, config.tile_m // block
+        cta_lines, cta_blocks = config.tile_k * steps_k, per_tile * steps_m
     else:
-        view = scale_gmem.at[pl.ds(line0, lines), pl.ds(block0, n)]
-    store_line_bytes(view, values)
+        lines, blocks, per_tile = rows, cols // block, config.tile_k // block
+        cta_lines, cta_blocks = config.tile_m * steps_m, per_tile * steps_k
+    dtype = jnp.dtype(dtype)
+    if config.stage_scales and cta_blocks * dtype.itemsize % TMA_ROW_BYTES == 0:
+        layout = STAGED
+    else:
+        layout = TILE_MAJOR if config.tile_major_scales else LINE_MAJOR
+    return LineScales(columnwise, layout, lines, blocks, per_tile, cta_lines, cta_blocks, dtype)
 
 
-def untile_line_scales(scales: jax.Array) -> jax.Array:
-    """A scale output of `line_scales_shape` in the (lines, blocks) layout. Byte scales move
-    as 32-bit words (4 bytes of a line stay together): XLA transposes words faster than bytes."""
-    if scales.ndim == 2:
-        return scales
-    tiles, lines, per_tile = scales.shape
-    if scales.dtype.itemsize == 1 and per_tile % 4 == 0:
-        words = lax.bitcast_convert_type(scales.reshape(tiles, lines, per_tile // 4, 4), jnp.uint32)
-        moved = lax.bitcast_convert_type(words.transpose(1, 0, 2), jnp.uint8)
-        return moved.reshape(lines, tiles * per_tile)
-    return scales.transpose(1, 0, 2).reshape(lines, tiles * per_tile)
+def scale_stages(scales: list[LineScales]) -> list:
+    """Shared-memory scratch of the staged copies among `scales`, in order."""
+    return [stage for s in scales for stage in s.scratch_types()]
+
+
+def split_scale_stages(refs, scales: list[LineScales]) -> tuple[tuple, list]:
+    """(the other refs, the stage of each copy in `scales` or None): `run_tiles` appends the
+    `scale_stages` after the tile scratch."""
+    n = len(scale_stages(scales))
+    stages = iter(refs[len(refs) - n :])
+    return refs[: len(refs) - n], [next(stages) if s.layout == STAGED else None for s in scales]
+
+
+@dataclasses.dataclass(frozen=True)
+class LineScaleDest:
+    """Where one copy's scales go in the kernel: its global output, or (staged) the CTA's
+    shared-memory stage, whose (cta_lines, cta_blocks) start at line `line0`, block `block0`
+    of the copy."""
+
+    scales: LineScales
+    gmem: object
+    stage: object = None
+    line0: object = 0
+    block0: object = 0
+
+    @classmethod
+    def for_cta(cls, scales: LineScales, gmem, stage) -> LineScaleDest:
+        """This CTA's destination (CTA (i, j) covers x's rows from i·cta_rows, columns from
+        j·cta_cols; the columnwise copy's lines are x's columns)."""
+        if scales.layout != STAGED:
+            return cls(scales, gmem)
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        line_cta, block_cta = (j, i) if scales.columnwise else (i, j)
+        return cls(scales, gmem, stage, line_cta * scales.cta_lines, block_cta * scales.cta_blocks)
+
+    def store(self, line0, lines: int, block0, values: jax.Array) -> None:
+        """One tile's scales, `values` (lines, n) held row-per-thread: n blocks per line from
+        block `block0` of the copy, lines from `line0`."""
+        n = values.shape[1]
+        if self.scales.layout == TILE_MAJOR:
+            view = self.gmem.at[block0 // n, pl.ds(line0, lines), :]
+        elif self.scales.layout == LINE_MAJOR:
+            view = self.gmem.at[pl.ds(line0, lines), pl.ds(block0, n)]
+        else:
+            view = self.stage.at[pl.ds(line0 - self.line0, lines), pl.ds(block0 - self.block0, n)]
+        store_line_bytes(view, values)
+
+    def copy_out(self) -> None:
+        """Issue the TMA copies of a staged CTA's scales (after `commit_smem`)."""
+        if self.scales.layout != STAGED:
+            return
+        lines, blocks = self.scales.cta_lines, self.scales.cta_blocks
+        for start in range(0, lines, TMA_BOX_LINES):
+            n = min(TMA_BOX_LINES, lines - start)
+            plgpu.copy_smem_to_gmem(
+                self.stage.at[pl.ds(start, n)],
+                self.gmem.at[pl.ds(self.line0 + start, n), pl.ds(self.block0, blocks)],
+            )
+
+
+def write_staged_scales(dests: list[LineScaleDest]) -> None:
+    """After the CTA's last tile: copy the staged scales out and wait until they are read."""
+    if all(d.scales.layout != STAGED for d in dests):
+        return
+    plgpu.commit_smem()  # every thread's scale stores, visible to the TMA
+    for dest in dests:
+        dest.copy_out()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def tile_transforms(dtype) -> tuple:
@@ -570,7 +725,7 @@ def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
         plgpu.SMEM(out.block(config), jnp.uint8, transforms=OUT_TRANSFORMS)
         for out in _own_buffers(config, outputs)
     ]
-    if config.steps(cols) > 1:
+    if config.runs_pipeline(cols):
         return tuple(staged)
     smem = plgpu.SMEM((config.tile_m, config.tile_k), dtype, transforms=tile_transforms(dtype))
     if _reuses_input(config, outputs):
@@ -584,14 +739,16 @@ def tile_scratch(config: TileConfig, dtype, cols: int, outputs=()) -> tuple:
 H100_SMEM_BYTES = 227 * 1024  # per CTA on sm_90 (Hopper's opt-in maximum)
 
 
-def check_smem(config: TileConfig, dtype, cols: int, outputs=()) -> None:
-    """ValueError naming the config when its buffers do not fit in one SM's shared memory."""
-    stages = 1 if config.steps(cols) == 1 else min(config.max_concurrent_steps, config.steps(cols))
+def check_smem(config: TileConfig, dtype, cols: int, outputs=(), extra_bytes: int = 0) -> None:
+    """ValueError naming the config when its buffers (and `extra_bytes` of other scratch) do
+    not fit in one SM's shared memory."""
+    stages = config.max_concurrent_steps if config.runs_pipeline(cols) else 1
     needed = stages * config.smem_bytes(dtype)
     if _reuses_input(config, outputs):
         needed = max(needed, sum(math.prod(out.block(config)) for out in outputs))
     else:
         needed += sum(math.prod(out.block(config)) for out in _own_buffers(config, outputs))
+    needed += extra_bytes
     if needed > H100_SMEM_BYTES - 4096:  # leave room for barriers and reduction scratch
         raise ValueError(
             f"config {config} needs {needed} bytes of shared memory for {jnp.dtype(dtype)} "
@@ -604,7 +761,7 @@ def split_refs(refs, config: TileConfig, cols: int, outputs=()) -> tuple[list, t
     """(output refs, scratch refs) of a kernel that used `tile_scratch`."""
     if _reuses_input(config, outputs):
         return list(refs[:-2]), tuple(refs[-2:])
-    n_scratch = (0 if config.steps(cols) > 1 else 2) + len(_own_buffers(config, outputs))
+    n_scratch = (0 if config.runs_pipeline(cols) else 2) + len(_own_buffers(config, outputs))
     if n_scratch == 0:
         return list(refs), ()
     return list(refs[:-n_scratch]), tuple(refs[-n_scratch:])
@@ -638,7 +795,7 @@ def for_each_tile(
         _for_each_tile_by_warpgroup(x_gmem, scratch, config, cols, body, outputs)
         return
     tm, tk = config.tile_m, config.tile_k
-    steps = config.steps(cols)
+    pipelined = config.runs_pipeline(cols)
     staged = _staged(config, outputs)
     i, j = lax.axis_index("m"), lax.axis_index("k")
     reuse = _reuses_input(config, outputs)
@@ -652,12 +809,14 @@ def for_each_tile(
         x_smem, slab_group = union
         slabs = tuple(slab_group[0::2])  # between them: the fillers
         out_smems = [slabs if out.columnwise else own.pop(0) for _, out in outputs]
-    elif steps == 1:
+    elif not pipelined:
         x_smem, barrier, *out_smems = scratch
     else:
         out_smems = list(scratch)
 
-    def run_body(x_smem, m0, k0, jt):
+    def run_body(x_smem, it, jt):
+        """The body on tile (it, jt) of x."""
+        m0, k0 = it * tm, jt * tk
         if not staged:
             dests = []
             for gmem, out in outputs:
@@ -685,7 +844,7 @@ def for_each_tile(
         plgpu.commit_smem()
         for smem, (gmem, out) in zip(out_smems, outputs, strict=True):
             rows, width = out.block(config)
-            bi, bj = out.block_index(i, jt)
+            bi, bj = out.block_index(it, jt)
             if isinstance(smem, tuple):
                 for s, slab in enumerate(smem):
                     column = bj * width + s * SLAB_ROWS
@@ -697,34 +856,33 @@ def for_each_tile(
                     smem, gmem.at[pl.ds(bi * rows, rows), pl.ds(bj * width, width)]
                 )
 
-    if steps == 1:
-        m0, k0 = i * tm, j * tk
-        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m0, tm), pl.ds(k0, tk)], x_smem, barrier)
+    if not pipelined:
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
         plgpu.barrier_wait(barrier)
-        run_body(x_smem, m0, k0, j)
+        run_body(x_smem, i, j)
     else:
+        steps_m, steps_k = config.steps_m(x_gmem.shape[0]), config.steps(cols)
+
+        def tile_index(a, b):  # step (a, b) of the CTA's block of tiles → tile of x
+            return i * steps_m + a, j * steps_k + b
 
         def step(indices, x_smem):
-            (s,) = indices
-            jt = j * steps + s
-            run_body(x_smem, i * tm, jt * tk, jt)
+            run_body(x_smem, *tile_index(*indices))
 
         plgpu.emit_pipeline(
             step,
-            grid=(steps,),
+            grid=(steps_m, steps_k),
             in_specs=[
-                plgpu.BlockSpec(
-                    (tm, tk), lambda s: (i, j * steps + s), transforms=tile_transforms(x_gmem.dtype)
-                )
+                plgpu.BlockSpec((tm, tk), tile_index, transforms=tile_transforms(x_gmem.dtype))
             ],
-            max_concurrent_steps=min(config.max_concurrent_steps, steps),
+            max_concurrent_steps=min(config.max_concurrent_steps, steps_m * steps_k),
         )(x_gmem)
     if staged:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _for_each_tile_by_warpgroup(x_gmem, scratch, config: TileConfig, cols: int, body, outputs):
-    if config.steps(cols) != 1 or config.reuse_input_tile:
+    if config.runs_pipeline(cols) or config.reuse_input_tile:
         raise ValueError(
             "one warpgroup per output needs one-tile CTAs (steps_per_cta=1) with their own "
             "output buffers (reuse_input_tile=False)"
@@ -786,13 +944,15 @@ def run_tiles(
     outputs,
     interpret: bool,
     warpgroups: int = 1,
+    extra_scratch: tuple = (),
     **options,
 ):
     """Launch a `for_each_tile` kernel on a tile-padded x (its first input; `inputs` follow)
     with the scratch, grid and compiler parameters of `config`. The kernel body is called with
     `config`, `cols` (x's padded width), `in_dtype` (x's dtype) and `options` as keywords.
     `warpgroups` > 1 launches that many warpgroups per CTA (axis `WARPGROUP_AXIS`; see
-    `for_each_tile(warpgroup_per_output=True)`). Returns the outputs as a list."""
+    `for_each_tile(warpgroup_per_output=True)`). `extra_scratch` follows the tile scratch in
+    the kernel's refs (e.g. `scale_stages`). Returns the outputs as a list."""
     rows, cols = xp.shape
     body = functools.partial(kernel, config=config, cols=cols, in_dtype=xp.dtype, **options)
     threads = {} if warpgroups == 1 else dict(num_threads=warpgroups, thread_name=WARPGROUP_AXIS)
@@ -802,7 +962,7 @@ def run_tiles(
         # Named after the kernel's module (e.g. "quantize_nvfp4"), so profiler traces say which
         # kernel ran (otherwise every `functools.partial` body is "anonymous").
         kernel_name=kernel.__module__.rsplit(".", 1)[-1],
-        scratch_types=tile_scratch(config, xp.dtype, cols, outputs),
+        scratch_types=(*tile_scratch(config, xp.dtype, cols, outputs), *extra_scratch),
         interpret=interpret_params(interpret),
         compiler_params=kernel_params(config, cols),
         **tile_grid(rows, cols, config),
@@ -814,7 +974,10 @@ def run_tiles(
 def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:
     """plgpu.kernel grid arguments for a (rows, cols) input padded to whole tiles."""
     return dict(
-        grid=(rows // config.tile_m, cols // (config.tile_k * config.steps(cols))),
+        grid=(
+            rows // (config.tile_m * config.steps_m(rows)),
+            cols // (config.tile_k * config.steps(cols)),
+        ),
         grid_names=("m", "k"),
     )
 
@@ -825,7 +988,7 @@ def kernel_params(config: TileConfig, cols: int) -> plgpu.CompilerParams:
     TMA wrote, so they need no automatic barriers; the pipeline keeps them (it reuses buffers)."""
     return plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane,
-        unsafe_no_auto_barriers=config.steps(cols) == 1,
+        unsafe_no_auto_barriers=not config.runs_pipeline(cols),
     )
 
 

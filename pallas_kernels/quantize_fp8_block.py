@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
+from pallas_kernels import untile_scales
 from pallas_kernels.float32_division import divide
 
 BLOCK = 128
@@ -39,8 +40,9 @@ BLOCK_SHAPES = ((1, 128), (128, 128))
 
 @dataclasses.dataclass(frozen=True)
 class FP8BlockQuantizeConfig(qc.LineScaleConfig):
-    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`; `tile_major_scales` of
-    `qc.LineScaleConfig` applies to 1×128 blocks: a 128×128 tile has one scale).
+    """Tuning knobs of the FP8 block kernel (see `qc.TileConfig`; `tile_major_scales` and
+    `stage_scales` of `qc.LineScaleConfig` apply to 1×128 blocks: a 128×128 tile has one
+    scale).
 
     Attributes (besides `qc.LineScaleConfig`'s and `qc.TileConfig`'s):
       lean_arithmetic (default True; measured on the H200 2026-11-30, bit-identical to the
@@ -183,15 +185,23 @@ def _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dst_ref):
         qc.store_line_bytes(dst_ref, qc.as_bytes(_codes(v, scale_b, fp8_dtype, False)))
 
 
-def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, **options):
+def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, scales, **options):
+    """`scales`: the copies' `qc.LineScales` (1×128 blocks), or None (128×128: the body stores
+    each tile's one scale into the (blocks, blocks) outputs itself)."""
     data_outputs = qc.data_outputs(rowwise, columnwise)
+    refs, stages = qc.split_scale_stages(refs, scales or [])
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
-    data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    data_gmems, scale_dests = outs[0::2], outs[1::2]
+    if scales is not None:
+        scale_dests = [
+            qc.LineScaleDest.for_cta(*dest)
+            for dest in zip(scales, scale_dests, stages, strict=True)
+        ]
     if config.lean_arithmetic:
         options["on_hardware"] = on_hardware
     body = functools.partial(
         _lean_tile if config.lean_arithmetic else _tile,
-        scale_gmems=scale_gmems,
+        scale_dests=scale_dests,
         copies=[o.columnwise for o in data_outputs],
         config=config,
         **options,
@@ -199,6 +209,8 @@ def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, **opt
     qc.for_each_tile(
         x_gmem, scratch, config, cols, body, list(zip(data_gmems, data_outputs, strict=True))
     )
+    if scales is not None:
+        qc.write_staged_scales(scale_dests)
 
 
 def _store_tile_scale(scale_gmem, columnwise: bool, m0, k0, scale_inv) -> None:
@@ -210,22 +222,16 @@ def _store_tile_scale(scale_gmem, columnwise: bool, m0, k0, scale_inv) -> None:
         scale_gmem[i, j] = scale_inv
 
 
-def _store_line_scales(scale_gmem, columnwise: bool, config, m0, k0, scale_invs) -> None:
-    """One tile's 1×128 scale_invs (a column per block of each line) into the copy's scales:
-    the rowwise copy's lines are x's rows, the columnwise copy's are x's columns."""
+def _store_line_scales(scale_dest, columnwise: bool, config, m0, k0, scale_invs) -> None:
+    """One tile's 1×128 scale_invs (a column per block of each line) into the copy's scales
+    (a `qc.LineScaleDest`): the rowwise copy's lines are x's rows, the columnwise copy's are
+    x's columns."""
     lines, line0, col0 = (config.tile_k, k0, m0) if columnwise else (config.tile_m, m0, k0)
-    qc.store_tile_line_scales(
-        scale_gmem,
-        line0,
-        lines,
-        col0 // BLOCK,
-        qc.concat_columns(scale_invs),
-        config.tile_major_scales,
-    )
+    scale_dest.store(line0, lines, col0 // BLOCK, qc.concat_columns(scale_invs))
 
 
 def _tile(
-    x_smem, m0, k0, dests, *, scale_gmems, copies, config, in_dtype, fp8_dtype, two_d, scale_rule
+    x_smem, m0, k0, dests, *, scale_dests, copies, config, in_dtype, fp8_dtype, two_d, scale_rule
 ):
     tm, tk = config.tile_m, config.tile_k
     row_layout = qc.rows_layout(in_dtype)
@@ -249,15 +255,15 @@ def _tile(
         tile_amax = jnp.max(chunked_amax(row_chunk, range(tk // CHUNK)))
         tile_has_nan = qc.is_nan_bits(tile_amax)
         scale, scale_inv = scale_rule(tile_amax)
-        for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+        for columnwise, dest, scale_dest in zip(copies, dests, scale_dests, strict=True):
             load = column_chunk if columnwise else row_chunk
             for c in range((tm if columnwise else tk) // CHUNK):
                 _store_codes(load(c), scale, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
-            _store_tile_scale(scale_gmem, columnwise, m0, k0, scale_inv)
+            _store_tile_scale(scale_dest, columnwise, m0, k0, scale_inv)
         return
 
     per_block = BLOCK // CHUNK
-    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+    for columnwise, dest, scale_dest in zip(copies, dests, scale_dests, strict=True):
         load, layout = (column_chunk, qc.RPT1) if columnwise else (row_chunk, row_layout)
         n_blocks = (tm if columnwise else tk) // BLOCK
         scale_invs = []
@@ -271,7 +277,7 @@ def _tile(
                 scale_b = qc.broadcast_rows(scale, v.shape, layout)
                 _store_codes(v, scale_b, fp8_dtype, tile_has_nan, dest.cols(c * CHUNK, CHUNK))
             scale_invs.append(qc.column(scale_inv))
-        _store_line_scales(scale_gmem, columnwise, config, m0, k0, scale_invs)
+        _store_line_scales(scale_dest, columnwise, config, m0, k0, scale_invs)
 
 
 def _lean_codes(v, scale_b, fp8_dtype, on_hardware: bool):
@@ -290,7 +296,7 @@ def _lean_tile(
     k0,
     dests,
     *,
-    scale_gmems,
+    scale_dests,
     copies,
     config,
     in_dtype,
@@ -332,15 +338,15 @@ def _lean_tile(
     if two_d:
         tile_amax = jnp.max(line_amax_bits(raw_rows, range(tk // CHUNK)))
         scale, scale_inv = scale_rule(tile_amax)
-        for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+        for columnwise, dest, scale_dest in zip(copies, dests, scale_dests, strict=True):
             load, layout = (raw_columns, pair_layout) if columnwise else (raw_rows, row_layout)
             for c in range((tm if columnwise else tk) // CHUNK):
                 store_codes(load(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
-            _store_tile_scale(scale_gmem, columnwise, m0, k0, scale_inv)
+            _store_tile_scale(scale_dest, columnwise, m0, k0, scale_inv)
         return
 
     per_block = BLOCK // CHUNK
-    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+    for columnwise, dest, scale_dest in zip(copies, dests, scale_dests, strict=True):
         load, layout = (raw_columns, pair_layout) if columnwise else (raw_rows, row_layout)
         n_blocks = (tm if columnwise else tk) // BLOCK
         scale_invs = []
@@ -358,7 +364,7 @@ def _lean_tile(
             for c in chunks:
                 store_codes(get(c), scale, layout, dest.cols(c * CHUNK, CHUNK))
             scale_invs.append(qc.column(scale_inv))
-        _store_line_scales(scale_gmem, columnwise, config, m0, k0, scale_invs)
+        _store_line_scales(scale_dest, columnwise, config, m0, k0, scale_invs)
 
 
 def quantize_fp8_block(
@@ -405,28 +411,25 @@ def quantize_fp8_block(
     rows, cols = x.shape
     pr, pc = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, pr, pc)
-    qc.check_smem(config, x.dtype, pc, qc.data_outputs(rowwise, columnwise))
+    copies = [c for c, wanted in ((False, rowwise), (True, columnwise)) if wanted]
+    scales = (
+        None if two_d else [qc.line_scales(config, (pr, pc), c, BLOCK, jnp.float32) for c in copies]
+    )
+    qc.check_smem(
+        config,
+        x.dtype,
+        pc,
+        qc.data_outputs(rowwise, columnwise),
+        extra_bytes=sum(s.stage_bytes for s in scales or []),
+    )
     out_types = []
-    tile_major = config.tile_major_scales and not two_d
-    if rowwise:
-        scale_shape = (
-            (pr // BLOCK, pc // BLOCK)
-            if two_d
-            else qc.line_scales_shape(pr, pc // BLOCK, config.tile_k // BLOCK, tile_major)
-        )
+    for index, columnwise_copy in enumerate(copies):
+        lines, width = (pc, pr) if columnwise_copy else (pr, pc)
         out_types += [
-            jax.ShapeDtypeStruct((pr, pc), jnp.uint8),  # codes as bytes, bitcast below
-            jax.ShapeDtypeStruct(scale_shape, jnp.float32),
-        ]
-    if columnwise:
-        scale_shape = (
-            (pc // BLOCK, pr // BLOCK)
+            jax.ShapeDtypeStruct((lines, width), jnp.uint8),  # codes as bytes, bitcast below
+            jax.ShapeDtypeStruct((lines // BLOCK, width // BLOCK), jnp.float32)
             if two_d
-            else qc.line_scales_shape(pc, pr // BLOCK, config.tile_m // BLOCK, tile_major)
-        )
-        out_types += [
-            jax.ShapeDtypeStruct((pc, pr), jnp.uint8),
-            jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+            else scales[index].out_type(),
         ]
     outs = qc.run_tiles(
         _kernel,
@@ -440,12 +443,20 @@ def quantize_fp8_block(
         rowwise=rowwise,
         columnwise=columnwise,
         scale_rule=scale_rule,
+        scales=scales,
+        extra_scratch=tuple(qc.scale_stages(scales or [])),
         on_hardware=not qc.interpreting(interpret),
     )
     # Block-padded extents of each copy (layouts.md).
     r_rows = qc.round_up(rows, BLOCK) if two_d else rows
     c_rows = qc.round_up(cols, BLOCK) if two_d else cols
     r_cols, c_cols = qc.round_up(cols, BLOCK), qc.round_up(rows, BLOCK)
+    codes = iter(outs[0::2])
+    scale_outs = iter(
+        untile_scales.untile_line_scales_all(
+            outs[1::2], kernel=config.untile_kernel, interpret=interpret
+        )
+    )
     result = {}
     for copy, wanted, lines, width in (
         ("rowwise", rowwise, r_rows, r_cols),
@@ -453,12 +464,9 @@ def quantize_fp8_block(
     ):
         if not wanted:
             continue
-        data, scale = outs[:2]
-        outs = outs[2:]
-        result[f"{copy}_data"] = qc.crop_codes(data, lines, width, fp8_dtype)
+        result[f"{copy}_data"] = qc.crop_codes(next(codes), lines, width, fp8_dtype)
         scale_lines = lines // BLOCK if two_d else lines
-        scale = qc.untile_line_scales(scale)
-        result[f"{copy}_scale_inv"] = qc.crop(scale, scale_lines, width // BLOCK)
+        result[f"{copy}_scale_inv"] = qc.crop(next(scale_outs), scale_lines, width // BLOCK)
     return FP8BlockQuantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale_inv=result.get("rowwise_scale_inv"),

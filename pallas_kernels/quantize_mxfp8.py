@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
+from pallas_kernels import untile_scales
 
 BLOCK = 32
 
@@ -64,10 +65,10 @@ class MXFP8QuantizeConfig(qc.LineScaleConfig):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
-        if self.split_copies and self.steps_per_cta != 1:
+        if self.split_copies and self.pipelined:
             raise ValueError(
-                "split_copies needs one-tile CTAs (steps_per_cta=1), got "
-                f"steps_per_cta={self.steps_per_cta}"
+                "split_copies needs one-tile CTAs (steps_per_cta=steps_per_cta_m=1), got "
+                f"steps_per_cta={self.steps_per_cta}, steps_per_cta_m={self.steps_per_cta_m}"
             )
         for other in ("reuse_input_tile", "stage_columnwise_in_input"):
             if self.split_copies and getattr(self, other):
@@ -256,16 +257,21 @@ def _kernel(
     fp8_dtype,
     rowwise,
     columnwise,
+    scales,
     in_dtype,
     split_copies,
     on_hardware,
 ):
     data_outputs = qc.data_outputs(rowwise, columnwise)
+    refs, stages = qc.split_scale_stages(refs, scales)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    scale_dests = [
+        qc.LineScaleDest.for_cta(*dest) for dest in zip(scales, scale_gmems, stages, strict=True)
+    ]
     body = functools.partial(
         _tile,
-        scale_gmems=scale_gmems,
+        scale_dests=scale_dests,
         config=config,
         fp8_dtype=fp8_dtype,
         copies=[o.columnwise for o in data_outputs],
@@ -281,14 +287,15 @@ def _kernel(
         list(zip(data_gmems, data_outputs, strict=True)),
         warpgroup_per_output=split_copies,
     )
+    qc.write_staged_scales(scale_dests)
 
 
-def _tile(x_smem, m0, k0, dests, *, scale_gmems, config, fp8_dtype, copies, in_dtype, on_hardware):
+def _tile(x_smem, m0, k0, dests, *, scale_dests, config, fp8_dtype, copies, in_dtype, on_hardware):
     """Quantize the copies of one tile whose `dests` are given (None: another warpgroup's)."""
     tm, tk = config.tile_m, config.tile_k
     lean = config.lean_arithmetic
     quantize = functools.partial(quantize_lines, lean=lean, on_hardware=on_hardware)
-    for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
+    for columnwise, dest, scale_dest in zip(copies, dests, scale_dests, strict=True):
         if dest is None:
             continue
         scale_bytes = []
@@ -310,9 +317,7 @@ def _tile(x_smem, m0, k0, dests, *, scale_gmems, config, fp8_dtype, copies, in_d
                 qc.store_line_bytes(dest.cols(i * BLOCK, BLOCK), qc.as_bytes(codes))
                 scale_bytes.append(qc.column(byte))
             scales_at = (k0, tk, m0 // BLOCK)
-        qc.store_tile_line_scales(
-            scale_gmem, *scales_at, qc.concat_columns(scale_bytes), config.tile_major_scales
-        )
+        scale_dest.store(*scales_at, qc.concat_columns(scale_bytes))
 
 
 def quantize_mxfp8(
@@ -337,25 +342,22 @@ def quantize_mxfp8(
     rows, cols = x.shape
     padded_rows, padded_cols = config.padded_shape(rows, cols)
     xp = qc.pad_to(x, padded_rows, padded_cols)
-    qc.check_smem(config, x.dtype, padded_cols, qc.data_outputs(rowwise, columnwise))
+    scales = [
+        qc.line_scales(config, (padded_rows, padded_cols), c, BLOCK, jnp.uint8)
+        for c, wanted in ((False, rowwise), (True, columnwise))
+        if wanted
+    ]
+    qc.check_smem(
+        config,
+        x.dtype,
+        padded_cols,
+        qc.data_outputs(rowwise, columnwise),
+        extra_bytes=sum(s.stage_bytes for s in scales),
+    )
     out_types = []  # codes come out as bytes and are bitcast to fp8_dtype below
-    tile_major = config.tile_major_scales
-    if rowwise:
-        scale_shape = qc.line_scales_shape(
-            padded_rows, padded_cols // BLOCK, config.tile_k // BLOCK, tile_major
-        )
-        out_types += [
-            jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.uint8),
-            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
-        ]
-    if columnwise:
-        scale_shape = qc.line_scales_shape(
-            padded_cols, padded_rows // BLOCK, config.tile_m // BLOCK, tile_major
-        )
-        out_types += [
-            jax.ShapeDtypeStruct((padded_cols, padded_rows), jnp.uint8),
-            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
-        ]
+    for copy_scales in scales:
+        lines, width = (padded_cols, padded_rows) if copy_scales.columnwise else xp.shape
+        out_types += [jax.ShapeDtypeStruct((lines, width), jnp.uint8), copy_scales.out_type()]
     split_copies = config.split_copies and rowwise and columnwise
     outs = qc.run_tiles(
         _kernel,
@@ -369,19 +371,24 @@ def quantize_mxfp8(
         rowwise=rowwise,
         columnwise=columnwise,
         split_copies=split_copies,
+        scales=scales,
+        extra_scratch=tuple(qc.scale_stages(scales)),
         on_hardware=not qc.interpreting(interpret),
     )
     rows32, cols32 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
+    codes = iter(outs[0::2])
+    scale_outs = iter(
+        untile_scales.untile_line_scales_all(
+            outs[1::2], kernel=config.untile_kernel, interpret=interpret
+        )
+    )
     result = {}
     if rowwise:
-        data, scale = outs[:2]
-        outs = outs[2:]
-        result["rowwise_data"] = qc.crop_codes(data, rows, cols32, fp8_dtype)
-        result["rowwise_scale"] = qc.crop(qc.untile_line_scales(scale), rows, cols32 // BLOCK)
+        result["rowwise_data"] = qc.crop_codes(next(codes), rows, cols32, fp8_dtype)
+        result["rowwise_scale"] = qc.crop(next(scale_outs), rows, cols32 // BLOCK)
     if columnwise:
-        data, scale = outs[:2]
-        result["columnwise_data"] = qc.crop_codes(data, cols, rows32, fp8_dtype)
-        result["columnwise_scale"] = qc.crop(qc.untile_line_scales(scale), cols, rows32 // BLOCK)
+        result["columnwise_data"] = qc.crop_codes(next(codes), cols, rows32, fp8_dtype)
+        result["columnwise_scale"] = qc.crop(next(scale_outs), cols, rows32 // BLOCK)
     return MXFP8Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

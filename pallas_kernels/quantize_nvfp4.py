@@ -1031,8 +1031,8 @@ def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
     if not isinstance(hadamard_columnwise, bool):
         raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
     config = qc.resolve_config(config, NVFP4QuantizeConfig)
-    # One tile per CTA: a reduction needs no pipeline (steps_per_cta is ignored).
-    config = dataclasses.replace(config, steps_per_cta=1)
+    # One tile per CTA: a reduction needs no pipeline (steps_per_cta(_m) are ignored).
+    config = dataclasses.replace(config, steps_per_cta=1, steps_per_cta_m=1)
     padded_rows, padded_cols = config.padded_shape(*x.shape)
     xp = qc.pad_to(x, padded_rows, padded_cols)
     grid = qc.tile_grid(padded_rows, padded_cols, config)

@@ -24,6 +24,8 @@ import pallas_kernels as pk
 from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import columnwise_source
+from pallas_kernels import quantize_common as qc
+from pallas_kernels import untile_scales
 
 from ..jax_qtrain.adversarial import adversarial_matrix
 
@@ -204,6 +206,9 @@ MXFP8_SLABS = pk.MXFP8QuantizeConfig(stage_columnwise_in_input=True)
 # Scales stored straight into the (lines, blocks) layout (the default writes them tile-major,
 # one contiguous piece per tile, and the wrapper rearranges them).
 MXFP8_LINE_MAJOR = pk.MXFP8QuantizeConfig(tile_major_scales=False)
+# A CTA of 4×4 tiles whose scales are collected in shared memory and written line-major by TMA
+# (16 bytes per line and copy): only the GPU tests see a stage read before every thread wrote.
+MXFP8_STAGED = pk.MXFP8QuantizeConfig(steps_per_cta=4, steps_per_cta_m=4, stage_scales=True)
 
 
 def mxfp8_edge_matrix() -> np.ndarray:
@@ -263,6 +268,7 @@ def check_fp8_block(x, fp8_dtype, block, pow2, config=None, eps=0.0):
 FP8_BLOCK_EXACT = pk.FP8BlockQuantizeConfig(lean_arithmetic=False)
 FP8_BLOCK_REUSE = pk.FP8BlockQuantizeConfig(reuse_input_tile=True)
 FP8_BLOCK_LINE_MAJOR = pk.FP8BlockQuantizeConfig(tile_major_scales=False)
+FP8_BLOCK_STAGED = pk.FP8BlockQuantizeConfig(steps_per_cta=4, steps_per_cta_m=4, stage_scales=True)
 
 
 def fp8_block_edge_matrix() -> np.ndarray:
@@ -957,6 +963,88 @@ def test_scale_layouts_interpret():
 
 
 @cpu_only
+def test_staged_scales_interpret():
+    # Scales collected over a CTA's block of tiles and written line-major by TMA: both copies,
+    # one at a time, 256-wide tiles (2 × 8 bytes) with unstaged codes, float32 1×128 scales,
+    # and shapes whose blocks of tiles fall short of 16 bytes for one copy (then tile-major).
+    x = sample((512, 512), jnp.bfloat16, 23, block=32)
+    layouts = [
+        qc.line_scales(MXFP8_STAGED, x.shape, c, 32, jnp.uint8).layout for c in (False, True)
+    ]
+    assert layouts == [qc.STAGED, qc.STAGED]
+    check_mxfp8(x, E4M3, MXFP8_STAGED)
+    check_mxfp8_one_copy_at_a_time(x, E5M2, MXFP8_STAGED, "staged scales")
+    config = pk.MXFP8QuantizeConfig(
+        tile_k=256, steps_per_cta=2, steps_per_cta_m=4, stage_scales=True, stage_outputs=False
+    )
+    check_mxfp8(sample((512, 512), jnp.bfloat16, 24, block=32), E5M2, config)
+    uneven = sample((500, 600), jnp.bfloat16, 25, block=32)  # 4 × 5 tiles: rows staged only
+    layouts = [
+        qc.line_scales(MXFP8_STAGED, (512, 640), c, 32, jnp.uint8).layout for c in (False, True)
+    ]
+    assert layouts == [qc.TILE_MAJOR, qc.STAGED]
+    check_mxfp8(uneven, E4M3, MXFP8_STAGED)
+    check_mxfp8(uneven, E4M3, dataclasses.replace(MXFP8_STAGED, tile_major_scales=False))
+    check_fp8_block(x, E4M3, (1, 128), True, FP8_BLOCK_STAGED)
+    check_fp8_block(uneven, E5M2, (1, 128), False, FP8_BLOCK_STAGED)
+    exact = dataclasses.replace(FP8_BLOCK_STAGED, lean_arithmetic=False)
+    check_fp8_block(x.astype(jnp.float32), E4M3, (1, 128), True, exact)
+    # A 128×128 tile has one scale (no stage): the 4×4 block of tiles walks through the pipeline.
+    check_fp8_block(uneven, E4M3, (128, 128), True, FP8_BLOCK_STAGED)
+
+
+def check_untile_words(shapes, seed: int, interpret: bool):
+    """The untile kernel's word transposes, all arrays in one launch, against numpy."""
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    words = [jax.random.bits(k, shape, jnp.uint32) for k, shape in zip(keys, shapes, strict=True)]
+    for got, w in zip(untile_scales._transpose_words(words, interpret), words, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w).T)
+
+
+@cpu_only
+def test_untile_scales_interpret():
+    # Tile-major scales rearranged by the untile kernel (the default): arrays of 32 and 64
+    # tiles in one launch; MXFP8 and FP8 block 1×128 with 32 column tiles (the rowwise scales
+    # go through the kernel, the columnwise ones, 1 row tile, through XLA).
+    check_untile_words([(32, 256), (64, 128)], 28, INTERPRET)
+    x = sample((128, 4096), jnp.bfloat16, 29, block=32)
+    assert untile_scales.as_words(jnp.zeros((32, 128, 4), jnp.uint8)) is not None
+    check_mxfp8(x, E4M3)
+    check_fp8_block(x, E5M2, (1, 128), True)
+
+
+@cpu_only
+def test_blocks_of_tiles_along_m_interpret():
+    # steps_per_cta_m: a CTA streams a block of tiles, rows of them at a time, through the
+    # pipeline (every kernel that runs on `for_each_tile`), also where the input reduces the
+    # block to a single tile (a one-step pipeline).
+    x = sample((256, 384), jnp.bfloat16, 26, block=16)
+    for options in (dict(steps_per_cta_m=2), dict(steps_per_cta=3, steps_per_cta_m=2)):
+        config = pk.NVFP4QuantizeConfig(max_concurrent_steps=3, **options)
+        want, amaxes = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
+        got = run_nvfp4(x, rht=True, sr=True, amaxes=amaxes, seeds=SEEDS, config=config)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            assert_same_bits(g, w, f"nvfp4 {options} {name}")
+        check_cast_transpose(x.astype(jnp.float32) * 300, E4M3, pk.CastTransposeConfig(**options))
+    check_mxfp8(sample((128, 128), jnp.bfloat16, 27, block=32), E4M3, MXFP8_STAGED)
+
+
+def test_blocks_of_tiles_config_errors():
+    with pytest.raises(ValueError, match="steps_per_cta_m must be in"):
+        pk.MXFP8QuantizeConfig(steps_per_cta_m=0)
+    with pytest.raises(TypeError, match="steps_per_cta_m must be an int"):
+        pk.NVFP4QuantizeConfig(steps_per_cta_m=2.0)
+    with pytest.raises(TypeError, match="stage_scales must be a bool"):
+        pk.FP8BlockQuantizeConfig(stage_scales=1)
+    with pytest.raises(ValueError, match="split_copies needs one-tile CTAs"):
+        pk.MXFP8QuantizeConfig(split_copies=True, steps_per_cta_m=2)
+    with pytest.raises(ValueError, match="reuse_input_tile needs one-tile CTAs"):
+        pk.MXFP8QuantizeConfig(reuse_input_tile=True, steps_per_cta_m=2)
+    with pytest.raises(ValueError, match="steps_per_cta_m must be 1 for dequantize"):
+        pk.DequantizeConfig(steps_per_cta_m=2)
+
+
+@cpu_only
 def test_dequantize_interpret():
     x = sample((128, 256), jnp.float32, 5, block=32)
     d, s, *_ = ref_mxfp8(x, E5M2)
@@ -1404,6 +1492,19 @@ def test_cross_lowers_for_h200(name):
     _cross_lower(fn, _X[dtype])
 
 
+def test_staged_and_untiled_scales_cross_lower_for_h200():
+    # Shapes with 32 column tiles (the untile kernel moves the rowwise scales) and with 4×4
+    # blocks of tiles (staged scales, TMA out of a (512, 16)-byte stage).
+    wide = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16)
+    _cross_lower(lambda x: pk.quantize_mxfp8(x, columnwise=True), wide)
+    _cross_lower(lambda x: pk.quantize_fp8_block(x, columnwise=True), wide)
+    square = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    _cross_lower(lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_STAGED), square)
+    _cross_lower(
+        lambda x: pk.quantize_fp8_block(x, columnwise=True, config=FP8_BLOCK_STAGED), square
+    )
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_dequantize_cross_lowers_for_h200(out_dtype):
     codes = jax.ShapeDtypeStruct((256, 384), E4M3)
@@ -1471,6 +1572,8 @@ def gpu_inputs(dtype, seed, block):
         (jnp.float32, E5M2, MXFP8_EXACT),
         (jnp.bfloat16, E4M3, MXFP8_SPLIT_EXACT),
         (jnp.float32, E5M2, MXFP8_SPLIT_EXACT),
+        (jnp.bfloat16, E4M3, MXFP8_STAGED),
+        (jnp.float32, E5M2, MXFP8_STAGED),
     ],
 )
 def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
@@ -1483,8 +1586,36 @@ def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
 
 
 @gpu_cases
+def test_gpu_untile_scales_bit_exact():
+    # The untile kernel (default) on the hardware: word transposes of the sizes the benchmarks
+    # run (8192² / 16384×4096 inputs: 32, 64 and 128 tiles), and both quantizers end to end on
+    # an input with 32 tiles each way (both copies through the kernel), poisoned outputs.
+    check_untile_words([(64, 8192), (128, 4096), (32, 16384)], 30, False)
+    x = jax.random.normal(jax.random.key(31), (4096, 4096), jnp.float32) * 2.0**20
+    x = x.at[::37, ::41].set(jnp.inf).at[5::97, ::13].set(jnp.nan).astype(jnp.bfloat16)
+    for config in (None, pk.MXFP8QuantizeConfig(untile_kernel=False)):
+        poison_device_memory(2 * x.size)
+        got = run_mxfp8(x, E4M3, config=config)
+        for g, w, name in zip(got, ref_mxfp8(x, E4M3), NAMES, strict=True):
+            assert_same_bits(g, w, f"mxfp8 {name} ({config})")
+    poison_device_memory(2 * x.size)
+    got = run_fp8_block(x, E4M3, (1, 128), True)
+    for g, w, name in zip(got, ref_fp8_block(x, E4M3, (1, 128), True), NAMES, strict=True):
+        assert_same_bits(g, w, f"fp8_block {name}")
+
+
+@gpu_cases
 @pytest.mark.parametrize(
-    "config", [None, MXFP8_EXACT, MXFP8_SPLIT_EXACT, MXFP8_REUSE, MXFP8_SLABS, MXFP8_LINE_MAJOR]
+    "config",
+    [
+        None,
+        MXFP8_EXACT,
+        MXFP8_SPLIT_EXACT,
+        MXFP8_REUSE,
+        MXFP8_SLABS,
+        MXFP8_LINE_MAJOR,
+        MXFP8_STAGED,
+    ],
 )
 def test_gpu_mxfp8_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up, one subnormal multiplier
@@ -1513,6 +1644,13 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, None, (1, 16)),
         (True, True, jnp.float32, None, (1, 16)),
         (True, False, jnp.bfloat16, PIPELINED["nvfp4"], (1, 16)),
+        (
+            True,
+            True,
+            jnp.bfloat16,
+            pk.NVFP4QuantizeConfig(steps_per_cta=2, steps_per_cta_m=2),
+            (1, 16),
+        ),
         (
             True,
             True,
@@ -1615,6 +1753,9 @@ def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(confi
         ((128, 128), E5M2, True, jnp.float32, FP8_BLOCK_REUSE),
         ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_LINE_MAJOR),
         ((1, 128), E5M2, False, jnp.float32, FP8_BLOCK_LINE_MAJOR),
+        ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_STAGED),
+        ((1, 128), E5M2, False, jnp.float32, FP8_BLOCK_STAGED),
+        ((128, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_STAGED),
         ((1, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, False, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((1, 128), E5M2, True, jnp.float32, FP8_BLOCK_EXACT),
@@ -1647,7 +1788,9 @@ def test_gpu_fp8_block_bit_exact(block, fp8_dtype, pow2, dtype, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, FP8_BLOCK_EXACT, FP8_BLOCK_REUSE, FP8_BLOCK_LINE_MAJOR])
+@pytest.mark.parametrize(
+    "config", [None, FP8_BLOCK_EXACT, FP8_BLOCK_REUSE, FP8_BLOCK_LINE_MAJOR, FP8_BLOCK_STAGED]
+)
 def test_gpu_fp8_block_edge_blocks_bit_exact(config):
     # lean_arithmetic's hardware-only path (no clip, no NaN fix-up: cvt.rn.satfinite) and its
     # scale shortcut meet the blocks they depend on: NaN of both signs, Inf among huge finite
@@ -1694,6 +1837,7 @@ def test_gpu_fp8_block_edge_blocks_bit_exact(config):
         (jnp.float32, E4M3, pk.CastTransposeConfig(reuse_input_tile=True)),
         (jnp.float32, E5M2, pk.CastTransposeConfig(stage_columnwise_in_input=True)),
         (jnp.bfloat16, E4M3, pk.CastTransposeConfig(stage_columnwise_in_input=True)),
+        (jnp.bfloat16, E5M2, pk.CastTransposeConfig(steps_per_cta=2, steps_per_cta_m=2)),
     ],
 )
 def test_gpu_cast_transpose_bit_exact(dtype, fp8_dtype, config):
