@@ -157,6 +157,21 @@ def test_quantize_ab_runs_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_quantize_scale_split_runs_small(tmp_path):
+    # In the interpreter: every quantizer's outputs equal its default's (Inf / NaN / tiny
+    # values too) before it is timed; no GPU kernels to list on the CPU.
+    from benchmarks import quantize_scale_split
+
+    text = quantize_scale_split.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "quantize_scale_split.json").read_text())
+    cases = {r["case"] for r in rows}
+    assert len(cases) == 8 and {"mxfp8 kernel alone (raw scales)", "cast skeleton"} <= cases
+    assert all(r["bits"] is True for r in rows if r["bits"] is not None)
+    assert sum(r["bits"] is not None for r in rows) == 5
+    assert all(r["wall_us"] > 0 for r in rows) and "| mxfp8 XLA untile |" in text
+
+
+@pytest.mark.slow
 def test_quantize_ablation_runs_small(tmp_path):
     # Every stage of both copies and the kernels themselves, in the interpreter; the script
     # first checks that its full-arithmetic stage equals quantize_mxfp8 bit for bit.

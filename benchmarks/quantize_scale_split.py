@@ -1,0 +1,184 @@
+"""MXFP8 and FP8 block 1×128 row+col: the quantize kernel and its scale rearrangement, apart.
+
+    PYTHONPATH=. python3 benchmarks/quantize_scale_split.py OUT_DIR [--small]
+
+For bf16 inputs (8192², 16384×4096), each candidate's GPU kernels are traced over 20 calls
+(`jax.profiler`, CUPTI) and listed by name with their median time, so the quantize kernel and
+what rearranges its tile-major scales (the untile kernel, XLA transposes) are timed apart; then
+the candidates are timed in alternation by wall clock (`interleaved_seconds`). Candidates: the
+default (tile-major scales, `untile_scales.py` for both copies), the same with XLA transposes
+(`untile_kernel=False`), the kernel's raw outputs (no rearrangement: its time alone), blocks
+of 4×8 tiles per CTA with `stage_scales` (written line-major by TMA, no rearrangement), FP8
+block 1×128 with and without the untile kernel, the row+col cast skeleton and XLA's `x + 1`.
+Before timing, every quantizer's outputs are compared with the default's, bit for bit, on the
+timed input and on one with Inf / NaN / tiny values (the "bits" entry).
+
+`--small`: small shapes on the GPU; where there is none, tiny shapes in Mosaic GPU's
+interpreter (a smoke test whose times mean nothing). Writes OUT_DIR/quantize_scale_split.json
+and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kernels as pk
+from benchmarks.bench_quantize import pallas_cast_skeleton
+from benchmarks.profile_step import device_kernel_events, read_trace
+from benchmarks.timing import device_description, interleaved_seconds, report
+from pallas_kernels import untile_scales
+
+SHAPES = ((8192, 8192), (16384, 4096))
+SMALL_SHAPES = ((2048, 2048),)
+INTERPRETED_SHAPES = ((128, 4096),)  # 32 column tiles: the untile kernel runs
+TRACED_CALLS = 20
+
+
+def _mxfp8(x, config=None):
+    return pk.quantize_mxfp8(x, rowwise=True, columnwise=True, config=config)
+
+
+def _fp8_block(x, config=None):
+    return pk.quantize_fp8_block(x, rowwise=True, columnwise=True, config=config)
+
+
+def _mxfp8_raw(x):
+    """The default kernel's outputs as it writes them: the tile-major scales left as they are."""
+    kept = untile_scales.untile_line_scales_all
+    untile_scales.untile_line_scales_all = lambda outs, **_: outs
+    try:
+        # A function of its own: jax.jit(_mxfp8) elsewhere would reuse this trace.
+        return jax.jit(lambda v: _mxfp8(v)).lower(x).compile()
+    finally:
+        untile_scales.untile_line_scales_all = kept
+
+
+def candidates(x: jax.Array) -> dict:
+    mx, fb = pk.MXFP8QuantizeConfig, pk.FP8BlockQuantizeConfig
+    return {
+        "mxfp8 default": jax.jit(_mxfp8),
+        "mxfp8 XLA untile": jax.jit(functools.partial(_mxfp8, config=mx(untile_kernel=False))),
+        "mxfp8 kernel alone (raw scales)": _mxfp8_raw(x),
+        "mxfp8 4x8 tiles per CTA, stage_scales": jax.jit(
+            functools.partial(
+                _mxfp8, config=mx(steps_per_cta=8, steps_per_cta_m=4, stage_scales=True)
+            )
+        ),
+        "fp8_block 1x128 default": jax.jit(_fp8_block),
+        "fp8_block 1x128 XLA untile": jax.jit(
+            functools.partial(_fp8_block, config=fb(untile_kernel=False))
+        ),
+        "cast skeleton": jax.jit(pallas_cast_skeleton),
+        "x + 1": jax.jit(lambda x: x + 1),
+    }
+
+
+def _same_bits(a: jax.Array, b: jax.Array) -> bool:
+    unsigned = {1: jnp.uint8, 4: jnp.uint32}[a.dtype.itemsize]
+    return bool(
+        jnp.all(lax.bitcast_convert_type(a, unsigned) == lax.bitcast_convert_type(b, unsigned))
+    )
+
+
+def check_bits(cands: dict, inputs: list[jax.Array]) -> dict[str, bool]:
+    """Each quantizer's outputs against its format's default, on every input."""
+    bits = {}
+    for name, fn in cands.items():
+        fmt = name.split(" ")[0]
+        if fmt not in ("mxfp8", "fp8_block") or "raw" in name:
+            continue
+        default = cands[f"{fmt} default" if fmt == "mxfp8" else "fp8_block 1x128 default"]
+        bits[name] = all(
+            _same_bits(a, b) for x in inputs for a, b in zip(default(x), fn(x), strict=True)
+        )
+    return bits
+
+
+def kernels_per_call(fn, x: jax.Array) -> dict[str, float]:
+    """Median µs of each GPU kernel a call of fn(x) launches (summed over its launches)."""
+    jax.block_until_ready(fn(x))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(TRACED_CALLS):
+                out = fn(x)
+            jax.block_until_ready(out)
+        events = device_kernel_events(read_trace(Path(log_dir)))
+    durations: dict[str, list[float]] = {}
+    for event in events:
+        durations.setdefault(str(event.get("name")), []).append(float(event.get("dur", 0.0)))
+    return {name: statistics.median(us) * len(us) / TRACED_CALLS for name, us in durations.items()}
+
+
+def run(shapes, on_gpu: bool, timing: dict) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+        odd = x.at[::97, ::89].set(jnp.inf).at[5::211, 7::53].set(jnp.nan)
+        odd = odd.at[::3].multiply(1e-38)
+        cands = candidates(x)
+        bits = check_bits(cands, [x, odd])
+        wall = interleaved_seconds({k: (fn, [(x,)]) for k, fn in cands.items()}, **timing)
+        for name, fn in cands.items():
+            kernels = kernels_per_call(fn, x) if on_gpu else {}
+            rows.append(
+                dict(
+                    shape=f"{shape[0]}x{shape[1]}",
+                    case=name,
+                    bits=bits.get(name),
+                    kernels_us=kernels,
+                    kernels_total_us=sum(kernels.values()) if kernels else None,
+                    wall_us=wall[name] * 1e6,
+                )
+            )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| shape | case | bits | GPU kernels (µs each, per call) | kernels µs | wall µs |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        kernels = ", ".join(f"{k} {v:.2f}" for k, v in r["kernels_us"].items()) or "—"
+        total = "—" if r["kernels_total_us"] is None else f"{r['kernels_total_us']:.1f}"
+        bits = {None: "", True: "identical", False: "**differ**"}[r["bits"]]
+        lines.append(
+            f"| {r['shape']} | {r['case']} | {bits} | {kernels} | {total} | {r['wall_us']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(out_dir: str | None = None, *, small: bool = False) -> str:
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if on_gpu:
+        shapes = SMALL_SHAPES if small else SHAPES
+        timing = dict(rounds=5, calls_per_batch=5) if small else {}
+        interpret = contextlib.nullcontext()
+    elif small:
+        shapes, timing = INTERPRETED_SHAPES, dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+        interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    else:
+        raise RuntimeError("quantize_scale_split times H200 kernels: run it on a GPU (or --small)")
+    with interpret:
+        rows = run(shapes, on_gpu, timing)
+    text = f"{device_description()}\n\n{markdown(rows)}\n"
+    report(out_dir, "quantize_scale_split", rows, text)
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--small", action="store_true", help="small shapes (smoke test)")
+    args = parser.parse_args()
+    print(main(args.out_dir, small=args.small))
