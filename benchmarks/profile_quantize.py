@@ -20,14 +20,12 @@ the trace has no GPU kernels).
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_grouped_quantize import RECIPES, grouped_quantizer, whole_quantizer
-from benchmarks.profile_step import device_kernel_events, read_trace, summarize_kernels
+from benchmarks.profile_step import summarize_kernels, traced_kernel_events
 from benchmarks.timing import device_description, median_seconds, report
 
 SHAPE = (16384, 4096, 8)  # tokens, features, groups: bench_grouped_quantize's "8 experts"
@@ -37,12 +35,7 @@ SMALL_SHAPE = (256, 128, 4)
 def profile_call(fn, x, calls: int) -> dict:
     """Median wall time and the per-call kernel summary of `calls` calls of fn(x)."""
     seconds = median_seconds(fn, [(x,)], iters=calls)
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(calls):
-                out = fn(x)
-            jax.block_until_ready(out)
-        events = device_kernel_events(read_trace(Path(log_dir)))
+    events = traced_kernel_events(lambda: [fn(x) for _ in range(calls)])
     return dict(us=seconds * 1e6, kernels=summarize_kernels(events, calls) if events else None)
 
 

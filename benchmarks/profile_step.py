@@ -31,7 +31,7 @@ import json
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -121,6 +121,15 @@ def summarize_kernels(events: Sequence[dict], steps: int) -> dict:
     )
 
 
+def traced_kernel_events(run: Callable[[], object]) -> list[dict]:
+    """The GPU kernel events (`device_kernel_events`) of one `run()`, its result blocked on,
+    traced by `jax.profiler`."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            jax.block_until_ready(run())
+        return device_kernel_events(read_trace(Path(log_dir)))
+
+
 def read_trace(log_dir: Path) -> dict:
     traces = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz"))
     if not traces:
@@ -147,12 +156,13 @@ def profile_recipe(config, recipe: str, steps: int) -> dict:
         state, metrics = compiled.train_step(state, windows)
     jax.block_until_ready(metrics)
     step_ms = (time.perf_counter() - start) * 1000.0 / steps
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for windows in batches[WARM_UP_STEPS:]:
-                state, metrics = compiled.train_step(state, windows)
-            jax.block_until_ready(metrics)
-        events = device_kernel_events(read_trace(Path(log_dir)))
+
+    def timed_steps(state=state):
+        for windows in batches[WARM_UP_STEPS:]:
+            state, metrics = compiled.train_step(state, windows)
+        return metrics
+
+    events = traced_kernel_events(timed_steps)
     summary = summarize_kernels(events, steps) if events else None
     return dict(
         recipe=recipe,

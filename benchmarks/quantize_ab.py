@@ -32,18 +32,21 @@ OUT_DIR/quantize_ab.json and OUT_DIR/quantize_ab.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels as pk
 from benchmarks.bench_quantize import nvfp4_fixed_amax, pallas_cast_skeleton
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.timing import (
+    device_description,
+    interleaved_seconds,
+    kernel_timing_setup,
+    report,
+)
 from pallas_kernels import quantize_common as qc
 
 SHAPES = ((8192, 8192), (16384, 4096))
@@ -274,16 +277,9 @@ def format_table(rows: list[dict], device: str, kernel: str = "mxfp8") -> str:
 def main(out_dir: str | None = None, *, small: bool = False, kernel: str = "mxfp8") -> str:
     """Time every candidate on each shape; write the rows and table under `out_dir`."""
     kernel_setup(kernel)  # a bad name fails before anything runs
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if on_gpu:
-        shapes = SMALL_SHAPES if small else SHAPES
-        timing = dict(rounds=5, calls_per_batch=5) if small else {}
-        interpret = contextlib.nullcontext()
-    elif small:
-        shapes, timing = INTERPRETED_SHAPES, dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
-        interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
-    else:
-        raise RuntimeError("quantize_ab times the H200 kernels: run it on a GPU (or --small)")
+    shapes, timing, interpret = kernel_timing_setup(
+        "quantize_ab", small, SHAPES, SMALL_SHAPES, INTERPRETED_SHAPES
+    )
     device = device_description()
     print(f"device: {device}", flush=True)
     rows = []

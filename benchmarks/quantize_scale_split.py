@@ -21,21 +21,22 @@ and .md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import statistics
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels as pk
 from benchmarks.bench_quantize import pallas_cast_skeleton
-from benchmarks.profile_step import device_kernel_events, read_trace
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.profile_step import traced_kernel_events
+from benchmarks.timing import (
+    device_description,
+    interleaved_seconds,
+    kernel_timing_setup,
+    report,
+)
 from pallas_kernels import untile_scales
 
 SHAPES = ((8192, 8192), (16384, 4096))
@@ -107,12 +108,7 @@ def check_bits(cands: dict, inputs: list[jax.Array]) -> dict[str, bool]:
 def kernels_per_call(fn, x: jax.Array) -> dict[str, float]:
     """Median µs of each GPU kernel a call of fn(x) launches (summed over its launches)."""
     jax.block_until_ready(fn(x))
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(TRACED_CALLS):
-                out = fn(x)
-            jax.block_until_ready(out)
-        events = device_kernel_events(read_trace(Path(log_dir)))
+    events = traced_kernel_events(lambda: [fn(x) for _ in range(TRACED_CALLS)])
     durations: dict[str, list[float]] = {}
     for event in events:
         durations.setdefault(str(event.get("name")), []).append(float(event.get("dur", 0.0)))
@@ -159,18 +155,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(out_dir: str | None = None, *, small: bool = False) -> str:
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if on_gpu:
-        shapes = SMALL_SHAPES if small else SHAPES
-        timing = dict(rounds=5, calls_per_batch=5) if small else {}
-        interpret = contextlib.nullcontext()
-    elif small:
-        shapes, timing = INTERPRETED_SHAPES, dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
-        interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
-    else:
-        raise RuntimeError("quantize_scale_split times H200 kernels: run it on a GPU (or --small)")
+    shapes, timing, interpret = kernel_timing_setup(
+        "quantize_scale_split", small, SHAPES, SMALL_SHAPES, INTERPRETED_SHAPES
+    )
     with interpret:
-        rows = run(shapes, on_gpu, timing)
+        rows = run(shapes, jax.devices()[0].platform == "gpu", timing)
     text = f"{device_description()}\n\n{markdown(rows)}\n"
     report(out_dir, "quantize_scale_split", rows, text)
     return text

@@ -3,6 +3,7 @@ device's description, and writing a benchmark's rows and table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -10,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def median_seconds(
@@ -64,6 +66,24 @@ def interleaved_seconds(
             jax.block_until_ready(out)
             per_call[name].append((time.perf_counter() - start) / calls_per_batch)
     return {name: statistics.median(times) for name, times in per_call.items()}
+
+
+def kernel_timing_setup(script: str, small: bool, shapes, small_shapes, interpreted_shapes):
+    """(shapes, `interleaved_seconds` options, context to run in) of a script that times H200
+    kernels: its shapes on a GPU (`small_shapes` with `small`, and fewer rounds), and where
+    there is none, with `small`, `interpreted_shapes` in Mosaic GPU's interpreter (a smoke test
+    whose times mean nothing); otherwise a RuntimeError naming `script`."""
+    if jax.devices()[0].platform == "gpu":
+        timing = dict(rounds=5, calls_per_batch=5) if small else {}
+        return (small_shapes if small else shapes), timing, contextlib.nullcontext()
+    if small:
+        timing = dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+        return (
+            interpreted_shapes,
+            timing,
+            plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()),
+        )
+    raise RuntimeError(f"{script} times the H200 kernels: run it on a GPU (or --small)")
 
 
 def device_description() -> str:

@@ -990,8 +990,3 @@ def kernel_params(config: TileConfig, cols: int) -> plgpu.CompilerParams:
         lowering_semantics=plgpu.LoweringSemantics.Lane,
         unsafe_no_auto_barriers=not config.runs_pipeline(cols),
     )
-
-
-def tile_origin(config: TileConfig) -> tuple[jax.Array, jax.Array]:
-    """(first row, first column) of this CTA's tile, for one-tile-per-CTA kernels."""
-    return lax.axis_index("m") * config.tile_m, lax.axis_index("k") * config.tile_k

@@ -72,6 +72,14 @@ def untile_line_scales_all(
 ) -> list[jax.Array]:
     """Each of `scale_outputs` (a quantize kernel's, any layout) in the (lines, blocks) layout:
     the tile-major ones the kernel can move in one launch (`kernel`), the others by XLA."""
+    if not isinstance(kernel, bool):
+        raise TypeError(f"kernel must be a bool, got {kernel!r}")
+    for s in scale_outputs:
+        if getattr(s, "ndim", None) not in (2, 3):
+            raise ValueError(
+                "scale_outputs must be (lines, blocks) or (tiles, lines, blocks per tile) "
+                f"arrays, got {getattr(s, 'shape', type(s).__name__)}"
+            )
     movable = [as_words(s) if kernel else None for s in scale_outputs]
     words = [w for w in movable if w is not None]
     if not words:

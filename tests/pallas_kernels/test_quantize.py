@@ -1042,6 +1042,12 @@ def test_blocks_of_tiles_config_errors():
         pk.MXFP8QuantizeConfig(reuse_input_tile=True, steps_per_cta_m=2)
     with pytest.raises(ValueError, match="steps_per_cta_m must be 1 for dequantize"):
         pk.DequantizeConfig(steps_per_cta_m=2)
+    with pytest.raises(TypeError, match="untile_kernel must be a bool"):
+        pk.MXFP8QuantizeConfig(untile_kernel="yes")
+    with pytest.raises(ValueError, match=r"scale_outputs must be .* got \(4,\)"):
+        untile_scales.untile_line_scales_all([jnp.zeros((4,), jnp.uint8)])
+    with pytest.raises(TypeError, match="kernel must be a bool"):
+        untile_scales.untile_line_scales_all([jnp.zeros((4, 4), jnp.uint8)], kernel=1)
 
 
 @cpu_only
