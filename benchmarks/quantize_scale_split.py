@@ -8,8 +8,11 @@ what rearranges its tile-major scales (the untile kernel, XLA transposes) are ti
 the candidates are timed in alternation by wall clock (`interleaved_seconds`). Candidates: the
 default (tile-major scales, `untile_scales.py` for both copies), the same with XLA transposes
 (`untile_kernel=False`), the kernel's raw outputs (no rearrangement: its time alone), blocks
-of 4×8 tiles per CTA with `stage_scales` (written line-major by TMA, no rearrangement), FP8
-block 1×128 with and without the untile kernel, the row+col cast skeleton and XLA's `x + 1`.
+of 4×8 tiles per CTA with `stage_scales` (written line-major by TMA, no rearrangement), the
+tiles taken in 8 × 8 squares (`band_tiles_m`) with tile-major scales and with line-major ones
+stored straight from the kernel (no rearrangement), FP8 block 1×128 with and without the untile
+kernel and line-major in squares, the row+col cast skeleton (grid order and squares) and XLA's
+`x + 1`.
 Before timing, every quantizer's outputs are compared with the default's, bit for bit, on the
 timed input and on one with Inf / NaN / tiny values (the "bits" entry).
 
@@ -37,6 +40,7 @@ from benchmarks.timing import (
     kernel_timing_setup,
     report,
 )
+from pallas_kernels import quantize_common as qc
 from pallas_kernels import untile_scales
 
 SHAPES = ((8192, 8192), (16384, 4096))
@@ -75,11 +79,32 @@ def candidates(x: jax.Array) -> dict:
                 _mxfp8, config=mx(steps_per_cta=8, steps_per_cta_m=4, stage_scales=True)
             )
         ),
+        # The order CTAs take their tiles in (band_tiles_m): 8 × 8 squares of tiles in flight
+        # together fill the line-major scales' 32-byte sectors (8 tiles' 4-byte words of a
+        # line, along K for the rowwise copy, along M for the columnwise one) while they are
+        # in the L2, where the grid order (down a whole column of tiles) does that for the
+        # columnwise copy only.
+        "mxfp8 band 8": jax.jit(functools.partial(_mxfp8, config=mx(band_tiles_m=8))),
+        "mxfp8 line-major scales": jax.jit(
+            functools.partial(_mxfp8, config=mx(tile_major_scales=False))
+        ),
+        **{
+            f"mxfp8 line-major scales, band {band}": jax.jit(
+                functools.partial(_mxfp8, config=mx(tile_major_scales=False, band_tiles_m=band))
+            )
+            for band in (4, 8, 16)
+        },
         "fp8_block 1x128 default": jax.jit(_fp8_block),
+        "fp8_block 1x128 line-major scales, band 8": jax.jit(
+            functools.partial(_fp8_block, config=fb(tile_major_scales=False, band_tiles_m=8))
+        ),
         "fp8_block 1x128 XLA untile": jax.jit(
             functools.partial(_fp8_block, config=fb(untile_kernel=False))
         ),
         "cast skeleton": jax.jit(pallas_cast_skeleton),
+        "cast skeleton, band 8": jax.jit(
+            functools.partial(pallas_cast_skeleton, config=qc.TileConfig(band_tiles_m=8))
+        ),
         "x + 1": jax.jit(lambda x: x + 1),
     }
 
@@ -96,9 +121,13 @@ def check_bits(cands: dict, inputs: list[jax.Array]) -> dict[str, bool]:
     bits = {}
     for name, fn in cands.items():
         fmt = name.split(" ")[0]
-        if fmt not in ("mxfp8", "fp8_block") or "raw" in name:
+        if fmt not in ("mxfp8", "fp8_block", "cast") or "raw" in name:
             continue
-        default = cands[f"{fmt} default" if fmt == "mxfp8" else "fp8_block 1x128 default"]
+        default = cands[
+            {"mxfp8": "mxfp8 default", "fp8_block": "fp8_block 1x128 default"}.get(
+                fmt, "cast skeleton"
+            )
+        ]
         bits[name] = all(
             _same_bits(a, b) for x in inputs for a, b in zip(default(x), fn(x), strict=True)
         )

@@ -92,7 +92,7 @@ def _run(body, out_shape, out_dtype, codes, operands, code_cols, config, interpr
 
     def kernel(codes_gmem, *refs):
         *operand_refs, out_gmem, codes_smem, out_smem, barrier = refs
-        i, j = lax.axis_index("m"), lax.axis_index("k")
+        i, j = qc.cta_position(config, rows, cols)
         m0, k0 = i * tm, j * tk
         plgpu.copy_gmem_to_smem(
             codes_gmem.at[pl.ds(m0, tm), pl.ds(j * code_cols, code_cols)], codes_smem, barrier

@@ -287,6 +287,14 @@ class TileConfig:
         instead of 3. Only kernels whose columnwise pass reads the tile in 32-row slabs, in
         order, after the rowwise pass accept it (`reads_columnwise_in_slabs`: MXFP8 and the
         cast-transpose); one-tile CTAs with staged outputs only.
+      band_tiles_m: the order in which CTAs take their tiles (blocks of tiles when
+        pipelined). The GPU starts CTAs in the order of their index, and by default index i +
+        j·(row tiles) takes tile row i of tile column j: consecutive CTAs walk down a whole
+        column of tiles. With a band of b > 0 tile rows they walk down b rows, then on to the
+        band's next column, and the next band starts once this one is done: b × b consecutive
+        CTAs cover a b × b square of tiles. What changes is only which tiles are in flight
+        together (what the L2 sees at once), never a tile's outputs. 0 (or a band of at
+        least the row tiles) keeps the grid order.
     """
 
     # Whether the kernel's columnwise pass reads the tile in 32-row slabs, in order, after its
@@ -301,6 +309,7 @@ class TileConfig:
     stage_outputs: bool = True
     reuse_input_tile: bool = False
     stage_columnwise_in_input: bool = False
+    band_tiles_m: int = 0
 
     def __post_init__(self):
         for name in (
@@ -309,6 +318,7 @@ class TileConfig:
             "steps_per_cta",
             "steps_per_cta_m",
             "max_concurrent_steps",
+            "band_tiles_m",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -319,6 +329,8 @@ class TileConfig:
         for name in ("steps_per_cta", "steps_per_cta_m"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be in [1, 64], got {getattr(self, name)}")
+        if self.band_tiles_m < 0:
+            raise ValueError(f"band_tiles_m must be >= 0, got {self.band_tiles_m}")
         if not 1 <= self.max_concurrent_steps <= 4:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 4], got {self.max_concurrent_steps}"
@@ -516,12 +528,13 @@ class LineScaleDest:
     block0: object = 0
 
     @classmethod
-    def for_cta(cls, scales: LineScales, gmem, stage) -> LineScaleDest:
-        """This CTA's destination (CTA (i, j) covers x's rows from i·cta_rows, columns from
-        j·cta_cols; the columnwise copy's lines are x's columns)."""
+    def for_cta(cls, scales: LineScales, gmem, stage, position) -> LineScaleDest:
+        """This CTA's destination (the CTA at `position` (i, j), from `cta_position`, covers
+        x's rows from i·cta_rows, columns from j·cta_cols; the columnwise copy's lines are x's
+        columns)."""
         if scales.layout != STAGED:
             return cls(scales, gmem)
-        i, j = lax.axis_index("m"), lax.axis_index("k")
+        i, j = position
         line_cta, block_cta = (j, i) if scales.columnwise else (i, j)
         return cls(scales, gmem, stage, line_cta * scales.cta_lines, block_cta * scales.cta_blocks)
 
@@ -797,7 +810,7 @@ def for_each_tile(
     tm, tk = config.tile_m, config.tile_k
     pipelined = config.runs_pipeline(cols)
     staged = _staged(config, outputs)
-    i, j = lax.axis_index("m"), lax.axis_index("k")
+    i, j = cta_position(config, x_gmem.shape[0], cols)
     reuse = _reuses_input(config, outputs)
     slabbed = _slabbed(config, [out for _, out in outputs])
     # Per output: its shared-memory tile, or (stage_columnwise_in_input) the columnwise slabs.
@@ -889,7 +902,7 @@ def _for_each_tile_by_warpgroup(x_gmem, scratch, config: TileConfig, cols: int, 
         )
     tm, tk = config.tile_m, config.tile_k
     staged = _staged(config, outputs)
-    i, j = lax.axis_index("m"), lax.axis_index("k")
+    i, j = cta_position(config, x_gmem.shape[0], cols)
     warpgroup = lax.axis_index(WARPGROUP_AXIS)
     x_smem, barrier, *out_smems = scratch
     m0, k0 = i * tm, j * tk
@@ -980,6 +993,26 @@ def tile_grid(rows: int, cols: int, config: TileConfig) -> dict:
         ),
         grid_names=("m", "k"),
     )
+
+
+def cta_position(config: TileConfig, rows: int, cols: int) -> tuple[jax.Array, jax.Array]:
+    """(i, j): the tile row and column of this CTA's tile (of its block of tiles, pipelined) in
+    `tile_grid(rows, cols, config)`, in the order `config.band_tiles_m` asks."""
+    i, j = lax.axis_index("m"), lax.axis_index("k")
+    grid_m, grid_k = tile_grid(rows, cols, config)["grid"]
+    if config.band_tiles_m == 0 or config.band_tiles_m >= grid_m:
+        return i, j
+    # The launch index (m fastest: the order in which the GPU starts CTAs), re-read by bands.
+    return band_order(j * grid_m + i, grid_m, grid_k, config.band_tiles_m)
+
+
+def band_order(linear, grid_m: int, grid_k: int, band: int):
+    """The (row, column) that launch index `linear` takes in a (grid_m, grid_k) grid walked in
+    bands of `band` rows (`TileConfig.band_tiles_m`): down a band's rows, then to its next
+    column; the last band has the rows that are left. A permutation of the grid."""
+    band_index, within = linear // (band * grid_k), linear % (band * grid_k)
+    band_rows = jnp.minimum(band, grid_m - band_index * band)
+    return band_index * band + within % band_rows, within // band_rows
 
 
 def kernel_params(config: TileConfig, cols: int) -> plgpu.CompilerParams:

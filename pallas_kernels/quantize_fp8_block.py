@@ -193,8 +193,9 @@ def _kernel(x_gmem, *refs, config, cols, rowwise, columnwise, on_hardware, scale
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_dests = outs[0::2], outs[1::2]
     if scales is not None:
+        position = qc.cta_position(config, x_gmem.shape[0], cols)
         scale_dests = [
-            qc.LineScaleDest.for_cta(*dest)
+            qc.LineScaleDest.for_cta(*dest, position)
             for dest in zip(scales, scale_dests, stages, strict=True)
         ]
     if config.lean_arithmetic:

@@ -266,8 +266,10 @@ def _kernel(
     refs, stages = qc.split_scale_stages(refs, scales)
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
+    position = qc.cta_position(config, x_gmem.shape[0], cols)
     scale_dests = [
-        qc.LineScaleDest.for_cta(*dest) for dest in zip(scales, scale_gmems, stages, strict=True)
+        qc.LineScaleDest.for_cta(*dest, position)
+        for dest in zip(scales, scale_gmems, stages, strict=True)
     ]
     body = functools.partial(
         _tile,

@@ -999,7 +999,7 @@ def _amax_kernel(x_gmem, *refs, config, in_dtype, hadamard, per_line=False):
         row_gmem, block_gmem, x_smem, barrier = refs
     else:
         out_gmem, x_smem, barrier = refs
-    i, j = lax.axis_index("m"), lax.axis_index("k")
+    i, j = qc.cta_position(config, x_gmem.shape[0], x_gmem.shape[1])
     tm, tk = config.tile_m, config.tile_k
     plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
     plgpu.barrier_wait(barrier)

@@ -993,6 +993,54 @@ def test_staged_scales_interpret():
     check_fp8_block(uneven, E4M3, (128, 128), True, FP8_BLOCK_STAGED)
 
 
+def test_band_order_is_a_permutation_walking_bands():
+    # band_tiles_m re-reads the launch index (m fastest) band by band: every tile exactly once,
+    # b consecutive CTAs down a band's column, the short last band (5 rows in bands of 2) too.
+    for grid_m, grid_k, band in ((5, 3, 2), (8, 8, 8), (64, 64, 8), (7, 1, 3), (4, 6, 1)):
+        linear = np.arange(grid_m * grid_k)
+        rows, cols = (np.asarray(v) for v in qc.band_order(linear, grid_m, grid_k, band))
+        assert sorted(zip(rows.tolist(), cols.tolist(), strict=True)) == [
+            (i, j) for i in range(grid_m) for j in range(grid_k)
+        ]
+        assert rows.max() < grid_m and cols.max() < grid_k
+    rows, cols = (np.asarray(v).tolist() for v in qc.band_order(np.arange(15), 5, 3, 2))
+    assert list(zip(rows, cols, strict=True)) == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+        (2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (3, 2),
+        (4, 0), (4, 1), (4, 2),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="band_tiles_m must be >= 0"):
+        pk.MXFP8QuantizeConfig(band_tiles_m=-1)
+    with pytest.raises(TypeError, match="band_tiles_m must be an int"):
+        pk.NVFP4QuantizeConfig(band_tiles_m=2.0)
+
+
+@cpu_only
+def test_band_order_interpret():
+    # Tiles taken band by band (band_tiles_m) come out exactly as in the grid order: 5 × 3 tiles
+    # in bands of 2 (a short last band), both MXFP8 scale layouts, FP8 block 1×128 and 128×128,
+    # NVFP4 (its amax kernel too), the cast-transpose, pipelined blocks of tiles, dequantize.
+    x = sample((600, 380), jnp.bfloat16, 32, block=32)
+    for tile_major in (True, False):
+        check_mxfp8(x, E4M3, pk.MXFP8QuantizeConfig(band_tiles_m=2, tile_major_scales=tile_major))
+    check_mxfp8(x, E5M2, pk.MXFP8QuantizeConfig(band_tiles_m=2, split_copies=True))
+    check_mxfp8(x, E4M3, pk.MXFP8QuantizeConfig(band_tiles_m=1, steps_per_cta_m=2))
+    for block in ((1, 128), (128, 128)):
+        check_fp8_block(x, E4M3, block, True, pk.FP8BlockQuantizeConfig(band_tiles_m=2))
+    config = pk.NVFP4QuantizeConfig(band_tiles_m=2)
+    want, amaxes = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
+    got = run_nvfp4(x, rht=True, sr=True, amaxes=amaxes, seeds=SEEDS, config=config)
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 band 2 {name}")
+    got_amax = pk.nvfp4_amax(x, hadamard_columnwise=True, config=config, interpret=INTERPRET)
+    for g, w in zip(got_amax, amaxes, strict=True):
+        assert_same_bits(g, w, "nvfp4 amax band 2")
+    check_cast_transpose(x.astype(jnp.float32) * 300, E4M3, pk.CastTransposeConfig(band_tiles_m=3))
+    d, s, *_ = ref_mxfp8(x, E4M3)
+    got = pk.dequantize_mxfp8(d, s, config=pk.DequantizeConfig(band_tiles_m=2), interpret=True)
+    assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize band 2", any_nan=True)
+
+
 def check_untile_words(shapes, seed: int, interpret: bool):
     """The untile kernel's word transposes, all arrays in one launch, against numpy."""
     keys = jax.random.split(jax.random.key(seed), len(shapes))
@@ -1270,6 +1318,14 @@ def _nvfp4_grouped(x, *, sr=True, **options):
 
 CROSS_LOWERED = {
     "mxfp8 e4m3 row+col": (lambda x: pk.quantize_mxfp8(x, columnwise=True), jnp.bfloat16),
+    "mxfp8 row+col line-major scales, tiles in bands of 3": (
+        lambda x: pk.quantize_mxfp8(
+            x,
+            columnwise=True,
+            config=pk.MXFP8QuantizeConfig(tile_major_scales=False, band_tiles_m=3),
+        ),
+        jnp.bfloat16,
+    ),
     "mxfp8 e5m2 col": (
         lambda x: pk.quantize_mxfp8(x, rowwise=False, columnwise=True, fp8_dtype=E5M2),
         jnp.float32,
@@ -1580,6 +1636,8 @@ def gpu_inputs(dtype, seed, block):
         (jnp.float32, E5M2, MXFP8_SPLIT_EXACT),
         (jnp.bfloat16, E4M3, MXFP8_STAGED),
         (jnp.float32, E5M2, MXFP8_STAGED),
+        (jnp.bfloat16, E4M3, pk.MXFP8QuantizeConfig(band_tiles_m=8, tile_major_scales=False)),
+        (jnp.float32, E5M2, pk.MXFP8QuantizeConfig(band_tiles_m=3)),  # a short last band
     ],
 )
 def test_gpu_mxfp8_bit_exact(dtype, fp8_dtype, config):
@@ -1768,6 +1826,13 @@ def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(confi
         ((1, 128), E4M3, False, jnp.float32, FP8_BLOCK_EXACT),
         ((128, 128), E4M3, True, jnp.bfloat16, FP8_BLOCK_EXACT),
         ((128, 128), E5M2, False, jnp.float32, FP8_BLOCK_EXACT),
+        (
+            (1, 128),
+            E4M3,
+            True,
+            jnp.bfloat16,
+            dataclasses.replace(FP8_BLOCK_LINE_MAJOR, band_tiles_m=3),
+        ),
         (
             (1, 128),
             E4M3,
