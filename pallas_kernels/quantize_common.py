@@ -411,9 +411,7 @@ class LineScaleConfig(TileConfig):
       untile_kernel (default True): rearrange tile-major scales with the Pallas kernel of
         untile_scales.py, every copy in one launch, instead of one XLA transpose per copy
         (where the kernel cannot: tiles holding other than one 32-bit word per line, or
-        counts of tiles not a multiple of untile_tiles_per_cta).
-      untile_tiles_per_cta (16, 32 or 64; default 32): tiles of scales (32-bit words per
-        line) that one CTA of the untile kernel moves for 128 lines.
+        counts of tiles not a multiple of 32).
       stage_scales (default False): collect the scales of all the CTA's tiles in shared
         memory and write them straight into the (lines, blocks) layout by TMA once the CTA is
         done, so no XLA transpose follows the kernel. A TMA box row must be a multiple of 16
@@ -429,7 +427,6 @@ class LineScaleConfig(TileConfig):
 
     tile_major_scales: bool = True
     untile_kernel: bool = True
-    untile_tiles_per_cta: int = 32
     stage_scales: bool = False
 
     def __post_init__(self):
@@ -437,12 +434,6 @@ class LineScaleConfig(TileConfig):
         for name in ("tile_major_scales", "untile_kernel", "stage_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.untile_tiles_per_cta not in (16, 32, 64) or isinstance(
-            self.untile_tiles_per_cta, bool
-        ):
-            raise ValueError(
-                f"untile_tiles_per_cta must be 16, 32 or 64, got {self.untile_tiles_per_cta!r}"
-            )
 
 
 LINE_MAJOR, TILE_MAJOR, STAGED = "line-major", "tile-major", "staged"

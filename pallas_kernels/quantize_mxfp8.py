@@ -381,10 +381,7 @@ def quantize_mxfp8(
     codes = iter(outs[0::2])
     scale_outs = iter(
         untile_scales.untile_line_scales_all(
-            outs[1::2],
-            kernel=config.untile_kernel,
-            tiles_per_cta=config.untile_tiles_per_cta,
-            interpret=interpret,
+            outs[1::2], kernel=config.untile_kernel, interpret=interpret
         )
     )
     result = {}

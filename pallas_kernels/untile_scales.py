@@ -28,8 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.manual_axes import varying_like
 
-TILES_PER_CTA = 32  # the default: 32 words = one 128-byte output row per line
-TILES_PER_CTA_CHOICES = (16, 32, 64)
+TILES_PER_CTA = 32  # 32 words = one 128-byte output row per line
 LINES_PER_CTA = qc.LINES_PER_WARPGROUP
 
 
@@ -47,13 +46,13 @@ def untile_line_scales(scales: jax.Array) -> jax.Array:
     return scales.transpose(1, 0, 2).reshape(lines, tiles * per_tile)
 
 
-def as_words(scales: jax.Array, tiles_per_cta: int = TILES_PER_CTA) -> jax.Array | None:
+def as_words(scales: jax.Array) -> jax.Array | None:
     """A tile-major scale output whose tiles hold one 32-bit word per line as (tiles, lines)
-    uint32 (a bitcast), when the kernel can move it with `tiles_per_cta`: None otherwise."""
+    uint32 (a bitcast), when the kernel can move it: None otherwise."""
     if scales.ndim != 3 or scales.shape[2] * scales.dtype.itemsize != 4:
         return None
     tiles, lines, _ = scales.shape
-    if tiles % tiles_per_cta or lines % LINES_PER_CTA:
+    if tiles % TILES_PER_CTA or lines % LINES_PER_CTA:
         return None
     if scales.dtype.itemsize == 4:
         return lax.bitcast_convert_type(scales.reshape(tiles, lines), jnp.uint32)
@@ -69,56 +68,41 @@ def from_words(words: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def untile_line_scales_all(
-    scale_outputs: list[jax.Array],
-    *,
-    kernel: bool = True,
-    tiles_per_cta: int = TILES_PER_CTA,
-    interpret: bool = False,
+    scale_outputs: list[jax.Array], *, kernel: bool = True, interpret: bool = False
 ) -> list[jax.Array]:
     """Each of `scale_outputs` (a quantize kernel's, any layout) in the (lines, blocks) layout:
-    the tile-major ones the kernel can move in one launch (`kernel`, each CTA a block of
-    `tiles_per_cta` tiles × 128 lines), the others by XLA."""
+    the tile-major ones the kernel can move in one launch (`kernel`), the others by XLA."""
     if not isinstance(kernel, bool):
         raise TypeError(f"kernel must be a bool, got {kernel!r}")
-    if tiles_per_cta not in TILES_PER_CTA_CHOICES:
-        raise ValueError(
-            f"tiles_per_cta must be one of {TILES_PER_CTA_CHOICES}, got {tiles_per_cta!r}"
-        )
     for s in scale_outputs:
         if getattr(s, "ndim", None) not in (2, 3):
             raise ValueError(
                 "scale_outputs must be (lines, blocks) or (tiles, lines, blocks per tile) "
                 f"arrays, got {getattr(s, 'shape', type(s).__name__)}"
             )
-    movable = [as_words(s, tiles_per_cta) if kernel else None for s in scale_outputs]
+    movable = [as_words(s) if kernel else None for s in scale_outputs]
     words = [w for w in movable if w is not None]
     if not words:
         return [untile_line_scales(s) for s in scale_outputs]
-    moved = iter(_transpose_words(words, interpret, tiles_per_cta))
+    moved = iter(_transpose_words(words, interpret))
     return [
         untile_line_scales(s) if w is None else from_words(next(moved), s)
         for s, w in zip(scale_outputs, movable, strict=True)
     ]
 
 
-def _transpose_words(
-    words: list[jax.Array], interpret: bool, tiles_per_cta: int = TILES_PER_CTA
-) -> list[jax.Array]:
+def _transpose_words(words: list[jax.Array], interpret: bool) -> list[jax.Array]:
     """(tiles, lines) uint32 arrays → (lines, tiles), one kernel launch for all of them."""
     # CTAs [starts[a], starts[a] + counts[a]) move array a, a (line block, tile chunk) each.
-    counts = [(w.shape[1] // LINES_PER_CTA) * (w.shape[0] // tiles_per_cta) for w in words]
+    counts = [(w.shape[1] // LINES_PER_CTA) * (w.shape[0] // TILES_PER_CTA) for w in words]
     starts = [sum(counts[:a]) for a in range(len(words))]
     out = plgpu.kernel(
         functools.partial(_kernel, starts=tuple(starts), counts=tuple(counts)),
         out_type=tuple(jax.ShapeDtypeStruct(w.shape[::-1], jnp.uint32) for w in words),
         kernel_name="untile_scales",
         scratch_types=(
-            plgpu.SMEM((tiles_per_cta, LINES_PER_CTA), jnp.uint32),
-            plgpu.SMEM(
-                (LINES_PER_CTA, tiles_per_cta),
-                jnp.uint32,
-                transforms=_out_transforms(tiles_per_cta),
-            ),
+            plgpu.SMEM((TILES_PER_CTA, LINES_PER_CTA), jnp.uint32),
+            plgpu.SMEM((LINES_PER_CTA, TILES_PER_CTA), jnp.uint32, transforms=_OUT_TRANSFORMS),
             plgpu.Barrier(),
         ),
         interpret=qc.interpret_params(interpret),
@@ -129,11 +113,9 @@ def _transpose_words(
     return list(varying_like(out, *words))
 
 
-def _out_transforms(tiles_per_cta: int) -> tuple:
-    """Output rows tiled in (up to) 32-word, 128-byte swizzled pieces: the 16-byte row stores
-    of consecutive threads (lines) land in distinct bank groups."""
-    words = min(tiles_per_cta, 32)
-    return plgpu.TilingTransform((8, words)), plgpu.SwizzleTransform(4 * words)
+# 32-word rows, 128-byte swizzle: the 16-byte row stores of 8 consecutive threads (lines) land
+# in 8 distinct bank groups.
+_OUT_TRANSFORMS = (plgpu.TilingTransform((8, TILES_PER_CTA)), plgpu.SwizzleTransform(128))
 
 
 def _kernel(*refs, starts, counts):
@@ -145,11 +127,10 @@ def _kernel(*refs, starts, counts):
 
         @pl.when(jnp.logical_and(cta >= starts[a], cta < starts[a] + counts[a]))
         def _move(a=a):
-            tiles_per_cta = block_in.shape[0]
-            chunks = words_in[a].shape[0] // tiles_per_cta
+            chunks = words_in[a].shape[0] // TILES_PER_CTA
             line_block, chunk = (cta - starts[a]) // chunks, (cta - starts[a]) % chunks
             lines = pl.ds(line_block * LINES_PER_CTA, LINES_PER_CTA)
-            tiles = pl.ds(chunk * tiles_per_cta, tiles_per_cta)
+            tiles = pl.ds(chunk * TILES_PER_CTA, TILES_PER_CTA)
             plgpu.copy_gmem_to_smem(words_in[a].at[tiles, lines], block_in, barrier)
             plgpu.barrier_wait(barrier)
             # Thread t: line t's word of each tile (a column of the block: each warp reads

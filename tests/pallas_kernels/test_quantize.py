@@ -209,7 +209,6 @@ MXFP8_LINE_MAJOR = pk.MXFP8QuantizeConfig(tile_major_scales=False)
 # A CTA of 4×4 tiles whose scales are collected in shared memory and written line-major by TMA
 # (16 bytes per line and copy): only the GPU tests see a stage read before every thread wrote.
 MXFP8_STAGED = pk.MXFP8QuantizeConfig(steps_per_cta=4, steps_per_cta_m=4, stage_scales=True)
-MXFP8_UNTILE_64 = pk.MXFP8QuantizeConfig(untile_tiles_per_cta=64)
 
 
 def mxfp8_edge_matrix() -> np.ndarray:
@@ -1042,12 +1041,11 @@ def test_band_order_interpret():
     assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize band 2", any_nan=True)
 
 
-def check_untile_words(shapes, seed: int, interpret: bool, tiles_per_cta: int = 32):
+def check_untile_words(shapes, seed: int, interpret: bool):
     """The untile kernel's word transposes, all arrays in one launch, against numpy."""
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     words = [jax.random.bits(k, shape, jnp.uint32) for k, shape in zip(keys, shapes, strict=True)]
-    moved = untile_scales._transpose_words(words, interpret, tiles_per_cta)
-    for got, w in zip(moved, words, strict=True):
+    for got, w in zip(untile_scales._transpose_words(words, interpret), words, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(w).T)
 
 
@@ -1057,15 +1055,10 @@ def test_untile_scales_interpret():
     # tiles in one launch; MXFP8 and FP8 block 1×128 with 32 column tiles (the rowwise scales
     # go through the kernel, the columnwise ones, 1 row tile, through XLA).
     check_untile_words([(32, 256), (64, 128)], 28, INTERPRET)
-    check_untile_words([(64, 128), (128, 128)], 33, INTERPRET, tiles_per_cta=64)
-    check_untile_words([(16, 128), (48, 256)], 34, INTERPRET, tiles_per_cta=16)
     x = sample((128, 4096), jnp.bfloat16, 29, block=32)
     assert untile_scales.as_words(jnp.zeros((32, 128, 4), jnp.uint8)) is not None
-    assert untile_scales.as_words(jnp.zeros((32, 128, 4), jnp.uint8), 64) is None
     check_mxfp8(x, E4M3)
     check_fp8_block(x, E5M2, (1, 128), True)
-    check_mxfp8(x, E5M2, pk.MXFP8QuantizeConfig(untile_tiles_per_cta=16))
-    check_mxfp8(sample((128, 8192), jnp.bfloat16, 35, block=32), E4M3, MXFP8_UNTILE_64)
 
 
 @cpu_only
@@ -1103,10 +1096,6 @@ def test_blocks_of_tiles_config_errors():
         untile_scales.untile_line_scales_all([jnp.zeros((4,), jnp.uint8)])
     with pytest.raises(TypeError, match="kernel must be a bool"):
         untile_scales.untile_line_scales_all([jnp.zeros((4, 4), jnp.uint8)], kernel=1)
-    with pytest.raises(ValueError, match="tiles_per_cta must be one of"):
-        untile_scales.untile_line_scales_all([jnp.zeros((4, 4), jnp.uint8)], tiles_per_cta=8)
-    with pytest.raises(ValueError, match="untile_tiles_per_cta must be 16, 32 or 64, got 128"):
-        pk.FP8BlockQuantizeConfig(untile_tiles_per_cta=128)
 
 
 @cpu_only
@@ -1666,15 +1655,9 @@ def test_gpu_untile_scales_bit_exact():
     # run (8192² / 16384×4096 inputs: 32, 64 and 128 tiles), and both quantizers end to end on
     # an input with 32 tiles each way (both copies through the kernel), poisoned outputs.
     check_untile_words([(64, 8192), (128, 4096), (32, 16384)], 30, False)
-    check_untile_words([(64, 8192), (128, 4096)], 36, False, tiles_per_cta=64)
-    check_untile_words([(64, 8192), (32, 16384)], 37, False, tiles_per_cta=16)
     x = jax.random.normal(jax.random.key(31), (4096, 4096), jnp.float32) * 2.0**20
     x = x.at[::37, ::41].set(jnp.inf).at[5::97, ::13].set(jnp.nan).astype(jnp.bfloat16)
-    for config in (
-        None,
-        pk.MXFP8QuantizeConfig(untile_kernel=False),
-        pk.MXFP8QuantizeConfig(untile_tiles_per_cta=16),
-    ):
+    for config in (None, pk.MXFP8QuantizeConfig(untile_kernel=False)):
         poison_device_memory(2 * x.size)
         got = run_mxfp8(x, E4M3, config=config)
         for g, w, name in zip(got, ref_mxfp8(x, E4M3), NAMES, strict=True):
