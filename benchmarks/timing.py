@@ -68,6 +68,39 @@ def interleaved_seconds(
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
+def cupti_interleaved_seconds(
+    candidates: dict[str, tuple[Callable, Sequence[tuple]]],
+    *,
+    rounds: int = 10,
+    iterations: int = 10,
+) -> dict[str, float]:
+    """Median device seconds per call of each candidate (its kernels' CUPTI times summed, no
+    launch gaps), timed in alternation: each round measures ``iterations`` calls of every
+    candidate on its first argument set, rotating which goes first. For kernels of tens of
+    microseconds, where `interleaved_seconds`' host clock measures dispatch as much as the
+    kernel. Falls back to `interleaved_seconds` where CUPTI is unavailable (no GPU)."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        for fn, argument_sets in candidates.values():
+            _, times = profiler.measure(fn, iterations=2)(*argument_sets[0])
+            if not times or any(t is None for t in times):
+                raise RuntimeError("CUPTI saw no kernel")
+    except Exception:  # no GPU or no CUPTI: the host clock
+        return interleaved_seconds(
+            candidates, rounds=rounds, calls_per_batch=iterations, warmup_seconds=0
+        )
+    names = list(candidates)
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, argument_sets = candidates[name]
+            _, times = profiler.measure(fn, iterations=iterations)(*argument_sets[0])
+            per_call[name] += [t * 1e-3 for t in times]  # CUPTI reports milliseconds
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
 def kernel_timing_setup(script: str, small: bool, shapes, small_shapes, interpreted_shapes):
     """(shapes, `interleaved_seconds` options, context to run in) of a script that times H200
     kernels: its shapes on a GPU (`small_shapes` with `small`, and fewer rounds), and where

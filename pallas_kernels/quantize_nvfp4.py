@@ -106,17 +106,27 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         the H200 row + Hadamard col with stochastic rounding, bf16, in alternation, 1.11x
         faster (8192²: 296.5 vs 331.5 µs; 16384x4096: 301.5 vs 334.7). True needs
         `lean_arithmetic`; False keeps the lean float comparison.
+      amax_direct_loads: the global-amax kernel (`nvfp4_amax`) loads x straight from global
+        memory into registers, grid-stride over 16-row units (True), instead of one TMA tile
+        per CTA through shared memory (False). The same bits; the TMA kernel is kept to
+        measure against (benchmarks/nvfp4_amax_ab.py). `nvfp4_line_amax_bits` always uses tiles.
     """
 
     lean_arithmetic: bool = True
     loop_blocks: bool = True
     integer_stochastic_rounding: bool | None = None
+    amax_direct_loads: bool = True
 
     def __post_init__(self):
         super().__post_init__()
         if self.integer_stochastic_rounding is None:  # frozen: resolved once, here
             object.__setattr__(self, "integer_stochastic_rounding", self.lean_arithmetic)
-        for name in ("lean_arithmetic", "loop_blocks", "integer_stochastic_rounding"):
+        for name in (
+            "lean_arithmetic",
+            "loop_blocks",
+            "integer_stochastic_rounding",
+            "amax_direct_loads",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.integer_stochastic_rounding and not self.lean_arithmetic:
@@ -167,7 +177,13 @@ def copy_scalars(global_amax: jax.Array) -> jax.Array:
 def hadamard16_lines(v: jax.Array) -> jax.Array:
     """x ⊙ s, then butterflies of strides 1, 2, 4, 8 ((a, b) → (a + b, a − b)), then × 0.25,
     along each row of a (R, 16) float32 array: the reference's exact operation order."""
-    lines = [v[:, i : i + 1] for i in range(BLOCK)]
+    return qc.concat_columns(hadamard16_of_lines([v[:, i : i + 1] for i in range(BLOCK)]))
+
+
+def hadamard16_of_lines(lines: list[jax.Array]) -> list[jax.Array]:
+    """`hadamard16_lines` on 16 float32 arrays of one shape, element by element: the i-th
+    output holds, at each position, element i of the transform of the 16 inputs' values
+    there (the same operations in the same order)."""
     lines = [-line if sign < 0 else line for line, sign in zip(lines, HADAMARD_SIGNS, strict=True)]
     for stride in (1, 2, 4, 8):
         out = list(lines)
@@ -176,7 +192,7 @@ def hadamard16_lines(v: jax.Array) -> jax.Array:
                 a, b = lines[i], lines[i + stride]
                 out[i], out[i + stride] = a + b, a - b
         lines = out
-    return qc.concat_columns([line * jnp.float32(0.25) for line in lines])
+    return [line * jnp.float32(0.25) for line in lines]
 
 
 def _count(conditions) -> jax.Array:
@@ -991,67 +1007,88 @@ def quantize_nvfp4(
 # Global amax: a reduction kernel that reads x once for both copies.
 
 
-def _amax_kernel(x_gmem, *refs, config, in_dtype, hadamard, per_line=False):
-    """One tile's amaxes (uint32 bit patterns): the tile's two maxima (rowwise, columnwise) into
-    out[i, j], or with `per_line` each row's max into row_out[rows of the tile, j] and each
-    16-row block's columnwise max into block_out[j, blocks of the tile]."""
-    if per_line:
-        row_gmem, block_gmem, x_smem, barrier = refs
-    else:
-        out_gmem, x_smem, barrier = refs
-    i, j = qc.cta_position(config, x_gmem.shape[0], x_gmem.shape[1])
-    tm, tk = config.tile_m, config.tile_k
-    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
-    plgpu.barrier_wait(barrier)
+def _row_maxima(x_smem, *, tk: int, in_dtype):
+    """Each row's max|x| of a tile (tm,), as float32 bit patterns (uint32) of the values
+    widened to float32 (NaN bits as the grouped quantizer's reference gives them: stop 33's
+    max over the raw bf16 patterns kept the input's NaN payload and failed its gpu tests)."""
     row_max = None
     for c in range(tk // 32):
-        v = qc.load_rows(x_smem.at[:, pl.ds(c * 32, 32)], in_dtype)
-        m = qc.row_amax_bits(v)
+        m = qc.row_amax_bits(qc.load_rows(x_smem.at[:, pl.ds(c * 32, 32)], in_dtype))
         row_max = m if row_max is None else jnp.maximum(row_max, m)
-    col_max = None
+    return row_max
+
+
+def _column_block_maxima(x_smem, *, tm: int, hadamard: bool) -> list[jax.Array]:
+    """Per 16-row block of a tile, each column's max of |x| (of |hadamard16(xᵀ)| with
+    `hadamard`) as uint32 bit patterns (tk,)."""
+    block_maxima = []
     for b in range(tm // BLOCK):
         v = qc.load_columns(x_smem.at[pl.ds(b * BLOCK, BLOCK), :])
         if hadamard:
             v = hadamard16_lines(v)
-        m = qc.row_amax_bits(v)
-        if per_line:  # this 16-row block's max over the tile's columns
-            block_gmem[j, i * (tm // BLOCK) + b] = jnp.max(m)
+        block_maxima.append(qc.row_amax_bits(v))
+    return block_maxima
+
+
+def _amax_kernel(x_gmem, *refs, config, cols, in_dtype, hadamard):
+    """One tile's two maxima (rowwise, columnwise; uint32 bit patterns) into out[i, j]. Without
+    the Hadamard transform both copies' amax is max|x|: one row-per-thread pass serves both."""
+    out_gmem, *scratch = refs
+    tm, tk = config.tile_m, config.tile_k
+
+    def tile(x_smem, m0, k0, dests):
+        i, j = m0 // tm, k0 // tk
+        row_amax = jnp.max(_row_maxima(x_smem, tk=tk, in_dtype=in_dtype))
+        out_gmem[i, j, 0] = row_amax
+        if hadamard:
+            block_maxima = _column_block_maxima(x_smem, tm=tm, hadamard=True)
+            out_gmem[i, j, 1] = jnp.max(functools.reduce(jnp.maximum, block_maxima))
         else:
-            col_max = m if col_max is None else jnp.maximum(col_max, m)
-    if per_line:
-        qc.store_line_bytes(row_gmem.at[pl.ds(i * tm, tm), pl.ds(j, 1)], qc.column(row_max))
-    else:
-        out_gmem[i, j, 0] = jnp.max(row_max)
-        out_gmem[i, j, 1] = jnp.max(col_max)
+            out_gmem[i, j, 1] = row_amax
+
+    qc.for_each_tile(x_gmem, tuple(scratch), config, cols, tile, [])
+
+
+def _line_amax_kernel(x_gmem, *refs, config, in_dtype, hadamard):
+    """One tile's amaxes per line (uint32 bit patterns): each row's max into row_out[rows of
+    the tile, j] and each 16-row block's columnwise max into block_out[j, blocks of the tile]."""
+    row_gmem, block_gmem, x_smem, barrier = refs
+    i, j = qc.cta_position(config, x_gmem.shape[0], x_gmem.shape[1])
+    tm, tk = config.tile_m, config.tile_k
+    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    row_max = _row_maxima(x_smem, tk=tk, in_dtype=in_dtype)
+    block_maxima = _column_block_maxima(x_smem, tm=tm, hadamard=hadamard)
+    for b, m in enumerate(block_maxima):  # this 16-row block's max over the tile's columns
+        block_gmem[j, i * (tm // BLOCK) + b] = jnp.max(m)
+    qc.store_line_bytes(row_gmem.at[pl.ds(i * tm, tm), pl.ds(j, 1)], qc.column(row_max))
 
 
 def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
-    """The amax kernel's per-tile outputs for x padded to whole tiles, and x's padded rows."""
+    """The amax kernel's per-tile outputs for x padded to whole tiles."""
     qc.check_input(x)
     if not isinstance(hadamard_columnwise, bool):
         raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
     config = qc.resolve_config(config, NVFP4QuantizeConfig)
-    # One tile per CTA: a reduction needs no pipeline (steps_per_cta(_m) are ignored).
+    # One tile per CTA: a reduction needs no pipeline (steps_per_cta(_m) are ignored; stop 33
+    # streamed 4-32 tiles along K through a 2-3 stage pipeline: within ±3%, no gain).
     config = dataclasses.replace(config, steps_per_cta=1, steps_per_cta_m=1)
     padded_rows, padded_cols = config.padded_shape(*x.shape)
     xp = qc.pad_to(x, padded_rows, padded_cols)
     grid = qc.tile_grid(padded_rows, padded_cols, config)
-    grid_m, grid_k = grid["grid"]
+    grid_m, grid_k = padded_rows // config.tile_m, padded_cols // config.tile_k
+    options = dict(config=config, in_dtype=jnp.dtype(x.dtype), hadamard=hadamard_columnwise)
     if per_line:
         out_type = (
             jax.ShapeDtypeStruct((padded_rows, grid_k), jnp.uint32),
             jax.ShapeDtypeStruct((grid_k, padded_rows // BLOCK), jnp.uint32),
         )
+        kernel = functools.partial(_line_amax_kernel, **options)
     else:
         out_type = jax.ShapeDtypeStruct((grid_m, grid_k, 2), jnp.uint32)
+        kernel = functools.partial(_amax_kernel, cols=padded_cols, **options)
     partials = plgpu.kernel(
-        functools.partial(
-            _amax_kernel,
-            config=config,
-            in_dtype=jnp.dtype(x.dtype),
-            hadamard=hadamard_columnwise,
-            per_line=per_line,
-        ),
+        kernel,
         out_type=out_type,
         kernel_name="nvfp4_line_amax" if per_line else "nvfp4_amax",
         scratch_types=qc.tile_scratch(config, x.dtype, padded_cols),
@@ -1060,6 +1097,86 @@ def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
         **grid,
     )(xp)
     return jax.tree.map(lambda p: varying_like(p, xp), partials)
+
+
+# The direct-load global amax: no TMA and no shared memory. Each CTA (one warpgroup) walks
+# units of 16 rows x `chunk` columns, grid-stride, loading every row slice straight from global
+# memory into registers in one strided layout, so thread t holds the same columns of all 16
+# rows and the Hadamard transform runs element by element across the 16 loaded arrays. At 16
+# bytes per thread and load a bare max|x| this way reads x at XLA's rate (stop 33, H200:
+# 31.4-31.9 µs for 128 MiB, XLA's max|x| 31.4); the TMA tile kernel above took 34-39 µs.
+_WARPGROUP_THREADS = 128
+DIRECT_AMAX_CTAS = 1024
+
+
+def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: bool):
+    """out[cta] = (max|x|, max|hadamard16(xᵀ)| or max|x|) over this CTA's units, as float32
+    bit patterns (uint32)."""
+    rows, cols = x_gmem.shape
+    chunk = _WARPGROUP_THREADS * vector
+    chunks_per_row = cols // chunk
+    units = rows // BLOCK * chunks_per_row
+    cta = lax.axis_index("cta")
+    layout = plgpu.Layout.WG_STRIDED((chunk,), vec_size=vector)
+
+    def unit(k, carry):
+        row_bits, column_bits = carry
+        u = cta + k * ctas
+        r0 = (u // chunks_per_row) * BLOCK
+        c0 = (u % chunks_per_row) * chunk
+        lines = [
+            plgpu.load(x_gmem.at[r0 + i, pl.ds(c0, chunk)], (), layout=layout).astype(jnp.float32)
+            for i in range(BLOCK)
+        ]
+        # |x| of the values widened to float32, as the tile kernels take it (the same NaN bits).
+        for line in lines:
+            row_bits = jnp.maximum(row_bits, qc.abs_bits(line))
+        if hadamard:
+            for line in hadamard16_of_lines(lines):
+                column_bits = jnp.maximum(column_bits, qc.abs_bits(line))
+        return row_bits, column_bits
+
+    zeros = plgpu.layout_cast(jnp.zeros((chunk,), jnp.uint32), layout)
+    row_bits, column_bits = lax.fori_loop(0, (units - cta + ctas - 1) // ctas, unit, (zeros, zeros))
+    row_amax = jnp.max(row_bits)
+    out_gmem[cta, 0] = row_amax
+    out_gmem[cta, 1] = jnp.max(column_bits) if hadamard else row_amax
+
+
+def _direct_amax_partials(x, hadamard_columnwise, interpret, *, ctas=None, vector=None):
+    """Per-CTA amax bit patterns (ctas, 2) of x padded to 16-row blocks and 128 columns, from
+    `_direct_amax_kernel`; `vector` elements per thread and load (default: 16 bytes, 8 with the
+    Hadamard transform, or the widest below that divides the padded columns into whole
+    warpgroup chunks), `ctas` CTAs (default 1024, 512 with the transform)."""
+    rows = -(-x.shape[0] // BLOCK) * BLOCK
+    cols = -(-x.shape[1] // _WARPGROUP_THREADS) * _WARPGROUP_THREADS
+    xp = qc.pad_to(x, rows, cols)
+    if vector is None:
+        # With the transform each thread holds 16 rows' values in float32: 8-byte loads keep
+        # them in registers (stop 33, H200: ~36 µs at 8 bytes, ~39-44 at 16).
+        vector = (8 if hadamard_columnwise else 16) // x.dtype.itemsize
+        while cols % (_WARPGROUP_THREADS * vector):
+            vector //= 2
+    if cols % (_WARPGROUP_THREADS * vector):
+        raise ValueError(
+            f"vector must split x's {cols} padded columns into chunks of {_WARPGROUP_THREADS} "
+            f"x vector elements, got vector={vector}"
+        )
+    if ctas is None:
+        ctas = DIRECT_AMAX_CTAS // 2 if hadamard_columnwise else DIRECT_AMAX_CTAS
+    units = rows // BLOCK * (cols // (_WARPGROUP_THREADS * vector))
+    ctas = min(ctas, units)
+    partials = plgpu.kernel(
+        functools.partial(
+            _direct_amax_kernel, ctas=ctas, vector=vector, hadamard=hadamard_columnwise
+        ),
+        out_type=jax.ShapeDtypeStruct((ctas, 2), jnp.uint32),
+        kernel_name="nvfp4_amax_direct",
+        interpret=qc.interpret_params(interpret),
+        grid=(ctas,),
+        grid_names=("cta",),
+    )(xp)
+    return varying_like(partials, xp)
 
 
 def nvfp4_amax(
@@ -1071,9 +1188,18 @@ def nvfp4_amax(
 ) -> tuple[jax.Array, jax.Array]:
     """Global amaxes (float32 scalars) of NVFP4's rowwise copy (max|x|) and columnwise copy
     (max|hadamard16(xᵀ)| when `hadamard_columnwise`, else the same as rowwise), in one pass
-    over x: per-tile maxima from the kernel, then a tiny jnp max. NaN-propagating."""
-    partial = _amax_partials(x, hadamard_columnwise, config, interpret, per_line=False)
-    amax = lax.bitcast_convert_type(jnp.max(partial, axis=(0, 1)), jnp.float32)
+    over x: per-CTA (`amax_direct_loads`) or per-tile maxima from the kernel, then a tiny jnp
+    max. NaN-propagating."""
+    config = qc.resolve_config(config, NVFP4QuantizeConfig)
+    if config.amax_direct_loads:
+        qc.check_input(x)
+        if not isinstance(hadamard_columnwise, bool):
+            raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
+        partial = _direct_amax_partials(x, hadamard_columnwise, interpret)
+    else:
+        partial = _amax_partials(x, hadamard_columnwise, config, interpret, per_line=False)
+    bits = jnp.max(partial.reshape(-1, 2), axis=0)
+    amax = lax.bitcast_convert_type(bits, jnp.float32)
     return amax[0], amax[1]
 
 

@@ -397,3 +397,16 @@ def test_profile_quantize_runs_small_and_names_bad_recipes(tmp_path):
         ("nvfp4", "grouped (G=4)"),
     ]
     assert all(r["us"] > 0 for r in rows) and "### nvfp4, whole tensor" in text
+
+
+def test_nvfp4_amax_ab_runs_small(tmp_path):
+    # Mosaic GPU's interpreter on CPU: every variant matches the default's bits and is timed.
+    from benchmarks import nvfp4_amax_ab
+
+    text = nvfp4_amax_ab.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "nvfp4_amax_ab.json").read_text())
+    # Per Hadamard setting: the TMA kernel, the direct default, each direct size, XLA's max|x|.
+    assert len(rows) == 2 * (2 + len(nvfp4_amax_ab.DIRECT_SIZES) + 1)
+    assert all(r["bits"] in ("baseline", "identical", "—") for r in rows), rows
+    assert all(r["us"] is not None for r in rows)
+    assert "NVFP4 global amax" in text

@@ -387,6 +387,8 @@ NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic
 # The lean float comparison for stochastic rounding (the default before stop 26, which decides
 # it on integers): the same bits.
 NVFP4_FLOAT_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False)
+# The global-amax kernel through TMA tiles (the default before stop 33 loads x directly).
+NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 
 
 @cpu_only
@@ -1039,6 +1041,42 @@ def test_band_order_interpret():
     d, s, *_ = ref_mxfp8(x, E4M3)
     got = pk.dequantize_mxfp8(d, s, config=pk.DequantizeConfig(band_tiles_m=2), interpret=True)
     assert_same_bits(got, mxfp8.dequantize(d, s), "mxfp8 dequantize band 2", any_nan=True)
+
+
+@cpu_only
+def test_nvfp4_amax_designs_interpret():
+    # The direct-load kernel (default; several CTA counts, so CTAs take unequal numbers of
+    # units, and load widths) and the TMA tile kernel give the reference's amax bits: padded
+    # rows and columns, float32 and bf16, with and without the Hadamard transform, on random
+    # data and on data with Inf / NaN / adversarial blocks.
+    direct_module = importlib.import_module("pallas_kernels.quantize_nvfp4")
+    random = jax.random.normal(jax.random.key(4), (300, 700), jnp.float32)
+    inputs = [
+        random,
+        random.astype(jnp.bfloat16)[:, :512].at[17, 5].set(jnp.inf),
+        sample((48, 384), jnp.bfloat16, 39, block=16),
+    ]
+    for x in inputs:
+        for rht in (True, False):
+            _, want = ref_nvfp4(x, rht=rht, sr=False, seeds=SEEDS)
+            for config in (None, NVFP4_AMAX_TMA):
+                got = pk.nvfp4_amax(x, hadamard_columnwise=rht, config=config, interpret=INTERPRET)
+                for g, w in zip(got, want, strict=True):
+                    assert_same_bits(g, w, f"nvfp4 amax {x.shape} rht={rht} {config}")
+            padded_cols = -(-x.shape[1] // 128) * 128
+            for ctas, vector in ((3, 1), (5, 2), (2, None)):
+                if padded_cols % (128 * (vector or 1)):
+                    continue
+                partial = direct_module._direct_amax_partials(
+                    x, rht, INTERPRET, ctas=ctas, vector=vector
+                )
+                got = jax.lax.bitcast_convert_type(jnp.max(partial, axis=0), jnp.float32)
+                for g, w in zip(got, want, strict=True):
+                    assert_same_bits(g, w, f"direct amax {x.shape} rht={rht} {ctas} {vector}")
+    with pytest.raises(ValueError, match=r"vector must split x's 768 padded columns"):
+        direct_module._direct_amax_partials(random[:, :700], False, INTERPRET, vector=4)
+    with pytest.raises(TypeError, match="amax_direct_loads must be a bool, got 1"):
+        pk.NVFP4QuantizeConfig(amax_direct_loads=1)
 
 
 def check_untile_words(shapes, seed: int, interpret: bool):
@@ -1733,6 +1771,8 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (False, True, jnp.bfloat16, NVFP4_UNROLLED, (16, 16)),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR, (1, 16)),
         (False, True, jnp.float32, NVFP4_FLOAT_SR, (16, 16)),
+        (True, False, jnp.bfloat16, NVFP4_AMAX_TMA, (1, 16)),
+        (False, False, jnp.float32, NVFP4_AMAX_TMA, (1, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -1744,7 +1784,9 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         )
         for g, w, name in zip(got, want, NAMES, strict=True):
             assert_same_bits(g, w, f"nvfp4 {name}")
-        kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht))(x)
+        kernel_amaxes = jax.jit(lambda v: pk.nvfp4_amax(v, hadamard_columnwise=rht, config=config))(
+            x
+        )
         for g, w in zip(kernel_amaxes, amaxes, strict=True):
             assert_same_bits(g, w, "nvfp4 global amax")
 
