@@ -1064,11 +1064,15 @@ def _line_amax_kernel(x_gmem, *refs, config, in_dtype, hadamard):
     qc.store_line_bytes(row_gmem.at[pl.ds(i * tm, tm), pl.ds(j, 1)], qc.column(row_max))
 
 
-def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
-    """The amax kernel's per-tile outputs for x padded to whole tiles."""
+def _check_amax_arguments(x, hadamard_columnwise) -> None:
     qc.check_input(x)
     if not isinstance(hadamard_columnwise, bool):
         raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
+
+
+def _amax_partials(x, hadamard_columnwise, config, interpret, per_line):
+    """The amax kernel's per-tile outputs for x padded to whole tiles."""
+    _check_amax_arguments(x, hadamard_columnwise)
     config = qc.resolve_config(config, NVFP4QuantizeConfig)
     # One tile per CTA: a reduction needs no pipeline (steps_per_cta(_m) are ignored; stop 33
     # streamed 4-32 tiles along K through a 2-3 stage pipeline: within ±3%, no gain).
@@ -1149,6 +1153,7 @@ def _direct_amax_partials(x, hadamard_columnwise, interpret, *, ctas=None, vecto
     `_direct_amax_kernel`; `vector` elements per thread and load (default: 16 bytes, 8 with the
     Hadamard transform, or the widest below that divides the padded columns into whole
     warpgroup chunks), `ctas` CTAs (default 1024, 512 with the transform)."""
+    _check_amax_arguments(x, hadamard_columnwise)
     rows = -(-x.shape[0] // BLOCK) * BLOCK
     cols = -(-x.shape[1] // _WARPGROUP_THREADS) * _WARPGROUP_THREADS
     xp = qc.pad_to(x, rows, cols)
@@ -1193,9 +1198,6 @@ def nvfp4_amax(
     max. NaN-propagating."""
     config = qc.resolve_config(config, NVFP4QuantizeConfig)
     if config.amax_direct_loads:
-        qc.check_input(x)
-        if not isinstance(hadamard_columnwise, bool):
-            raise TypeError(f"hadamard_columnwise must be a bool, got {hadamard_columnwise!r}")
         partial = _direct_amax_partials(x, hadamard_columnwise, interpret)
     else:
         partial = _amax_partials(x, hadamard_columnwise, config, interpret, per_line=False)

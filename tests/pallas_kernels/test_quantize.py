@@ -1075,6 +1075,11 @@ def test_nvfp4_amax_designs_interpret():
                     assert_same_bits(g, w, f"direct amax {x.shape} rht={rht} {ctas} {vector}")
     with pytest.raises(ValueError, match=r"vector must split x's 768 padded columns"):
         direct_module._direct_amax_partials(random[:, :700], False, INTERPRET, vector=4)
+    for config in (None, NVFP4_AMAX_TMA):  # both designs check their arguments
+        with pytest.raises(TypeError, match="hadamard_columnwise must be a bool, got 1"):
+            pk.nvfp4_amax(random, hadamard_columnwise=1, config=config, interpret=INTERPRET)
+        with pytest.raises(ValueError, match="x must be 2-D"):
+            pk.nvfp4_amax(random[0], config=config, interpret=INTERPRET)
     with pytest.raises(TypeError, match="amax_direct_loads must be a bool, got 1"):
         pk.NVFP4QuantizeConfig(amax_direct_loads=1)
 
