@@ -5,8 +5,10 @@
 `--kernel fp8_block_1x128` / `fp8_block_128x128`: the FP8 block kernel (E4M3, power-of-2
 scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
-its first kernel (exact arithmetic, unrolled blocks) against `lean_arithmetic` (the default
-since stop 22) unrolled and with `loop_blocks` (the default since stop 24); written to
+its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
+default and stop 34's changes (`native_division`, `packed_row_amax`) one by one; earlier
+variants (unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in
+docs/benchmarks.md; written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
@@ -79,14 +81,16 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
 }
 NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
-    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(lean_arithmetic=False, loop_blocks=False),
-    "lean, unrolled blocks (stops 22-23)": pk.NVFP4QuantizeConfig(loop_blocks=False),
-    "lean, loop_blocks, float stochastic rounding (stops 24-25)": pk.NVFP4QuantizeConfig(
-        integer_stochastic_rounding=False
+    NVFP4_BASELINE: pk.NVFP4QuantizeConfig(
+        lean_arithmetic=False, loop_blocks=False, native_division=False
     ),
-    "lean, loop_blocks, steps_per_cta=4": pk.NVFP4QuantizeConfig(steps_per_cta=4),
-    # Stop 26's default: stochastic rounding decided on integers; rounding to nearest unchanged.
-    "lean, loop_blocks, integer stochastic rounding (default)": pk.NVFP4QuantizeConfig(),
+    # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers, and
+    # each block's 1 / (scale · S_dec) by integer long division.
+    "lean, loop_blocks, integer division (stops 26-33)": pk.NVFP4QuantizeConfig(
+        native_division=False, packed_row_amax=False
+    ),
+    "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(packed_row_amax=False),
+    "lean, loop_blocks, native division, packed row amax (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax._src import config as jax_config
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.manual_axes import varying_like
@@ -125,6 +126,29 @@ def line_amax_bits(patterns: jax.Array) -> jax.Array:
     << 16 are the float32 bits, so the order and the NaN / Inf tests are unchanged."""
     amax = jnp.max(patterns, axis=1)
     return amax.astype(jnp.uint32) << 16 if patterns.dtype == jnp.uint16 else amax
+
+
+def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
+    """1 / values for per-line float32 values (R,), correctly rounded (IEEE 754: to nearest
+    even, subnormals kept), as the references' `float32_division.divide` gives.
+
+    Mosaic GPU lowers a float `1 / x` to PTX's `rcp.approx.f32` (in the H200's PTX of jax
+    0.11.2; NVFP4 codes then differed from the reference's), so on the hardware the kernel
+    emits `rcp.rn.f32`, which is IEEE. The interpreter's `/` is XLA:CPU's IEEE division,
+    which flushes subnormal quotients (and may read subnormal divisors as zero): callers
+    must rule those out (tested for NVFP4's block scales)."""
+    if not on_hardware:
+        return jnp.float32(1.0) / values
+    lines = column(values)  # (R, 1) in RPT1: a layout inline Mosaic GPU code can be typed with
+
+    @plgpu.inline_mgpu(
+        arg_types=(RPT1,),
+        return_type=plgpu.ShapeDtypeStruct(lines.shape, jnp.float32, layout=RPT1),
+    )
+    def reciprocal(_, fragments):
+        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.rn.f32"))
+
+    return jnp.max(reciprocal(lines), axis=1)
 
 
 def is_nan_bits(bits: jax.Array) -> jax.Array:

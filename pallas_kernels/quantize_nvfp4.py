@@ -110,12 +110,36 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         memory into registers, grid-stride over 16-row units (True), instead of one TMA tile
         per CTA through shared memory (False). The same bits; the TMA kernel is kept to
         measure against (benchmarks/nvfp4_amax_ab.py). `nvfp4_line_amax_bits` always uses tiles.
+      native_division: each block's encode scale 1 / (scale · S_dec) by the platform's float
+        reciprocal (True) instead of `float32_division.divide`'s integer long division
+        (False: four uint32 divisions, each a ~20-instruction sequence on the GPU, and ~50
+        other operations per block and copy). The same bits (`qc.ieee_reciprocal`): on the
+        GPU the kernel emits PTX's `rcp.rn.f32`, which is IEEE (round to nearest even,
+        subnormals kept; Mosaic GPU's own lowering of `1 / x` is `rcp.approx.f32`, whose codes
+        differed on the H200), and in the interpreter XLA:CPU's division, IEEE but for
+        subnormal quotients, which cannot arise: the divisor is at most 448 · S_dec ≤
+        FLT_MAX / 6 ≈ 2^125.4. (The jnp reference keeps the integer division because
+        XLA:GPU's float division is approximate.) The default since stop 34 (2026-12-02): on
+        the H200, row + Hadamard col, bf16, in alternation, 214.0 → 150.0 µs (8192²) and
+        210.4 → 143.4 µs (16384×4096); with stochastic rounding 307.1 → 232.6.
+      packed_row_amax: the rowwise copy's 1×16 block amaxes taken on bf16 x's bit patterns,
+        two to a 32-bit integer operation (`qc.abs_patterns`, as MXFP8 and FP8 block do),
+        before the values are widened to float32; False widens first and takes the amax on
+        float32 patterns (one operation per element more). The same bits: bf16 patterns << 16
+        are the float32 ones. float32 x: no difference. Within noise on the H200 (stop 34:
+        150.0 / 150.5 µs for 8192², 143.4 / 139.3 for 16384×4096 without / with it).
+
+    Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
+    (x · 2^64) · enc: one multiply per element less, the same products
+    (`quantize_block_lines`).
     """
 
     lean_arithmetic: bool = True
     loop_blocks: bool = True
     integer_stochastic_rounding: bool | None = None
     amax_direct_loads: bool = True
+    native_division: bool = True
+    packed_row_amax: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,6 +150,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "loop_blocks",
             "integer_stochastic_rounding",
             "amax_direct_loads",
+            "native_division",
+            "packed_row_amax",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -373,23 +399,38 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
 
 
 def quantize_block_lines(
-    v, layout, t, s_dec, uniforms=None, block_amax_bits=None, *, lean=False, thresholds=None
+    v,
+    layout,
+    t,
+    s_dec,
+    uniforms=None,
+    block_amax_bits=None,
+    *,
+    lean=False,
+    thresholds=None,
+    native_division=False,
+    on_hardware=False,
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
     row (16×16 blocks); default the row's own amax. `lean`: see
     `NVFP4QuantizeConfig.lean_arithmetic`. Stochastic rounding takes `uniforms` (float), or
     with lean arithmetic `thresholds` (`block_thresholds`, for
-    `NVFP4QuantizeConfig.integer_stochastic_rounding`).
+    `NVFP4QuantizeConfig.integer_stochastic_rounding`). `native_division`: see
+    `NVFP4QuantizeConfig.native_division` (`on_hardware`: PTX's rcp.rn.f32, not the
+    interpreter's division).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None:
         block_amax_bits = qc.row_amax_bits(v)
     block_amax = qc.f32_from_bits(block_amax_bits)
     block_scale = jnp.minimum(block_amax * t, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
-    encode = jnp.minimum(
-        divide(jnp.float32(1.0), block_scale.astype(jnp.float32) * s_dec), jnp.float32(qc.FLT_MAX)
-    )
+    denominator = block_scale.astype(jnp.float32) * s_dec
+    if native_division:
+        reciprocal = qc.ieee_reciprocal(denominator, on_hardware=on_hardware)
+    else:
+        reciprocal = divide(jnp.float32(1.0), denominator)
+    encode = jnp.minimum(reciprocal, jnp.float32(qc.FLT_MAX))
     encode_b = qc.broadcast_rows(encode, v.shape, layout)
     p = v * encode_b
     # The reference's sign test: fp32(x·enc) negative and nonzero, decided on (x·2^64)·enc so
@@ -397,7 +438,16 @@ def quantize_block_lines(
     # may reassociate that product, and 2^64·enc can overflow. (Not `p < 0` even where
     # subnormals are kept: the two round differently when x·enc is within 2^-24 relative of
     # -2^-150, e.g. x = -3·2^-149, enc = fp32(1/6): p = -2^-149 but (x·2^64)·enc = -2^-86.)
-    negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
+    if lean:
+        # x·(enc·2^64), one multiply per element: both scalings by 2^64 are exact unless they
+        # overflow, so the product is the same rounding of x·enc·2^64. Where enc·2^64 is Inf
+        # (enc ≥ 2^64), x·Inf has x's sign and |(x·2^64)·enc| ≥ 2^-85 for any nonzero bf16 /
+        # f32 x, and x = ±0 gives NaN (not negative) where the reference gives ±0 (not
+        # negative); where x·2^64 is ±Inf, enc ≥ 2^-125.4 keeps |x·enc·2^64| above 2^-86.
+        encode_64 = qc.broadcast_rows(encode * _TWO_POW_64, v.shape, layout)
+        negative = v * encode_64 < jnp.float32(-(2.0**-86))
+    else:
+        negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
         uniforms = plgpu.layout_cast(uniforms, layout)
     if thresholds is not None:
@@ -448,12 +498,16 @@ def _quantize_copy(
     lean=False,
     loop_blocks=False,
     integer_stochastic_rounding=False,
+    native_division=False,
+    on_hardware=False,
     line_table=None,
     block_table=None,
 ):
     """Quantize `n_blocks` consecutive 16-column blocks of `lines` lines (first global line
     `line0` and column `col0` of the copy): packed codes into `dest`, block scales to
-    `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array.
+    `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array, float32
+    or x's own dtype (then each 1×16 block's amax is taken on x's bit patterns, two bf16 per
+    32-bit integer operation, before the values are widened: the same amax bits).
     `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
     1×16 blocks. `position`: uint32 (line, col) of the copy's first element in a larger
     tensor, added to the positions stochastic rounding hashes (None: 0, 0).
@@ -513,6 +567,11 @@ def _quantize_copy(
             for half in range(2):
                 b = 2 * p + half  # within the group
                 v = pair[:, half * BLOCK : (half + 1) * BLOCK]
+                own_amax_bits = None  # None: quantize_block_lines takes it from v
+                if v.dtype != jnp.float32:
+                    if line_amaxes is None:  # (16×16 blocks bring their amaxes)
+                        own_amax_bits = qc.line_amax_bits(qc.abs_patterns(v))
+                    v = v.astype(jnp.float32)
                 if hadamard:
                     v = hadamard16_lines(v)
                 bits = None  # stochastic rounding's uniforms or thresholds
@@ -534,12 +593,21 @@ def _quantize_copy(
                         if position is not None:  # uint32 adds wrap, as the reference's do
                             first_col = first_col + position[1]
                         bits = random_bits(row_words, col_steps, first_col)
-                block_amax_bits = None
+                block_amax_bits = own_amax_bits
                 if line_amaxes is not None:
                     block_amax_bits = jnp.max(line_amaxes[:, b : b + 1], axis=1)
                 uniforms, thresholds = (None, bits) if integer_stochastic_rounding else (bits, None)
                 packed, block_scale = quantize_block_lines(
-                    v, layout, t, s_dec, uniforms, block_amax_bits, lean=lean, thresholds=thresholds
+                    v,
+                    layout,
+                    t,
+                    s_dec,
+                    uniforms,
+                    block_amax_bits,
+                    lean=lean,
+                    thresholds=thresholds,
+                    native_division=native_division,
+                    on_hardware=on_hardware,
                 )
                 packed_group.append(packed)
                 scales.append(qc.column(block_scale))
@@ -629,12 +697,15 @@ def _tile(
     in_dtype,
     hadamard,
     stochastic,
+    on_hardware,
 ):
     tm, tk = config.tile_m, config.tile_k
     arithmetic = dict(
+        on_hardware=on_hardware,
         lean=config.lean_arithmetic,
         loop_blocks=config.loop_blocks,
         integer_stochastic_rounding=config.integer_stochastic_rounding,
+        native_division=config.native_division,
     )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
@@ -646,7 +717,10 @@ def _tile(
         if not columnwise:
 
             def load_row_pair(p):
-                return qc.load_rows(x_smem.at[:, pl.ds(p * 32, 32)], in_dtype)
+                pair = x_smem.at[:, pl.ds(p * 32, 32)]
+                if config.packed_row_amax:  # widened per block, after its amax
+                    return plgpu.load(pair, layout=qc.rows_layout(in_dtype))
+                return qc.load_rows(pair, in_dtype)
 
             _quantize_copy(
                 load_row_pair,
@@ -977,6 +1051,7 @@ def quantize_nvfp4(
         **({"grouped": grouped} if any(grouped) else {}),
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
+        on_hardware=not qc.interpreting(interpret),
     )
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.
@@ -1130,7 +1205,7 @@ def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: b
         r0 = (u // chunks_per_row) * BLOCK
         c0 = (u % chunks_per_row) * chunk
         lines = [
-            plgpu.load(x_gmem.at[r0 + i, pl.ds(c0, chunk)], (), layout=layout).astype(jnp.float32)
+            plgpu.load(x_gmem.at[r0 + i, pl.ds(c0, chunk)], layout=layout).astype(jnp.float32)
             for i in range(BLOCK)
         ]
         # |x| of the values widened to float32, as the tile kernels take it (the same NaN bits).

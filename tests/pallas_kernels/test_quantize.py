@@ -389,10 +389,15 @@ NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic
 NVFP4_FLOAT_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False)
 # The global-amax kernel through TMA tiles (the default before stop 33 loads x directly).
 NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
+# Stops 26-33's kernel: each block's 1 / (scale · S_dec) by integer long division and the row
+# amaxes on float32 patterns (stop 34: the platform's float division, bf16 patterns).
+NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_row_amax=False)
 
 
 @cpu_only
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR])
+@pytest.mark.parametrize(
+    "config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR, NVFP4_INTEGER_DIVISION]
+)
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
     [
@@ -406,6 +411,115 @@ NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 )
 def test_nvfp4_interpret(rht, sr, dtype, shape, block, config):
     check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block, config=config)
+
+
+# Global amaxes whose S_dec = 1 / S_enc make each block's divisor e4m3 scale · S_dec land
+# everywhere the division can go wrong: S_dec subnormal (amax ≤ 2688 · 2^-126), S_enc clamped
+# to FLT_MAX, mantissas next to a power of two, huge ones (S_dec · 448 near 2^125), random.
+DIVISION_SWEEP_AMAXES = (
+    2.0**-149,
+    2.0**-130,
+    2688.0 * 2.0**-127,
+    1e-30,
+    2.0**-20,
+    0.37,
+    1.0,
+    2688.0,
+    float(np.nextafter(np.float32(2688.0), np.float32(np.inf))),
+    3.3e5,
+    1e20,
+    2.0**100,
+    3.0e38,
+    FLT_MAX,
+    *(float(v) for v in np.exp2(np.random.default_rng(5).uniform(-120, 127, 6))),
+)
+
+
+def division_sweep_input(shape, dtype):
+    """Gaussian 1×16 blocks (along rows) scaled by 2^u, u uniform in [-60, 60]: under one
+    global amax their e4m3 scales take most of the format's values, saturated and subnormal
+    ones included (a 16-line strip of one block column shares its scale, so the columnwise
+    copy sees them too)."""
+    rng = np.random.default_rng(3)
+    rows, cols = shape
+    values = rng.standard_normal((rows, cols // 16, 16)) * np.exp2(
+        rng.uniform(-60, 60, (rows // 16, 1, cols // 16, 1))
+    ).repeat(16, axis=0).reshape(rows, cols // 16, 1)
+    return jnp.asarray(values.reshape(rows, cols).astype(np.float32)).astype(dtype)
+
+
+def division_sensitive_input(shape, global_amax):
+    """float32 x whose rowwise products x·enc sit within an ulp of E2M1's rounding thresholds
+    (0.25 … 5), so that an encode scale enc = 1 / (scale · S_dec) one ulp off flips codes.
+    Each 1×16 block: a maximum A (log-uniform below the global amax), then elements
+    fl(threshold / enc) nudged by -1, 0, +1 ulp, enc computed from the reference's rules in
+    float64 (correctly rounded)."""
+    rng = np.random.default_rng(9)
+    rows, cols = shape
+    f32 = np.float32
+    s_enc = f32(min(2688.0 / np.float64(f32(global_amax)), float(np.finfo(np.float32).max)))
+    one_sixth = importlib.import_module("pallas_kernels.quantize_nvfp4").ONE_SIXTH
+    t, s_dec = f32(s_enc * one_sixth), f32(1.0 / np.float64(s_enc))
+    # Block maxima up to 2^17 below the global amax: every nonzero e4m3 scale (2^-9 … 448).
+    maxima = (f32(global_amax) * np.exp2(rng.uniform(-17, 0, (rows, cols // 16)))).astype(f32)
+    scales = np.minimum(maxima * t, f32(448.0)).astype(jnp.float8_e4m3fn).astype(np.float32)
+    enc = (1.0 / (scales * s_dec).astype(np.float64)).astype(np.float32)
+    thresholds = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = np.empty((rows, cols // 16, 16), np.float32)
+    x[..., 0] = maxima
+    for j in range(1, 16):
+        value = (thresholds[j % 7] / enc.astype(np.float64)).astype(np.float32)
+        nudge = j // 7 - 1  # -1, 0, +1 ulp
+        if nudge:
+            value = np.nextafter(value, np.float32(np.inf * nudge))
+        x[..., j] = value * rng.choice([-1.0, 1.0], value.shape).astype(np.float32)
+    return jnp.asarray(x.reshape(rows, cols))
+
+
+def check_nvfp4_over_global_amaxes(x, amaxes, config, rht=True):
+    """The kernel against the reference under each global amax (both copies), bit for bit:
+    one compile each, the amax an argument."""
+    spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16), hadamard_columnwise=rht)
+
+    def reference(v, amax):
+        col = columnwise_source(v, spec)
+        return (
+            *nvfp4.quantize(v, spec, global_amax=amax),
+            *nvfp4.quantize(col, spec, global_amax=amax),
+        )
+
+    def kernel(v, amax):
+        return pk.quantize_nvfp4(
+            v,
+            rowwise=True,
+            columnwise=True,
+            rowwise_amax=amax,
+            columnwise_amax=amax,
+            hadamard_columnwise=rht,
+            interpret=INTERPRET,
+            config=config,
+        )
+
+    reference, kernel = jax.jit(reference), jax.jit(kernel)
+    for amax in amaxes:
+        amax = jnp.float32(amax)
+        want = reference(x, amax)
+        if not INTERPRET:
+            poison_device_memory(2 * x.size)
+        for g, w, name in zip(kernel(x, amax), want, NAMES, strict=True):
+            assert_same_bits(g, w, f"nvfp4 {name}, global amax {float(amax):.6g} ({config})")
+
+
+@cpu_only
+def test_nvfp4_division_over_global_amaxes_interpret():
+    # The kernel's float division (native_division) against the reference's integer one under
+    # XLA:CPU, which runs the interpreter: the same quotients for every divisor that arises.
+    x = division_sweep_input((128, 256), jnp.float32)
+    check_nvfp4_over_global_amaxes(x, DIVISION_SWEEP_AMAXES, None)
+    # Products within an ulp of the rounding thresholds: an encode scale an ulp off fails.
+    for amax in (1.0, 3.3e5, 2.0**-100):
+        x = division_sensitive_input((128, 256), amax)
+        check_nvfp4_over_global_amaxes(x, (amax,), None, rht=False)
 
 
 def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
@@ -1778,6 +1892,8 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (False, True, jnp.float32, NVFP4_FLOAT_SR, (16, 16)),
         (True, False, jnp.bfloat16, NVFP4_AMAX_TMA, (1, 16)),
         (False, False, jnp.float32, NVFP4_AMAX_TMA, (1, 16)),
+        (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (1, 16)),
+        (False, False, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -1807,6 +1923,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.bfloat16, PIPELINED["nvfp4"]),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR),
+        (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
@@ -1834,7 +1951,27 @@ def test_gpu_nvfp4_line_amax_bits(rht, dtype):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT])
+@pytest.mark.parametrize(
+    "dtype, rht, config",
+    [
+        (jnp.bfloat16, True, None),
+        (jnp.float32, False, None),
+        (jnp.bfloat16, True, NVFP4_INTEGER_DIVISION),
+    ],
+)
+def test_gpu_nvfp4_division_over_global_amaxes(dtype, rht, config):
+    # native_division (stop 34) computes each block's 1 / (e4m3 scale · S_dec) with the GPU's
+    # float division; the reference with integer long division. Every e4m3 scale under 20
+    # global amaxes, S_dec subnormal to huge.
+    x = division_sweep_input((2048, 1024), dtype)
+    check_nvfp4_over_global_amaxes(x, DIVISION_SWEEP_AMAXES, config, rht)
+    for amax in DIVISION_SWEEP_AMAXES[4:]:  # S_dec normal: the model of enc above holds
+        x = division_sensitive_input((1024, 1024), amax)
+        check_nvfp4_over_global_amaxes(x, (amax,), config, rht=False)
+
+
+@gpu_cases
+@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_INTEGER_DIVISION])
 def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config):
     # Global amax 2688 (S_enc = 1) and a block maximum of 36 give s_b = 6 and enc = fp32(1/6),
     # so x = -3·2^-149 has x·enc = -2^-150·(1 + 2^-25): fp32(x·enc) = -2^-149, while the
