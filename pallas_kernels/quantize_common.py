@@ -146,6 +146,8 @@ def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
         return_type=plgpu.ShapeDtypeStruct(lines.shape, jnp.float32, layout=RPT1),
     )
     def reciprocal(_, fragments):
+        # Mosaic GPU's own helpers for one inline PTX instruction per register (private API;
+        # jax is pinned to 0.11.2, and the cross-lowering tests would catch a change).
         return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.rn.f32"))
 
     return jnp.max(reciprocal(lines), axis=1)
