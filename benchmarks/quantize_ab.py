@@ -6,9 +6,9 @@
 scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
-default and stop 34's changes (`native_division`, `packed_row_amax`) one by one; earlier
-variants (unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in
-docs/benchmarks.md; written to
+default and stop 34's changes (`native_division`, `packed_row_amax`, and the opt-in
+`carry_stochastic_rounding`) one by one; earlier variants (unrolled lean blocks, float
+stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md; written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
@@ -91,6 +91,8 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     ),
     "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(packed_row_amax=False),
     "lean, loop_blocks, native division, packed row amax (default)": pk.NVFP4QuantizeConfig(),
+    # Stop 34, opt-in until measured: stochastic rounding's decision as one carry.
+    "default + carry stochastic rounding": pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import config as jax_config
+from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -151,6 +152,29 @@ def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
         return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.rn.f32"))
 
     return jnp.max(reciprocal(lines), axis=1)
+
+
+def one_plus_rounded_up_bits(values: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
+    """float32 bits (uint32) of 1 + values rounded toward +∞, for float32 0 ≤ values < 1:
+    0x3F800000 + ceil(values · 2^23) (other values give unspecified bits). On the hardware
+    PTX's `add.rp.f32` (Mosaic GPU lowers no ceil, and converting to an integer is a
+    quarter-rate instruction), in the interpreter XLA's ceil of the exact product."""
+    if not on_hardware:
+        fixed = jnp.ceil(values * jnp.float32(2.0**23)).astype(jnp.uint32)
+        return fixed + jnp.uint32(0x3F800000)
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(values.shape, jnp.float32, layout=layout),
+    )
+    def add_one_rounding_up(_, fragments):
+        def one_register(x):
+            return llvm.inline_asm(x.type, [x], "add.rp.f32 $0, $1, 0f3F800000;", "=f,f")
+
+        # (Private Mosaic GPU helpers, as in `ieee_reciprocal`.)
+        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr(one_register))
+
+    return lax.bitcast_convert_type(add_one_rounding_up(values), jnp.uint32)
 
 
 def is_nan_bits(bits: jax.Array) -> jax.Array:

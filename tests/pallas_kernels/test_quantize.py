@@ -387,6 +387,9 @@ NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic
 # The lean float comparison for stochastic rounding (the default before stop 26, which decides
 # it on integers): the same bits.
 NVFP4_FLOAT_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False)
+# Stochastic rounding's integer decision as one carry (opt-in since stop 34; its add.rp.f32 has
+# not run on the H200 yet): the same bits.
+NVFP4_CARRY_SR = pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True)
 # The global-amax kernel through TMA tiles (the default before stop 33 loads x directly).
 NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 # Stops 26-33's kernel: each block's 1 / (scale · S_dec) by integer long division and the row
@@ -396,7 +399,8 @@ NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_ro
 
 @cpu_only
 @pytest.mark.parametrize(
-    "config", [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR, NVFP4_INTEGER_DIVISION]
+    "config",
+    [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR, NVFP4_INTEGER_DIVISION, NVFP4_CARRY_SR],
 )
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
@@ -556,7 +560,8 @@ def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
 
 
 def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
-    # e2m1_stochastic_integer (the byte against |p|'s fraction bits) against e2m1_stochastic
+    # e2m1_stochastic_integer (the byte against |p|'s fraction bits) and e2m1_stochastic_carry
+    # (the same comparison as a carry, below 1 on a ceiling) against e2m1_stochastic
     # (its uniform (b + 1/2)/256 against a float fraction) for every byte: grid values, the
     # fraction exactly at each byte's threshold and one ulp either side (the ties), values
     # below 1 whose + 1 rounds (bits under 2^-23) next to a threshold, the clip at 6, tiny and
@@ -580,21 +585,34 @@ def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
     points = np.concatenate(
         [points, below_one + np.float32(2.0**-27), below_one - np.float32(2.0**-27)]
     )
+    # Just below a step of 0.5 by less than 2^-23 (the fraction's ceiling reaches the step).
+    points = np.concatenate(
+        [points, np.float32([0.5, 1.0]) - np.float32(2.0**-30), np.float32([0.5 - 2.0**-26])]
+    )
     points = np.concatenate([points, rng.uniform(0, 6.5, 4000).astype(np.float32)])
     p = jnp.asarray(np.concatenate([points, -points]).astype(np.float32))
     words = jnp.asarray(rng.integers(0, 2**32, p.shape, dtype=np.uint64).astype(np.uint32))
+
+    def carry_decision(word, byte):  # e2m1_stochastic_carry's interpreter path
+        addends = kernel_nvfp4.byte_thresholds(word, byte, carry=True)
+        return kernel_nvfp4.e2m1_stochastic_carry(p, addends, None, on_hardware=False)
+
     for byte in range(4):
         uniforms = kernel_nvfp4.byte_uniforms(words, byte)
         thresholds = kernel_nvfp4.byte_thresholds(words, byte)
         want = kernel_nvfp4.e2m1_stochastic(p, uniforms)
         got = kernel_nvfp4.e2m1_stochastic_integer(p, thresholds)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"byte {byte}")
+        got = carry_decision(words, byte)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"carry {byte}")
     # Every byte against the same points (all thresholds of every binade, ties included).
     for b in range(256):
         word = jnp.full(p.shape, b, jnp.uint32)
         want = kernel_nvfp4.e2m1_stochastic(p, kernel_nvfp4.byte_uniforms(word, 0))
         got = kernel_nvfp4.e2m1_stochastic_integer(p, kernel_nvfp4.byte_thresholds(word, 0))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"b={b}")
+        got = carry_decision(word, 0)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"carry b={b}")
 
 
 def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
@@ -629,6 +647,7 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_UNROLLED)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_FLOAT_SR)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_CARRY_SR)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -799,6 +818,7 @@ def test_nvfp4_line_amax_bits_interpret(rht, dtype, shape, config):
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED_EXACT),
         (True, True, jnp.float32, NVFP4_FLOAT_SR),
+        (True, True, jnp.bfloat16, NVFP4_CARRY_SR),
     ],
 )
 def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
@@ -1535,6 +1555,10 @@ CROSS_LOWERED = {
         jnp.bfloat16,
     ),
     "nvfp4 rht+sr row+col": (_nvfp4_rht_sr, jnp.float32),
+    "nvfp4 rht+sr row+col, carry stochastic rounding": (
+        functools.partial(_nvfp4_rht_sr, config=NVFP4_CARRY_SR),
+        jnp.bfloat16,
+    ),
     "nvfp4 rht+sr row+col at a shard's positions": (
         functools.partial(
             _nvfp4_rht_sr,
@@ -1893,6 +1917,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (False, True, jnp.bfloat16, NVFP4_UNROLLED, (16, 16)),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR, (1, 16)),
         (False, True, jnp.float32, NVFP4_FLOAT_SR, (16, 16)),
+        (True, True, jnp.bfloat16, NVFP4_CARRY_SR, (1, 16)),
+        (True, True, jnp.float32, NVFP4_CARRY_SR, (1, 16)),
+        (False, True, jnp.bfloat16, NVFP4_CARRY_SR, (16, 16)),
         (True, False, jnp.bfloat16, NVFP4_AMAX_TMA, (1, 16)),
         (False, False, jnp.float32, NVFP4_AMAX_TMA, (1, 16)),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (1, 16)),
@@ -1927,6 +1954,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION),
+        (True, True, jnp.bfloat16, NVFP4_CARRY_SR),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
