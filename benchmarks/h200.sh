@@ -16,7 +16,8 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: the grouped GEMMs' quantized section)
+#                                      and their timing (now: NVFP4 carry stochastic rounding,
+#                                      quantize_ab's $PENDING_AB kernels)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -82,19 +83,18 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults: the
-  # last ones (stop 25's block-FP8 packed output and NVFP4 integer stochastic rounding, verified
-  # in stop 26 and now the defaults): the packed-output and NVFP4 bit-exact cases, the GEMM
-  # benchmark's quantized-operand section (packed vs aligned + gather) and quantize_ab's NVFP4
-  # stochastic-rounding variants. Point PENDING_TESTS / PENDING_FILES at the next path.
+  # current one, stop 34's opt-in carry stochastic rounding for NVFP4 (its add.rp.f32 runs
+  # only on the hardware): its bit-exact test, then quantize_ab's NVFP4 stochastic-rounding
+  # variants, and quantize_ab's NVFP4 rounding-to-nearest variants. Point PENDING_TESTS /
+  # PENDING_FILES / PENDING_AB at the next path.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-packed_output or (nvfp4 and bit_exact)}" ${PENDING_FILES:-\
-    tests/pallas_kernels/test_grouped_matmul_gpu.py tests/pallas_kernels/test_quantize.py} \
+    -rfE -k "${PENDING_TESTS:-carry}" ${PENDING_FILES:-tests/pallas_kernels/test_quantize.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  timeout "${BENCH_BUDGET:-200}" python3 -m benchmarks.bench_grouped_matmul "$OUT/bench" 180 \
-    --sections=quantized 2>&1 | grep -E "^\| G8" | tee "$OUT/pending_bench.md"
-  timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel nvfp4_sr 2>&1 | tail -12
+  for kernel in ${PENDING_AB:-nvfp4_sr nvfp4}; do
+    timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
+  done
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
