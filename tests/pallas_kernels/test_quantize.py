@@ -524,9 +524,11 @@ def test_nvfp4_division_over_global_amaxes_interpret():
     for amax in (1.0, 3.3e5, 2.0**-100):
         x = division_sensitive_input((128, 256), amax)
         check_nvfp4_over_global_amaxes(x, (amax,), None, rht=False)
-    for name in ("native_division", "packed_row_amax"):
+    for name in ("native_division", "packed_row_amax", "carry_stochastic_rounding"):
         with pytest.raises(TypeError, match=f"{name} must be a bool, got 1"):
             pk.NVFP4QuantizeConfig(**{name: 1})
+    with pytest.raises(ValueError, match="carry_stochastic_rounding=True needs integer_stoch"):
+        pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True, integer_stochastic_rounding=False)
 
 
 def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
