@@ -16,8 +16,8 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: NVFP4 carry stochastic rounding,
-#                                      quantize_ab's $PENDING_AB kernels)
+#                                      and their timing (now: NVFP4 carry stochastic rounding and
+#                                      block FP8's early scale loads, with their A/B scripts)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -82,18 +82,22 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults: the
-  # current one, stop 34's opt-in carry stochastic rounding for NVFP4 (its add.rp.f32 runs
-  # only on the hardware): its bit-exact test, then quantize_ab's NVFP4 stochastic-rounding
-  # variants, and quantize_ab's NVFP4 rounding-to-nearest variants. Point PENDING_TESTS /
-  # PENDING_FILES / PENDING_AB at the next path.
+  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
+  # stop 34's, not yet run on a GPU: NVFP4's opt-in carry stochastic rounding (add.rp.f32,
+  # hardware only) and block FP8's scale loads before the wgmma wait (early_block_scales, the
+  # default): their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's
+  # block_tiles set ($PENDING_GROUPED_AB). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-carry}" ${PENDING_FILES:-tests/pallas_kernels/test_quantize.py} \
+    -rfE -k "${PENDING_TESTS:-carry or gpu_fp8_block_forward}" ${PENDING_FILES:-\
+    tests/pallas_kernels/test_quantize.py tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  for kernel in ${PENDING_AB:-nvfp4_sr nvfp4}; do
+  for kernel in ${PENDING_AB:-nvfp4_sr}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
+  done
+  for variants in ${PENDING_GROUPED_AB:-block_tiles}; do
+    timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" --variants "$variants" 2>&1 | tail -14
   done
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &

@@ -72,6 +72,10 @@ class GroupedMatmulConfig:
     cluster_n: 1, or 2 for clusters of two CTAs along N that share each lhs tile (one TMA
       multicast load feeds both); the columns are padded to an even number of CTA tiles
       (an rhs copy when they are not) and num_sms must be even.
+    early_block_scales: block FP8 only: each K step's scales (the rhs block's from global
+      memory, the tile's lhs row scales from shared memory) are loaded right after its wgmma
+      is issued, so their latency runs under the MMA; False loads them after the wgmma has
+      been waited for, as before stop 34 (the same arithmetic, the same bits).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -94,6 +98,7 @@ class GroupedMatmulConfig:
     swizzled_epilogue: bool = True
     persistent_pipeline: bool = False
     cluster_n: int = 1
+    early_block_scales: bool = True
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -135,6 +140,8 @@ class GroupedMatmulConfig:
             raise TypeError(f"swizzled_epilogue must be a bool, got {self.swizzled_epilogue!r}")
         if not isinstance(self.persistent_pipeline, bool):
             raise TypeError(f"persistent_pipeline must be a bool, got {self.persistent_pipeline!r}")
+        if not isinstance(self.early_block_scales, bool):
+            raise TypeError(f"early_block_scales must be a bool, got {self.early_block_scales!r}")
         if self.profile_dir is not None and (
             not isinstance(self.profile_dir, str) or not self.profile_dir
         ):
@@ -682,7 +689,13 @@ def grouped_matmul_fp8_block(
                 prev_block = jnp.maximum(k_step - 1, 0)
                 promoted = promote(main, previous, block_scale(refs, ctx, prev_block))
                 return promoted, chunk_ref[...]
-            return promote(main, chunk_ref[...], block_scale(refs, ctx, k_step))
+            if config.early_block_scales:
+                # Loaded before reading the accumulator (which waits for the wgmma): the
+                # loads' latency runs under the MMA instead of after it.
+                scale = block_scale(refs, ctx, k_step)
+                return promote(main, chunk_ref[...], scale)
+            chunk = chunk_ref[...]
+            return promote(main, chunk, block_scale(refs, ctx, k_step))
 
         result = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
         if overlap:

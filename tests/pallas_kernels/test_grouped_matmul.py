@@ -219,10 +219,13 @@ def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
     assert_close(out, ref, rel=2**-7)
 
 
-@pytest.mark.parametrize("wgmma_in_flight", [0, 1])
-def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight):
-    # wgmma_in_flight=1 promotes each K block's partial product during the next wgmma.
-    config = dataclasses.replace(TINY_BLOCK, wgmma_in_flight=wgmma_in_flight)
+@pytest.mark.parametrize("wgmma_in_flight, early_block_scales", [(0, True), (0, False), (1, True)])
+def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight, early_block_scales):
+    # wgmma_in_flight=1 promotes each K block's partial product during the next wgmma;
+    # early_block_scales=False loads the scales after waiting for it (before stop 34).
+    config = dataclasses.replace(
+        TINY_BLOCK, wgmma_in_flight=wgmma_in_flight, early_block_scales=early_block_scales
+    )
     sizes = jnp.asarray([37, 0, 100], jnp.int32)
     k = keys(4, seed=4)
     lhs = random_fp8(k[0], (160, 256), E4M3)
@@ -909,6 +912,11 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
 def test_bad_configs_raise(factory, needle):
     with pytest.raises(ValueError, match=needle):
         factory()
+
+
+def test_early_block_scales_must_be_a_bool():
+    with pytest.raises(TypeError, match="early_block_scales must be a bool, got 1"):
+        GroupedMatmulConfig(early_block_scales=1)
 
 
 def test_persistent_pipeline_must_be_a_bool():

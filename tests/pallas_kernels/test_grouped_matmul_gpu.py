@@ -27,6 +27,7 @@ from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_b
 from pallas_kernels.grouped_matmul_fwd import (
     GroupedMatmulConfig,
     fit_fp8_block_config,
+    fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
@@ -121,6 +122,17 @@ def test_gpu_fp8_block_forward():
             lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=config
         )
         assert_close(out, ref, rel=1e-3)
+    # The scales loaded after the wgmma wait (before stop 34): the same operations in another
+    # order, so the same bits as the default.
+    default = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype",))(
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32
+    )
+    late = fp8_block_default_config(K_DIM, jnp.float32)
+    late = dataclasses.replace(late, early_block_scales=False)
+    out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=late
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
 @pytest.mark.parametrize("epilogue_buffers", [1, 2])
