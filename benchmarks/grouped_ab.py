@@ -162,8 +162,8 @@ def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, Groupe
         "128x(2x64), 1 in flight": replace(tall, wgmma_in_flight=1),
         "128x(2x64), persistent": replace(tall, persistent_pipeline=True),
         "128x(2x64), cluster 2": replace(tall, cluster_n=2),
-        # Stop 34 loads each K step's scales before the wgmma wait; this is the order before.
-        "default, scales after the wgmma wait": replace(config, early_block_scales=False),
+        # Stop 34's opt-in: each K step's scales loaded before the wgmma wait.
+        "default, early scale loads": replace(config, early_block_scales=True),
     }
     return {name: fit_fp8_block_config(c, k, BF16) for name, c in variants.items()}
 

@@ -84,8 +84,8 @@ elif [[ $STAGE == quantize ]]; then
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
   # stop 34's, not yet run on a GPU: NVFP4's opt-in carry stochastic rounding (add.rp.f32,
-  # hardware only) and block FP8's scale loads before the wgmma wait (early_block_scales, the
-  # default): their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's
+  # hardware only) and block FP8's opt-in scale loads before the wgmma wait
+  # (early_block_scales): their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's
   # block_tiles set ($PENDING_GROUPED_AB). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
     -rfE -k "${PENDING_TESTS:-carry or gpu_fp8_block_forward}" ${PENDING_FILES:-\

@@ -72,10 +72,11 @@ class GroupedMatmulConfig:
     cluster_n: 1, or 2 for clusters of two CTAs along N that share each lhs tile (one TMA
       multicast load feeds both); the columns are padded to an even number of CTA tiles
       (an rhs copy when they are not) and num_sms must be even.
-    early_block_scales: block FP8 only: each K step's scales (the rhs block's from global
-      memory, the tile's lhs row scales from shared memory) are loaded right after its wgmma
-      is issued, so their latency runs under the MMA; False loads them after the wgmma has
-      been waited for, as before stop 34 (the same arithmetic, the same bits).
+    early_block_scales: block FP8 only: load each K step's scales (the rhs block's from
+      global memory, the tile's lhs row scales from shared memory) right after its wgmma is
+      issued, so their latency runs under the MMA, instead of after the wgmma has been
+      waited for (False, the default). The same arithmetic, the same bits. Opt-in until it
+      has run on the H200 (added in stop 34 without device time).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -98,7 +99,7 @@ class GroupedMatmulConfig:
     swizzled_epilogue: bool = True
     persistent_pipeline: bool = False
     cluster_n: int = 1
-    early_block_scales: bool = True
+    early_block_scales: bool = False
     profile_dir: str | None = None
 
     def __post_init__(self):

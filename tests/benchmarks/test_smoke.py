@@ -89,7 +89,7 @@ def test_grouped_ab_block_tile_variants_fit_shared_memory():
     for k in (4096, 8192):
         variants = grouped_ab.block_tile_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
         assert list(variants)[:2] == ["default", "default, persistent"]
-        assert not variants["default, scales after the wgmma wait"].early_block_scales
+        assert variants["default, early scale loads"].early_block_scales
         for name, config in variants.items():
             assert (config.tile_m, config.tile_n) == ((128, 64) if "128x" in name else (64, 128))
             stage, scales = fwd._block_stage_bytes(config), fwd._block_scale_bytes(config, k)
