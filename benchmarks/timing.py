@@ -7,7 +7,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -29,6 +29,14 @@ def median_seconds(
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def alternation(names: list[str], rounds: int) -> Iterator[str]:
+    """Every name once per round, each round starting one name later (so no candidate always
+    runs first or after the same neighbour)."""
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        yield from names[shift:] + names[:shift]
 
 
 def interleaved_seconds(
@@ -55,16 +63,14 @@ def interleaved_seconds(
             fn, argument_sets = candidates[name]
             jax.block_until_ready(fn(*argument_sets[0]))
     per_call: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            fn, argument_sets = candidates[name]
-            start = time.perf_counter()
-            out = None
-            for i in range(calls_per_batch):
-                out = fn(*argument_sets[i % len(argument_sets)])
-            jax.block_until_ready(out)
-            per_call[name].append((time.perf_counter() - start) / calls_per_batch)
+    for name in alternation(names, rounds):
+        fn, argument_sets = candidates[name]
+        start = time.perf_counter()
+        out = None
+        for i in range(calls_per_batch):
+            out = fn(*argument_sets[i % len(argument_sets)])
+        jax.block_until_ready(out)
+        per_call[name].append((time.perf_counter() - start) / calls_per_batch)
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
@@ -92,12 +98,10 @@ def cupti_interleaved_seconds(
         )
     names = list(candidates)
     per_call: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            fn, argument_sets = candidates[name]
-            _, times = profiler.measure(fn, iterations=iterations)(*argument_sets[0])
-            per_call[name] += [t * 1e-3 for t in times]  # CUPTI reports milliseconds
+    for name in alternation(names, rounds):
+        fn, argument_sets = candidates[name]
+        _, times = profiler.measure(fn, iterations=iterations)(*argument_sets[0])
+        per_call[name] += [t * 1e-3 for t in times]  # CUPTI reports milliseconds
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 

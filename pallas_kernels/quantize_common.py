@@ -129,6 +129,25 @@ def line_amax_bits(patterns: jax.Array) -> jax.Array:
     return amax.astype(jnp.uint32) << 16 if patterns.dtype == jnp.uint16 else amax
 
 
+def _inline_ptx_f32(values: jax.Array, layout, asm: str) -> jax.Array:
+    """`asm` (one PTX instruction, result $0, operand $1) on every element of a float32 array
+    held in `layout`, on the hardware only (inline code has no interpreter path)."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(values.shape, jnp.float32, layout=layout),
+    )
+    def apply(_, fragments):
+        def one_register(x):
+            return llvm.inline_asm(x.type, [x], asm, "=f,f")
+
+        # Mosaic GPU's own helpers for one instruction per register (private API; jax is
+        # pinned to 0.11.2, and the cross-lowering tests would catch a change).
+        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr(one_register))
+
+    return apply(values)
+
+
 def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
     """1 / values for per-line float32 values (R,), correctly rounded (IEEE 754: to nearest
     even, subnormals kept), as the references' `float32_division.divide` gives.
@@ -140,18 +159,8 @@ def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
     must rule those out (tested for NVFP4's block scales)."""
     if not on_hardware:
         return jnp.float32(1.0) / values
-    lines = column(values)  # (R, 1) in RPT1: a layout inline Mosaic GPU code can be typed with
-
-    @plgpu.inline_mgpu(
-        arg_types=(RPT1,),
-        return_type=plgpu.ShapeDtypeStruct(lines.shape, jnp.float32, layout=RPT1),
-    )
-    def reciprocal(_, fragments):
-        # Mosaic GPU's own helpers for one inline PTX instruction per register (private API;
-        # jax is pinned to 0.11.2, and the cross-lowering tests would catch a change).
-        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.rn.f32"))
-
-    return jnp.max(reciprocal(lines), axis=1)
+    # (R, 1) in RPT1: a layout the inline code can be typed with.
+    return jnp.max(_inline_ptx_f32(column(values), RPT1, "rcp.rn.f32 $0, $1;"), axis=1)
 
 
 def one_plus_rounded_up_bits(values: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
@@ -162,19 +171,8 @@ def one_plus_rounded_up_bits(values: jax.Array, layout, *, on_hardware: bool) ->
     if not on_hardware:
         fixed = jnp.ceil(values * jnp.float32(2.0**23)).astype(jnp.uint32)
         return fixed + jnp.uint32(0x3F800000)
-
-    @plgpu.inline_mgpu(
-        arg_types=(layout,),
-        return_type=plgpu.ShapeDtypeStruct(values.shape, jnp.float32, layout=layout),
-    )
-    def add_one_rounding_up(_, fragments):
-        def one_register(x):
-            return llvm.inline_asm(x.type, [x], "add.rp.f32 $0, $1, 0f3F800000;", "=f,f")
-
-        # (Private Mosaic GPU helpers, as in `ieee_reciprocal`.)
-        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr(one_register))
-
-    return lax.bitcast_convert_type(add_one_rounding_up(values), jnp.uint32)
+    one_plus = _inline_ptx_f32(values, layout, "add.rp.f32 $0, $1, 0f3F800000;")
+    return lax.bitcast_convert_type(one_plus, jnp.uint32)
 
 
 def is_nan_bits(bits: jax.Array) -> jax.Array:

@@ -456,14 +456,13 @@ def division_sensitive_input(shape, global_amax):
     """float32 x whose rowwise products x·enc sit within an ulp of E2M1's rounding thresholds
     (0.25 … 5), so that an encode scale enc = 1 / (scale · S_dec) one ulp off flips codes.
     Each 1×16 block: a maximum A (log-uniform below the global amax), then elements
-    fl(threshold / enc) nudged by -1, 0, +1 ulp, enc computed from the reference's rules in
-    float64 (correctly rounded)."""
+    fl(threshold / enc) nudged by -1, 0, +1 ulp; t and S_dec from `copy_scalars`, the block
+    scale and enc from the reference's rules in float64 (correctly rounded)."""
     rng = np.random.default_rng(9)
     rows, cols = shape
     f32 = np.float32
-    s_enc = f32(min(2688.0 / np.float64(f32(global_amax)), float(np.finfo(np.float32).max)))
-    one_sixth = importlib.import_module("pallas_kernels.quantize_nvfp4").ONE_SIXTH
-    t, s_dec = f32(s_enc * one_sixth), f32(1.0 / np.float64(s_enc))
+    scalars = importlib.import_module("pallas_kernels.quantize_nvfp4").copy_scalars
+    t, s_dec = np.asarray(scalars(jnp.float32(global_amax)), np.float32)  # the kernel's own
     # Block maxima up to 2^17 below the global amax: every nonzero e4m3 scale (2^-9 … 448).
     maxima = (f32(global_amax) * np.exp2(rng.uniform(-17, 0, (rows, cols // 16)))).astype(f32)
     scales = np.minimum(maxima * t, f32(448.0)).astype(jnp.float8_e4m3fn).astype(np.float32)
