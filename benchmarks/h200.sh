@@ -16,8 +16,8 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: NVFP4 carry stochastic rounding and
-#                                      block FP8's early scale loads, with their A/B scripts)
+#                                      and their timing (now: NVFP4's stochastic rounding and
+#                                      block FP8's scale-load order, with their A/B scripts)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -83,12 +83,12 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # stop 34's, not yet run on a GPU: NVFP4's opt-in carry stochastic rounding (add.rp.f32,
-  # hardware only) and block FP8's opt-in scale loads before the wgmma wait
-  # (early_block_scales): their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's
-  # block_tiles set ($PENDING_GROUPED_AB). Point PENDING_* at the next path.
+  # stop 35's new defaults against their predecessors: NVFP4's carry stochastic rounding
+  # (add.rp.f32) against the comparison, block FP8's scale loads before / after the wgmma wait:
+  # their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's block_tiles
+  # set ($PENDING_GROUPED_AB). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-carry or gpu_fp8_block_forward}" ${PENDING_FILES:-\
+    -rfE -k "${PENDING_TESTS:-comparison_stochastic or gpu_fp8_block_forward}" ${PENDING_FILES:-\
     tests/pallas_kernels/test_quantize.py tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"

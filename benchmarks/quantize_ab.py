@@ -6,7 +6,7 @@
 scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the default);
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
-default and stop 34's changes (`native_division`, `packed_row_amax`, and the opt-in
+default and stops 34-35's changes (`native_division`, `packed_row_amax`,
 `carry_stochastic_rounding`) one by one; earlier variants (unrolled lean blocks, float
 stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md; written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
@@ -84,15 +84,19 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     NVFP4_BASELINE: pk.NVFP4QuantizeConfig(
         lean_arithmetic=False, loop_blocks=False, native_division=False
     ),
-    # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers, and
-    # each block's 1 / (scale · S_dec) by integer long division.
+    # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers (a
+    # tie-corrected comparison), and each block's 1 / (scale · S_dec) by integer long division.
     "lean, loop_blocks, integer division (stops 26-33)": pk.NVFP4QuantizeConfig(
-        native_division=False, packed_row_amax=False
+        native_division=False, packed_row_amax=False, carry_stochastic_rounding=False
     ),
-    "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(packed_row_amax=False),
-    "lean, loop_blocks, native division, packed row amax (default)": pk.NVFP4QuantizeConfig(),
-    # Stop 34, opt-in until measured: stochastic rounding's decision as one carry.
-    "default + carry stochastic rounding": pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True),
+    "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(
+        packed_row_amax=False, carry_stochastic_rounding=False
+    ),
+    "lean, loop_blocks, native division, packed row amax (stop 34)": pk.NVFP4QuantizeConfig(
+        carry_stochastic_rounding=False
+    ),
+    # Stop 35's default: stochastic rounding's decision as one carry (no effect without it).
+    "stop 34 + carry stochastic rounding (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

@@ -128,15 +128,17 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         float32 patterns (one operation per element more). The same bits: bf16 patterns << 16
         are the float32 ones. float32 x: no difference. Within noise on the H200 (stop 34:
         150.0 / 150.5 µs for 8192², 143.4 / 139.3 for 16384×4096 without / with it).
-
       carry_stochastic_rounding: stochastic rounding's integer decision as one carry
         (`e2m1_stochastic_carry`): ((bits(a) + (2^22 − 1) − threshold) >> 22) − 252, below 1
         on the bits of 1 + a rounded up (PTX add.rp.f32; XLA's ceil in the interpreter)
         instead of the tie-corrected comparison (~8 operations per element instead of ~17).
         The same decisions, so the same bits (tested in the interpreter against
-        `e2m1_stochastic_integer` for every byte and against the reference). Opt-in: its
-        hardware path (add.rp.f32) has not run on the H200 yet (stop 34 had no device time
-        left); needs `integer_stochastic_rounding`.
+        `e2m1_stochastic_integer` for every byte and against the reference; on the H200 by
+        `test_gpu_nvfp4_carry_stochastic_rounding_bit_exact`). The default since stop 35
+        (2026-12-02): row + Hadamard col with stochastic rounding, bf16, in alternation on
+        the H200, 228.1 → 165.4 µs (8192²) and 226.6 → 165.9 µs (16384×4096), the same
+        bits. None (the default) means `integer_stochastic_rounding`'s value; True needs it;
+        False keeps stops 26-34's tie-corrected comparison.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -149,12 +151,14 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     amax_direct_loads: bool = True
     native_division: bool = True
     packed_row_amax: bool = True
-    carry_stochastic_rounding: bool = False
+    carry_stochastic_rounding: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.integer_stochastic_rounding is None:  # frozen: resolved once, here
             object.__setattr__(self, "integer_stochastic_rounding", self.lean_arithmetic)
+        if self.carry_stochastic_rounding is None:
+            object.__setattr__(self, "carry_stochastic_rounding", self.integer_stochastic_rounding)
         for name in (
             "lean_arithmetic",
             "loop_blocks",
@@ -176,7 +180,9 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         if self.carry_stochastic_rounding and not self.integer_stochastic_rounding:
             raise ValueError(
                 "carry_stochastic_rounding=True needs integer_stochastic_rounding=True (it "
-                "decides the integer comparison as a carry)"
+                "decides the integer comparison as a carry); pass carry_stochastic_rounding="
+                "None to follow integer_stochastic_rounding (also when replacing fields of a "
+                "config whose default resolved it to True)"
             )
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(

@@ -89,7 +89,8 @@ def test_grouped_ab_block_tile_variants_fit_shared_memory():
     for k in (4096, 8192):
         variants = grouped_ab.block_tile_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
         assert list(variants)[:2] == ["default", "default, persistent"]
-        assert variants["default, early scale loads"].early_block_scales
+        assert variants["default"].early_block_scales
+        assert not variants["default, late scale loads"].early_block_scales
         for name, config in variants.items():
             assert (config.tile_m, config.tile_n) == ((128, 64) if "128x" in name else (64, 128))
             stage, scales = fwd._block_stage_bytes(config), fwd._block_scale_bytes(config, k)
@@ -210,8 +211,8 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_quantize_ab_nvfp4_runs_small(tmp_path):
-    # NVFP4 with stochastic rounding: stops 26-33's kernel (integer division) and stop 34's
-    # steps (native division, packed row amaxes: the default; carry stochastic rounding, opt-in),
+    # NVFP4 with stochastic rounding: stops 26-33's kernel (integer division) and stops 34-35's
+    # steps (native division, packed row amaxes, carry stochastic rounding: the default),
     # every one checked bit for bit against the first kernel (NaN / Inf / tiny blocks too)
     # before they are timed, in the interpreter.
     from benchmarks import quantize_ab

@@ -222,7 +222,7 @@ def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
 @pytest.mark.parametrize("wgmma_in_flight, early_block_scales", [(0, True), (0, False), (1, True)])
 def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight, early_block_scales):
     # wgmma_in_flight=1 promotes each K block's partial product during the next wgmma;
-    # early_block_scales=True loads the scales before waiting for it (opt-in, stop 34).
+    # early_block_scales=False loads the scales after waiting for it (stops <= 34).
     config = dataclasses.replace(
         TINY_BLOCK, wgmma_in_flight=wgmma_in_flight, early_block_scales=early_block_scales
     )

@@ -122,15 +122,15 @@ def test_gpu_fp8_block_forward():
             lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=config
         )
         assert_close(out, ref, rel=1e-3)
-    # The scales loaded before the wgmma wait (early_block_scales, stop 34's opt-in): the same
-    # operations in another order, so the same bits as the default.
+    # The scales loaded after the wgmma wait (early_block_scales=False, stops <= 34; the
+    # default loads them before it): the same operations in another order, the same bits.
     default = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype",))(
         lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32
     )
-    early = fp8_block_default_config(K_DIM, jnp.float32)
-    early = dataclasses.replace(early, early_block_scales=True)
+    late = fp8_block_default_config(K_DIM, jnp.float32)
+    late = dataclasses.replace(late, early_block_scales=False)
     out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
-        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=early
+        lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=late
     )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 

@@ -387,9 +387,9 @@ NVFP4_UNROLLED_EXACT = pk.NVFP4QuantizeConfig(loop_blocks=False, lean_arithmetic
 # The lean float comparison for stochastic rounding (the default before stop 26, which decides
 # it on integers): the same bits.
 NVFP4_FLOAT_SR = pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False)
-# Stochastic rounding's integer decision as one carry (opt-in since stop 34; its add.rp.f32 has
-# not run on the H200 yet): the same bits.
-NVFP4_CARRY_SR = pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True)
+# Stochastic rounding's integer decision as a tie-corrected comparison (stops 26-34's default;
+# since stop 35 the default decides it as one carry, add.rp.f32 on the GPU): the same bits.
+NVFP4_COMPARISON_SR = pk.NVFP4QuantizeConfig(carry_stochastic_rounding=False)
 # The global-amax kernel through TMA tiles (the default before stop 33 loads x directly).
 NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 # Stops 26-33's kernel: each block's 1 / (scale · S_dec) by integer long division and the row
@@ -400,7 +400,14 @@ NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_ro
 @cpu_only
 @pytest.mark.parametrize(
     "config",
-    [None, NVFP4_EXACT, NVFP4_UNROLLED, NVFP4_FLOAT_SR, NVFP4_INTEGER_DIVISION, NVFP4_CARRY_SR],
+    [
+        None,
+        NVFP4_EXACT,
+        NVFP4_UNROLLED,
+        NVFP4_FLOAT_SR,
+        NVFP4_INTEGER_DIVISION,
+        NVFP4_COMPARISON_SR,
+    ],
 )
 @pytest.mark.parametrize(
     "rht, sr, dtype, shape, block",
@@ -528,6 +535,14 @@ def test_nvfp4_division_over_global_amaxes_interpret():
             pk.NVFP4QuantizeConfig(**{name: 1})
     with pytest.raises(ValueError, match="carry_stochastic_rounding=True needs integer_stoch"):
         pk.NVFP4QuantizeConfig(carry_stochastic_rounding=True, integer_stochastic_rounding=False)
+    # The default follows integer_stochastic_rounding, which follows lean_arithmetic.
+    assert pk.NVFP4QuantizeConfig().carry_stochastic_rounding is True
+    assert (
+        pk.NVFP4QuantizeConfig(integer_stochastic_rounding=False).carry_stochastic_rounding is False
+    )
+    assert pk.NVFP4QuantizeConfig(lean_arithmetic=False).carry_stochastic_rounding is False
+    with pytest.raises(ValueError, match="pass carry_stochastic_rounding=None"):
+        dataclasses.replace(pk.NVFP4QuantizeConfig(), integer_stochastic_rounding=False)
 
 
 def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
@@ -626,7 +641,10 @@ def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
     with pytest.raises(ValueError, match="pass integer_stochastic_rounding=None"):
         dataclasses.replace(pk.NVFP4QuantizeConfig(), lean_arithmetic=False)
     exact = dataclasses.replace(
-        pk.NVFP4QuantizeConfig(), lean_arithmetic=False, integer_stochastic_rounding=None
+        pk.NVFP4QuantizeConfig(),
+        lean_arithmetic=False,
+        integer_stochastic_rounding=None,
+        carry_stochastic_rounding=None,
     )
     assert exact == pk.NVFP4QuantizeConfig(lean_arithmetic=False)
     with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
@@ -648,7 +666,7 @@ def test_nvfp4_stochastic_rounding_positions_interpret():
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_EXACT)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_UNROLLED)
     check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_FLOAT_SR)
-    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_CARRY_SR)
+    check_nvfp4(x, True, True, positions=POSITIONS, config=NVFP4_COMPARISON_SR)
     # The positions change the bits drawn (else this test could not tell them apart).
     moved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS, positions=POSITIONS)
     unmoved, _ = ref_nvfp4(x, rht=True, sr=True, seeds=SEEDS)
@@ -819,7 +837,7 @@ def test_nvfp4_line_amax_bits_interpret(rht, dtype, shape, config):
         (True, True, jnp.float32, NVFP4_EXACT),
         (True, True, jnp.bfloat16, NVFP4_UNROLLED_EXACT),
         (True, True, jnp.float32, NVFP4_FLOAT_SR),
-        (True, True, jnp.bfloat16, NVFP4_CARRY_SR),
+        (True, True, jnp.bfloat16, NVFP4_COMPARISON_SR),
     ],
 )
 def test_nvfp4_grouped_interpret(rht, sr, dtype, config):
@@ -1556,8 +1574,8 @@ CROSS_LOWERED = {
         jnp.bfloat16,
     ),
     "nvfp4 rht+sr row+col": (_nvfp4_rht_sr, jnp.float32),
-    "nvfp4 rht+sr row+col, carry stochastic rounding": (
-        functools.partial(_nvfp4_rht_sr, config=NVFP4_CARRY_SR),
+    "nvfp4 rht+sr row+col, comparison stochastic rounding": (
+        functools.partial(_nvfp4_rht_sr, config=NVFP4_COMPARISON_SR),
         jnp.bfloat16,
     ),
     "nvfp4 rht+sr row+col at a shard's positions": (
@@ -1969,17 +1987,18 @@ def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
 
 
 @gpu_cases
-def test_gpu_nvfp4_carry_stochastic_rounding_bit_exact():
-    # carry_stochastic_rounding's add.rp.f32 (hardware only; the interpreter takes XLA's ceil):
-    # the reference's bits for 1×16 blocks (bf16 with the Hadamard transform, f32), 16×16
-    # weight blocks and a grouped tensor. Named so that `-k carry` selects it.
+def test_gpu_nvfp4_comparison_stochastic_rounding_bit_exact():
+    # Stops 26-34's stochastic rounding decision (the tie-corrected integer comparison; the
+    # default since stop 35 is the carry, whose add.rp.f32 the default gpu tests run): the
+    # reference's bits for 1×16 blocks (bf16 with the Hadamard transform, f32), 16×16 weight
+    # blocks and a grouped tensor.
     for rht, dtype, block in (
         (True, jnp.bfloat16, (1, 16)),
         (True, jnp.float32, (1, 16)),
         (False, jnp.bfloat16, (16, 16)),
     ):
-        test_gpu_nvfp4_bit_exact(rht, True, dtype, NVFP4_CARRY_SR, block)
-    test_gpu_nvfp4_grouped_bit_exact(True, True, jnp.bfloat16, NVFP4_CARRY_SR)
+        test_gpu_nvfp4_bit_exact(rht, True, dtype, NVFP4_COMPARISON_SR, block)
+    test_gpu_nvfp4_grouped_bit_exact(True, True, jnp.bfloat16, NVFP4_COMPARISON_SR)
 
 
 @gpu_cases
