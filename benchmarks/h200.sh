@@ -18,6 +18,8 @@
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (now: NVFP4's stochastic rounding and
 #                                      block FP8's scale-load order, with their A/B scripts)
+#   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
+#                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -99,11 +101,30 @@ elif [[ $STAGE == pending ]]; then
   for variants in ${PENDING_GROUPED_AB:-block_tiles}; do
     timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" --variants "$variants" 2>&1 | tail -14
   done
+elif [[ $STAGE == ncu ]]; then
+  # Nsight Compute on one launch of each case of benchmarks/ncu_cases.py ($NCU_CASES), the
+  # sections first (always available), then the pipes' instruction shares, then the NVFP4
+  # kernels' SASS (kernel_resources' dump) in one archive.
+  NCU=${NCU:-/usr/local/cuda/bin/ncu}
+  PIPES=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  for case in ${NCU_CASES:-nvfp4 nvfp4_sr mxfp8 fp8_block_gemm}; do
+    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"quantize|matmul" --launch-skip 1 \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section InstructionStats --section SchedulerStats --section WarpStateStats \
+      --section Occupancy python3 -m benchmarks.ncu_cases "$case" > "$OUT/ncu_$case.txt" 2>&1
+    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"quantize|matmul" --launch-skip 1 \
+      --launch-count 1 --metrics "$PIPES" python3 -m benchmarks.ncu_cases "$case" \
+      >> "$OUT/ncu_$case.txt" 2>&1
+    grep -E "Duration|Issue Slots Busy|Executed Ipc A|pipe_|issue_active|inst_executed.sum|Warp Cycles Per Issued|Stall|Registers|Achieved Occ|Compute \(SM\)|Memory Through" "$OUT/ncu_$case.txt" | head -40
+  done
+  scratch=$(mktemp -d)
+  timeout "${SASS_BUDGET:-120}" python3 benchmarks/kernel_resources.py "$scratch" "${SASS_CASES:-lean}" > /dev/null 2>&1
+  tar -czf "$OUT/sass_dump.tar.gz" -C "$scratch" .
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
   wait
 else
-  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, quantize, sharding or split)" >&2
+  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, quantize, pending, ncu, sharding or split)" >&2
   exit 2
 fi

@@ -411,3 +411,19 @@ def test_nvfp4_amax_ab_runs_small(tmp_path):
     assert all(r["bits"] in ("baseline", "identical", "—") for r in rows), rows
     assert all(r["us"] is not None for r in rows)
     assert "NVFP4 global amax" in text
+
+
+def test_ncu_driver_runs_every_case_and_names_bad_ones():
+    # benchmarks/h200.sh ncu runs each case under Nsight Compute on the H200; here each runs
+    # once, tiny, in the interpreter.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from benchmarks import ncu_cases
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        for case in ncu_cases.CASES:
+            ncu_cases.main(case, 1, size=256)
+    with pytest.raises(ValueError, match="case must be one of .*got 'nvfp5'"):
+        ncu_cases.main("nvfp5", 1)
+    with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
+        ncu_cases.main("nvfp4", 0)

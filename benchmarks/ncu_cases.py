@@ -1,0 +1,62 @@
+"""A driver for Nsight Compute: run one of our kernels a few times on an 8192² input.
+
+    ncu --kernel-name regex:"quantize|matmul" --launch-skip 1 --launch-count 1 --section ... \
+        python3 -m benchmarks.ncu_cases CASE [--calls N]
+
+CASE is one of `CASES`: the NVFP4 quantize kernel alone (row + Hadamard col, fixed global
+amaxes, as `bench_quantize.nvfp4_fixed_amax`), with and without stochastic rounding, and each
+copy alone; MXFP8 row+col (a memory-bound kernel of the same tiles, for comparison); and the
+dense block-FP8 GEMM, 8192³ (`dense_matmul_fp8_block`, bf16 output). `bash benchmarks/h200.sh
+ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so its durations are longer
+than CUPTI's: read its pipe, issue and stall figures, not its times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from benchmarks.bench_quantize import nvfp4_fixed_amax
+
+SIZE = 8192
+
+
+def _fp8_block_gemm(x: jax.Array) -> jax.Array:
+    k = x.shape[1]
+    codes = x.astype(jnp.float8_e4m3fn)
+    lhs_scale = jnp.full((x.shape[0], k // 128), 2.0**-3, jnp.float32)
+    rhs_scale = jnp.full((x.shape[0] // 128, k // 128), 2.0**-3, jnp.float32)
+    return pk.dense_matmul_fp8_block(codes, lhs_scale, codes, rhs_scale)
+
+
+CASES = {
+    "nvfp4": functools.partial(nvfp4_fixed_amax, stochastic=False),
+    "nvfp4_sr": functools.partial(nvfp4_fixed_amax, stochastic=True),
+    "nvfp4_row": functools.partial(nvfp4_fixed_amax, columnwise=False),
+    "nvfp4_col": functools.partial(nvfp4_fixed_amax, rowwise=False),
+    "mxfp8": functools.partial(pk.quantize_mxfp8, rowwise=True, columnwise=True),
+    "fp8_block_gemm": _fp8_block_gemm,
+}
+
+
+def main(case: str, calls: int, size: int = SIZE) -> None:
+    if case not in CASES:
+        raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    x = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.jit(CASES[case])
+    for _ in range(calls):
+        jax.block_until_ready(fn(x))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--calls", type=int, default=2)
+    args = parser.parse_args()
+    main(args.case, args.calls)
