@@ -423,7 +423,7 @@ def test_ncu_driver_runs_every_case_and_names_bad_ones():
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         for case in ncu_cases.CASES:
             ncu_cases.main(case, 1, size=256)
-    with pytest.raises(ValueError, match="case must be one of .*got 'nvfp5'"):
+    with pytest.raises(ValueError, match=r"case must be one of .*got 'nvfp5'"):
         ncu_cases.main("nvfp5", 1)
     with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
         ncu_cases.main("nvfp4", 0)
