@@ -7,7 +7,10 @@ and the Mosaic GPU module is captured just before it is serialized. In lane sema
 acts on one thread's registers, so the count is per thread; a 128×128 tile gives a thread 128
 elements of x per copy, hence "per element". Weights: a 32-bit arith / math op counts once per
 vector element; bitwise ops and integer min / max on 8- / 16-bit vectors once per 32-bit
-register (`and.b32`, `max.u16x2`); inline PTX by its `cvt.` / `min.` / `max.` instructions.
+register (`and.b32`, `max.u16x2`); inline PTX by its `cvt.` / `min.` / `max.` instructions, and
+since stop 35 its `fma.` / `add.` / `rcp.` ones (NVFP4's grid-min rounding, carry stochastic
+rounding and block reciprocal: earlier counts in docs/benchmarks.md leave those out); inline
+`abs.` is not counted.
 Register moves (extracts, inserts, broadcasts, bitcasts), loads, stores and address arithmetic
 (scalar i32 / index ops) are left out. Both sides of a `pl.when` are counted (the FP8 block
 kernel's exact path has a NaN-tile branch: see `--skip-nan-branch`). A proxy for speed, not a
@@ -88,6 +91,9 @@ def alu_ops(text: str) -> collections.Counter:
             if "has_side_effects" not in rest:
                 ops["ptx cvt"] += rest.count("cvt.")
                 ops["ptx min/max"] += rest.count("min.") + rest.count("max.")
+                ops["ptx fma/add/rcp"] += (
+                    rest.count("fma.") + rest.count("add.") + rest.count("rcp.")
+                )
             continue
         if op.startswith("llvm.") or op in _MOVES or op in ("vector.load", "vector.store"):
             continue
@@ -173,6 +179,8 @@ def nvfp4_rows() -> list[tuple[str, float]]:
         # The default since stop 35: the integer decision as one carry (plus one add.rp.f32
         # per element on the GPU, an inline-PTX op the histogram does not count).
         "lean carry-sr": dict(lean_arithmetic=True, carry_stochastic_rounding=True),
+        # Opt-in since stop 35: nearest rounding as the smallest of three float roundings.
+        "lean grid-min": dict(lean_arithmetic=True, grid_min_rounding=True),
     }
     for arithmetic, options in arithmetics.items():
         config = pk.NVFP4QuantizeConfig(loop_blocks=False, **options)
@@ -180,6 +188,8 @@ def nvfp4_rows() -> list[tuple[str, float]]:
             for stochastic in (False, True):
                 if arithmetic.endswith("-sr") and not stochastic:
                     continue  # the same kernel as "lean"
+                if arithmetic.endswith("grid-min") and stochastic:
+                    continue  # the same kernel as "lean carry-sr"
                 copies = "+".join(c for c, w in (("row", rowwise), ("col+rht", columnwise)) if w)
                 name = f"nvfp4 bfloat16 {arithmetic} {copies}{' sr' if stochastic else ''}"
 

@@ -175,6 +175,22 @@ def one_plus_rounded_up_bits(values: jax.Array, layout, *, on_hardware: bool) ->
     return lax.bitcast_convert_type(one_plus, jnp.uint32)
 
 
+def exact_scale_add(
+    values: jax.Array, scale: float, addend: float, layout, *, on_hardware: bool
+) -> jax.Array:
+    """values · scale + addend in one rounding, for a power-of-two `scale` (float32 values
+    held in `layout`). On the hardware PTX's `fma.rn.f32` with both constants inline (one
+    FMA-pipe instruction; Mosaic GPU's lowering does not contract a multiply and an add). In
+    the interpreter the product is rounded first, which is exact unless it is subnormal:
+    callers must make such products round the same either way."""
+    if not on_hardware:
+        return values * jnp.float32(scale) + jnp.float32(addend)
+    if np.frexp(scale)[0] != 0.5:
+        raise ValueError(f"scale must be a power of two, got {scale}")
+    constants = ", ".join(f"0f{np.float32(c).view(np.uint32):08X}" for c in (scale, addend))
+    return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {constants};")
+
+
 def is_nan_bits(bits: jax.Array) -> jax.Array:
     return bits > jnp.uint32(F32_INF_BITS)
 

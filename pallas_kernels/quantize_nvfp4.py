@@ -139,6 +139,12 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         the H200, 228.1 → 165.4 µs (8192²) and 226.6 → 165.9 µs (16384×4096), the same
         bits. None (the default) means `integer_stochastic_rounding`'s value; True needs it;
         False keeps stops 26-34's tie-corrected comparison.
+      grid_min_rounding: round to nearest by `e2m1_nearest_grid_min`: the smallest of three
+        float roundings, one per spacing of E2M1's grid (fused multiply-adds and minima, the
+        FMA pipe's work), instead of `e2m1_nearest`'s integer sequence (the ALU pipe's, the
+        busiest: 76.6% of its peak for row + Hadamard col on the H200 under Nsight Compute,
+        FMA 35%). The same codes for every float32 (checked exhaustively on [0, 6]). Needs
+        `lean_arithmetic`. Opt-in until it has run on the H200 (stop 35).
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -152,6 +158,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     native_division: bool = True
     packed_row_amax: bool = True
     carry_stochastic_rounding: bool | None = None
+    grid_min_rounding: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,6 +174,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "native_division",
             "packed_row_amax",
             "carry_stochastic_rounding",
+            "grid_min_rounding",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -184,6 +192,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
                 "None to follow integer_stochastic_rounding (also when replacing fields of a "
                 "config whose default resolved it to True)"
             )
+        if self.grid_min_rounding and not self.lean_arithmetic:
+            raise ValueError("grid_min_rounding=True needs lean_arithmetic=True")
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(
                 "reuse_input_tile=True needs loop_blocks=False: the codes held for the input "
@@ -452,6 +462,31 @@ def e2m1_nearest(p: jax.Array) -> jax.Array:
     return _e2m1_round(p)[3]
 
 
+_INTEGER_GRID = 2.0**23  # float32 in [2^23, 2^24) are the integers (ulp 1)
+_INTEGER_GRID_BITS = 0x4B000000
+
+
+def e2m1_nearest_grid_min(a: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
+    """`e2m1_nearest`'s code of a = min(|p|, 6) (float32, held in `layout`), as the float
+    2^23 + code (its bits: 0x4B000000 + code), by float operations.
+
+    Rounded to each spacing of E2M1's grid, a gives a code candidate: 2a to the integers (the
+    code below 2: 0..4), rint(a) + 2 (from 2 to 4: 4..6), rint(a/2) + 4 (from 4 to 6: 6..7),
+    and the code is the smallest of the three (checked against `e2m1_nearest` for every
+    float32 in [0, 6]: tests/pallas_kernels/test_quantize.py). Each rounding is one addition
+    to 2^23 + offset, where float32 holds exactly the integers and rounds to nearest even:
+    E2M1's ties, the offsets being even. a·2 and a·½ go into the addition fused
+    (`qc.exact_scale_add`: PTX fma.rn.f32 on the hardware; in the interpreter a·½ rounds
+    first only when subnormal, whose rint is 0 either way). Three FMA-pipe instructions and
+    two minima instead of `_e2m1_round`'s seven integer ones: the integer / logic (ALU) pipe
+    is the kernel's busiest (Nsight Compute on the H200, docs/benchmarks.md stop 35). NaN a
+    gives NaN (the caller clears NaN blocks)."""
+    halves = qc.exact_scale_add(a, 2.0, _INTEGER_GRID, layout, on_hardware=on_hardware)
+    units = a + jnp.float32(_INTEGER_GRID + 2)
+    doubles = qc.exact_scale_add(a, 0.5, _INTEGER_GRID + 4, layout, on_hardware=on_hardware)
+    return jnp.minimum(jnp.minimum(halves, units), doubles)
+
+
 def quantize_block_lines(
     v,
     layout,
@@ -465,6 +500,7 @@ def quantize_block_lines(
     native_division=False,
     on_hardware=False,
     carry=False,
+    grid_min=False,
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
@@ -474,7 +510,8 @@ def quantize_block_lines(
     `NVFP4QuantizeConfig.integer_stochastic_rounding`). `native_division`: see
     `NVFP4QuantizeConfig.native_division` (`on_hardware`: PTX's rcp.rn.f32, not the
     interpreter's division). `carry`: `thresholds` are carry addends
-    (`NVFP4QuantizeConfig.carry_stochastic_rounding`).
+    (`NVFP4QuantizeConfig.carry_stochastic_rounding`). `grid_min`: nearest rounding by
+    `e2m1_nearest_grid_min` (`NVFP4QuantizeConfig.grid_min_rounding`; needs `lean`).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None:
@@ -504,9 +541,21 @@ def quantize_block_lines(
         negative = v * encode_64 < jnp.float32(-(2.0**-86))
     else:
         negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
+    signed = False  # whether `magnitude` carries the sign bit already
     if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
         uniforms = plgpu.layout_cast(uniforms, layout)
-    if thresholds is not None:
+    if grid_min and uniforms is None and thresholds is None:
+        if not lean:
+            raise ValueError("grid_min (nearest rounding by float grids) needs lean=True")
+        a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
+        grid_code = e2m1_nearest_grid_min(a, layout, on_hardware=on_hardware)
+        # 0x4B000000 + code with code < 8: xor with 0x4B000000 (| 8 where negative) leaves the
+        # signed code, one operation for the sign and the offset. NaN blocks are cleared below.
+        offset = jnp.where(
+            negative, jnp.uint32(_INTEGER_GRID_BITS | 8), jnp.uint32(_INTEGER_GRID_BITS)
+        )
+        magnitude, signed = lax.bitcast_convert_type(grid_code, jnp.uint32) ^ offset, True
+    elif thresholds is not None:
         if not lean:
             raise ValueError("thresholds (integer stochastic rounding) need lean=True")
         # NaN blocks are cleared after packing, as below.
@@ -524,9 +573,9 @@ def quantize_block_lines(
     else:
         a = jnp.abs(jnp.clip(p, -E2M1_MAX, E2M1_MAX))
         magnitude = e2m1_magnitude_stochastic(a, uniforms)
-    codes = plgpu.layout_cast(
-        magnitude | jnp.where(negative, jnp.uint32(8), jnp.uint32(0)), qc.RPT1
-    )
+    if not signed:
+        magnitude = magnitude | jnp.where(negative, jnp.uint32(8), jnp.uint32(0))
+    codes = plgpu.layout_cast(magnitude, qc.RPT1)
     low = qc.concat_columns([codes[:, i : i + 1] for i in range(0, BLOCK, 2)])
     high = qc.concat_columns([codes[:, i : i + 1] for i in range(1, BLOCK, 2)])
     packed = low | (high << 4)
@@ -561,6 +610,7 @@ def _quantize_copy(
     native_division=False,
     on_hardware=False,
     carry_stochastic_rounding=False,
+    grid_min_rounding=False,
     line_table=None,
     block_table=None,
 ):
@@ -672,6 +722,7 @@ def _quantize_copy(
                     native_division=native_division,
                     on_hardware=on_hardware,
                     carry=carry_stochastic_rounding,
+                    grid_min=grid_min_rounding,
                 )
                 packed_group.append(packed)
                 scales.append(qc.column(block_scale))
@@ -771,6 +822,7 @@ def _tile(
         integer_stochastic_rounding=config.integer_stochastic_rounding,
         native_division=config.native_division,
         carry_stochastic_rounding=config.carry_stochastic_rounding,
+        grid_min_rounding=config.grid_min_rounding,
     )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)

@@ -395,6 +395,9 @@ NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 # Stops 26-33's kernel: each block's 1 / (scale · S_dec) by integer long division and the row
 # amaxes on float32 patterns (stop 34: the platform's float division, bf16 patterns).
 NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_row_amax=False)
+# Nearest rounding as the smallest of three float roundings (opt-in since stop 35): the same
+# bits.
+NVFP4_GRID_MIN = pk.NVFP4QuantizeConfig(grid_min_rounding=True)
 
 
 @cpu_only
@@ -407,6 +410,7 @@ NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_ro
         NVFP4_FLOAT_SR,
         NVFP4_INTEGER_DIVISION,
         NVFP4_COMPARISON_SR,
+        NVFP4_GRID_MIN,
     ],
 )
 @pytest.mark.parametrize(
@@ -573,6 +577,32 @@ def test_nvfp4_lean_stochastic_rounding_matches_the_threshold_counts():
         want = kernel_nvfp4.e2m1_magnitude_stochastic(jnp.abs(jnp.clip(p_, -6.0, 6.0)), u_)
         got = kernel_nvfp4.e2m1_stochastic(p_, u_)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_nvfp4_grid_min_rounding_matches_the_magic_number_codes_for_every_float():
+    # e2m1_nearest_grid_min (the smallest of three float roundings) against e2m1_nearest for
+    # every float32 in [0, 6] (1.09e9 values, 2^24 per jitted call: ~2 s on a CPU core).
+    kernel_nvfp4 = importlib.import_module("pallas_kernels.quantize_nvfp4")
+
+    @jax.jit
+    def mismatches(first_bits):
+        a = jax.lax.bitcast_convert_type(
+            first_bits + jnp.arange(1 << 24, dtype=jnp.uint32), jnp.float32
+        )
+        a = jnp.minimum(a, jnp.float32(6.0))
+        grid = kernel_nvfp4.e2m1_nearest_grid_min(a, None, on_hardware=False)
+        codes = jax.lax.bitcast_convert_type(grid, jnp.uint32) - jnp.uint32(0x4B000000)
+        return jnp.sum(codes != kernel_nvfp4.e2m1_nearest(a))
+
+    six_bits = int(np.float32(6.0).view(np.uint32))
+    for first in range(0, six_bits + 1, 1 << 24):
+        assert int(mismatches(jnp.uint32(first))) == 0, hex(first)
+    with pytest.raises(ValueError, match="grid_min_rounding=True needs lean_arithmetic=True"):
+        pk.NVFP4QuantizeConfig(grid_min_rounding=True, lean_arithmetic=False)
+    with pytest.raises(TypeError, match="grid_min_rounding must be a bool, got 1"):
+        pk.NVFP4QuantizeConfig(grid_min_rounding=1)
+    with pytest.raises(ValueError, match=r"scale must be a power of two, got 3\.0"):
+        qc.exact_scale_add(jnp.zeros((128, 16)), 3.0, 1.0, None, on_hardware=True)
 
 
 def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
@@ -1553,6 +1583,17 @@ CROSS_LOWERED = {
         lambda x: _nvfp4_rht_sr(x, config=NVFP4_EXACT),
         jnp.bfloat16,
     ),
+    "nvfp4 row+col rht, grid-min nearest rounding (inline fma.rn.f32)": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            hadamard_columnwise=True,
+            config=NVFP4_GRID_MIN,
+        ),
+        jnp.bfloat16,
+    ),
     "mxfp8 row+col reuse_input_tile": (
         lambda x: pk.quantize_mxfp8(x, columnwise=True, config=MXFP8_REUSE),
         jnp.bfloat16,
@@ -1984,6 +2025,31 @@ def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
     got = run_nvfp4_grouped(x, rht=rht, sr=sr, args=args, config=config)
     for g, w, name in zip(got, want, NAMES, strict=True):
         assert_same_bits(g, w, f"nvfp4 grouped {name} ({config})")
+
+
+@gpu_cases
+@pytest.mark.parametrize("case", ["1x16 bf16 rht", "1x16 f32", "16x16", "grouped", "ties", "sign"])
+def test_gpu_nvfp4_grid_min_rounding_bit_exact(case):
+    # grid_min_rounding (opt-in since stop 35; its fma.rn.f32 runs on the hardware only): the
+    # reference's bits with nearest rounding for 1×16 blocks (bf16 with the Hadamard transform,
+    # f32), 16×16 weight blocks, a grouped tensor, products within an ulp of E2M1's rounding
+    # thresholds (the ties) and the sign of a product past half the smallest subnormal.
+    blocks = {
+        "1x16 bf16 rht": (True, jnp.bfloat16, (1, 16)),
+        "1x16 f32": (False, jnp.float32, (1, 16)),
+        "16x16": (False, jnp.bfloat16, (16, 16)),
+    }
+    if case in blocks:
+        rht, dtype, block = blocks[case]
+        test_gpu_nvfp4_bit_exact(rht, False, dtype, NVFP4_GRID_MIN, block)
+    elif case == "grouped":
+        test_gpu_nvfp4_grouped_bit_exact(True, False, jnp.bfloat16, NVFP4_GRID_MIN)
+    elif case == "ties":
+        for amax in (1.0, 3.3e5):
+            x = division_sensitive_input((1024, 1024), amax)
+            check_nvfp4_over_global_amaxes(x, (amax,), NVFP4_GRID_MIN, rht=False)
+    else:
+        test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(NVFP4_GRID_MIN)
 
 
 @gpu_cases
