@@ -172,14 +172,16 @@ def nvfp4_rows() -> list[tuple[str, float]]:
     out = []
     arithmetics = {
         "exact": dict(lean_arithmetic=False),
-        "lean": dict(lean_arithmetic=True, integer_stochastic_rounding=False),
+        "lean": dict(
+            lean_arithmetic=True, integer_stochastic_rounding=False, grid_min_rounding=False
+        ),
         "lean integer-sr": dict(
             lean_arithmetic=True, integer_stochastic_rounding=True, carry_stochastic_rounding=False
         ),
-        # The default since stop 35: the integer decision as one carry (plus one add.rp.f32
-        # per element on the GPU, an inline-PTX op the histogram does not count).
+        # The default since stop 35: the integer decision as one carry (one add.rp.f32 per
+        # element below 1 on the GPU, inline PTX: counted since stop 35).
         "lean carry-sr": dict(lean_arithmetic=True, carry_stochastic_rounding=True),
-        # Opt-in since stop 35: nearest rounding as the smallest of three float roundings.
+        # The default since stop 35: nearest rounding as the smallest of three float roundings.
         "lean grid-min": dict(lean_arithmetic=True, grid_min_rounding=True),
     }
     for arithmetic, options in arithmetics.items():

@@ -7,7 +7,7 @@ scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the de
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
 default and stops 34-35's changes (`native_division`, `packed_row_amax`,
-`carry_stochastic_rounding`, the opt-in `grid_min_rounding`) one by one; earlier variants
+`carry_stochastic_rounding`, `grid_min_rounding`) one by one; earlier variants
 (unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md;
 written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
@@ -88,19 +88,22 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers (a
     # tie-corrected comparison), and each block's 1 / (scale · S_dec) by integer long division.
     "lean, loop_blocks, integer division (stops 26-33)": pk.NVFP4QuantizeConfig(
-        native_division=False, packed_row_amax=False, carry_stochastic_rounding=False
+        native_division=False,
+        packed_row_amax=False,
+        carry_stochastic_rounding=False,
+        grid_min_rounding=False,
     ),
     "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(
-        packed_row_amax=False, carry_stochastic_rounding=False
+        packed_row_amax=False, carry_stochastic_rounding=False, grid_min_rounding=False
     ),
     "lean, loop_blocks, native division, packed row amax (stop 34)": pk.NVFP4QuantizeConfig(
-        carry_stochastic_rounding=False
+        carry_stochastic_rounding=False, grid_min_rounding=False
     ),
-    # Stop 35's default: stochastic rounding's decision as one carry (no effect without it).
-    "stop 34 + carry stochastic rounding (default)": pk.NVFP4QuantizeConfig(),
-    # Stop 35, opt-in until measured: nearest rounding as the smallest of three float
-    # roundings (no effect with stochastic rounding, which rounds every element).
-    "default + grid-min nearest rounding": pk.NVFP4QuantizeConfig(grid_min_rounding=True),
+    # Stop 35: stochastic rounding's decision as one carry (no effect without it), then
+    # nearest rounding as the smallest of three float roundings (no effect with stochastic
+    # rounding, which rounds every element): both the default.
+    "stop 34 + carry stochastic rounding": pk.NVFP4QuantizeConfig(grid_min_rounding=False),
+    "+ grid-min nearest rounding (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

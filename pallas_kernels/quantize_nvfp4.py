@@ -143,8 +143,13 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         float roundings, one per spacing of E2M1's grid (fused multiply-adds and minima, the
         FMA pipe's work), instead of `e2m1_nearest`'s integer sequence (the ALU pipe's, the
         busiest: 76.6% of its peak for row + Hadamard col on the H200 under Nsight Compute,
-        FMA 35%). The same codes for every float32 (checked exhaustively on [0, 6]). Needs
-        `lean_arithmetic`. Opt-in until it has run on the H200 (stop 35).
+        FMA 35%). The same codes for every float32 (checked exhaustively on [0, 6]; on the
+        H200 by `test_gpu_nvfp4_bit_exact` and friends, and by quantize_ab's bit check with
+        NaN / Inf / huge / tiny / zero blocks). None (the default) means `lean_arithmetic`'s
+        value: the default since stop 35 (2026-12-02), on the H200 row + Hadamard col, bf16,
+        nearest rounding, the kernel alone in alternation 139.5 → 130.1 µs (8192²) and
+        140.7 → 129.3 µs (16384×4096). True needs `lean_arithmetic`; False keeps
+        `e2m1_nearest`.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -158,12 +163,14 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     native_division: bool = True
     packed_row_amax: bool = True
     carry_stochastic_rounding: bool | None = None
-    grid_min_rounding: bool = False
+    grid_min_rounding: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.integer_stochastic_rounding is None:  # frozen: resolved once, here
             object.__setattr__(self, "integer_stochastic_rounding", self.lean_arithmetic)
+        if self.grid_min_rounding is None:
+            object.__setattr__(self, "grid_min_rounding", self.lean_arithmetic)
         if self.carry_stochastic_rounding is None:
             object.__setattr__(self, "carry_stochastic_rounding", self.integer_stochastic_rounding)
         for name in (
@@ -193,7 +200,11 @@ class NVFP4QuantizeConfig(qc.TileConfig):
                 "config whose default resolved it to True)"
             )
         if self.grid_min_rounding and not self.lean_arithmetic:
-            raise ValueError("grid_min_rounding=True needs lean_arithmetic=True")
+            raise ValueError(
+                "grid_min_rounding=True needs lean_arithmetic=True; pass grid_min_rounding=None "
+                "to follow lean_arithmetic (also when replacing fields of a config whose "
+                "default resolved it to True)"
+            )
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(
                 "reuse_input_tile=True needs loop_blocks=False: the codes held for the input "

@@ -212,7 +212,8 @@ def test_quantize_ab_fp8_block_runs_small(tmp_path):
 @pytest.mark.slow
 def test_quantize_ab_nvfp4_runs_small(tmp_path):
     # NVFP4 with stochastic rounding: stops 26-33's kernel (integer division) and stops 34-35's
-    # steps (native division, packed row amaxes, carry stochastic rounding: the default),
+    # steps (native division, packed row amaxes, carry stochastic rounding, grid-min nearest
+    # rounding: the default),
     # every one checked bit for bit against the first kernel (NaN / Inf / tiny blocks too)
     # before they are timed, in the interpreter.
     from benchmarks import quantize_ab

@@ -395,9 +395,9 @@ NVFP4_AMAX_TMA = pk.NVFP4QuantizeConfig(amax_direct_loads=False)
 # Stops 26-33's kernel: each block's 1 / (scale · S_dec) by integer long division and the row
 # amaxes on float32 patterns (stop 34: the platform's float division, bf16 patterns).
 NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_row_amax=False)
-# Nearest rounding as the smallest of three float roundings (opt-in since stop 35): the same
-# bits.
-NVFP4_GRID_MIN = pk.NVFP4QuantizeConfig(grid_min_rounding=True)
+# Nearest rounding by the magic-number integer sequence (stops <= 34; since stop 35 the default
+# takes the smallest of three float roundings, `grid_min_rounding`): the same bits.
+NVFP4_MAGIC_ROUNDING = pk.NVFP4QuantizeConfig(grid_min_rounding=False)
 
 
 @cpu_only
@@ -410,7 +410,7 @@ NVFP4_GRID_MIN = pk.NVFP4QuantizeConfig(grid_min_rounding=True)
         NVFP4_FLOAT_SR,
         NVFP4_INTEGER_DIVISION,
         NVFP4_COMPARISON_SR,
-        NVFP4_GRID_MIN,
+        NVFP4_MAGIC_ROUNDING,
     ],
 )
 @pytest.mark.parametrize(
@@ -599,6 +599,8 @@ def test_nvfp4_grid_min_rounding_matches_the_magic_number_codes_for_every_float(
         assert int(mismatches(jnp.uint32(first))) == 0, hex(first)
     with pytest.raises(ValueError, match="grid_min_rounding=True needs lean_arithmetic=True"):
         pk.NVFP4QuantizeConfig(grid_min_rounding=True, lean_arithmetic=False)
+    assert pk.NVFP4QuantizeConfig().grid_min_rounding is True
+    assert pk.NVFP4QuantizeConfig(lean_arithmetic=False).grid_min_rounding is False
     with pytest.raises(TypeError, match="grid_min_rounding must be a bool, got 1"):
         pk.NVFP4QuantizeConfig(grid_min_rounding=1)
     with pytest.raises(ValueError, match=r"scale must be a power of two, got 3\.0"):
@@ -675,6 +677,7 @@ def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
         lean_arithmetic=False,
         integer_stochastic_rounding=None,
         carry_stochastic_rounding=None,
+        grid_min_rounding=None,
     )
     assert exact == pk.NVFP4QuantizeConfig(lean_arithmetic=False)
     with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
@@ -1583,14 +1586,13 @@ CROSS_LOWERED = {
         lambda x: _nvfp4_rht_sr(x, config=NVFP4_EXACT),
         jnp.bfloat16,
     ),
-    "nvfp4 row+col rht, grid-min nearest rounding (inline fma.rn.f32)": (
+    "nvfp4 row+col rht, nearest rounding by grid minima (inline fma.rn.f32)": (
         lambda x: pk.quantize_nvfp4(
             x,
             columnwise=True,
             rowwise_amax=_AMAX,
             columnwise_amax=_AMAX,
             hadamard_columnwise=True,
-            config=NVFP4_GRID_MIN,
         ),
         jnp.bfloat16,
     ),
@@ -2029,11 +2031,13 @@ def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
 
 @gpu_cases
 @pytest.mark.parametrize("case", ["1x16 bf16 rht", "1x16 f32", "16x16", "grouped", "ties", "sign"])
-def test_gpu_nvfp4_grid_min_rounding_bit_exact(case):
-    # grid_min_rounding (opt-in since stop 35; its fma.rn.f32 runs on the hardware only): the
-    # reference's bits with nearest rounding for 1×16 blocks (bf16 with the Hadamard transform,
-    # f32), 16×16 weight blocks, a grouped tensor, products within an ulp of E2M1's rounding
-    # thresholds (the ties) and the sign of a product past half the smallest subnormal.
+def test_gpu_nvfp4_magic_number_rounding_bit_exact(case):
+    # Nearest rounding by the magic-number sequence (grid_min_rounding=False, stops <= 34): the
+    # reference's bits for 1×16 blocks (bf16 with the Hadamard transform, f32), 16×16 weight
+    # blocks, a grouped tensor, products within an ulp of E2M1's rounding thresholds (the ties)
+    # and the sign of a product past half the smallest subnormal. These six cases passed on the
+    # H200 with grid_min_rounding=True (its fma.rn.f32 runs on the hardware only) before it
+    # became the default (stop 35), which every other NVFP4 gpu test now runs.
     blocks = {
         "1x16 bf16 rht": (True, jnp.bfloat16, (1, 16)),
         "1x16 f32": (False, jnp.float32, (1, 16)),
@@ -2041,15 +2045,15 @@ def test_gpu_nvfp4_grid_min_rounding_bit_exact(case):
     }
     if case in blocks:
         rht, dtype, block = blocks[case]
-        test_gpu_nvfp4_bit_exact(rht, False, dtype, NVFP4_GRID_MIN, block)
+        test_gpu_nvfp4_bit_exact(rht, False, dtype, NVFP4_MAGIC_ROUNDING, block)
     elif case == "grouped":
-        test_gpu_nvfp4_grouped_bit_exact(True, False, jnp.bfloat16, NVFP4_GRID_MIN)
+        test_gpu_nvfp4_grouped_bit_exact(True, False, jnp.bfloat16, NVFP4_MAGIC_ROUNDING)
     elif case == "ties":
         for amax in (1.0, 3.3e5):
             x = division_sensitive_input((1024, 1024), amax)
-            check_nvfp4_over_global_amaxes(x, (amax,), NVFP4_GRID_MIN, rht=False)
+            check_nvfp4_over_global_amaxes(x, (amax,), NVFP4_MAGIC_ROUNDING, rht=False)
     else:
-        test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(NVFP4_GRID_MIN)
+        test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(NVFP4_MAGIC_ROUNDING)
 
 
 @gpu_cases
