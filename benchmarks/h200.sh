@@ -16,8 +16,8 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: NVFP4's stochastic rounding and
-#                                      block FP8's scale-load order, with their A/B scripts)
+#                                      and their timing (now: every NVFP4 gpu test on stop 35's
+#                                      grid-min rounding, and quantize_ab's NVFP4 variants)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -85,26 +85,27 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # stop 35's new defaults against their predecessors: NVFP4's carry stochastic rounding
-  # (add.rp.f32) against the comparison, block FP8's scale loads before / after the wgmma wait:
-  # their gpu tests, quantize_ab's NVFP4 variants ($PENDING_AB) and grouped_ab's block_tiles
-  # set ($PENDING_GROUPED_AB). Point PENDING_* at the next path.
-  timeout "${TEST_BUDGET:-200}" python3 -m pytest -m gpu -v -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-comparison_stochastic or gpu_fp8_block_forward}" ${PENDING_FILES:-\
-    tests/pallas_kernels/test_quantize.py tests/pallas_kernels/test_grouped_matmul_gpu.py} \
+  # stop 35's NVFP4 default grid_min_rounding (nearest codes by fma.rn.f32; its six targeted
+  # cases passed on the H200): every NVFP4 gpu test of the quantize files, then quantize_ab's
+  # NVFP4 variants ($PENDING_AB) and grouped_ab sets if any ($PENDING_GROUPED_AB, e.g.
+  # block_tiles). Point PENDING_* at the next path.
+  timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
+    -rfE -k "${PENDING_TESTS:-nvfp4}" ${PENDING_FILES:-\
+    tests/pallas_kernels/test_quantize.py tests/jax_qtrain/test_quantize_gpu.py \
+    tests/jax_qtrain/test_grouped_quantize.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  for kernel in ${PENDING_AB:-nvfp4_sr}; do
+  for kernel in ${PENDING_AB:-nvfp4 nvfp4_sr}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for variants in ${PENDING_GROUPED_AB:-block_tiles}; do
+  for variants in ${PENDING_GROUPED_AB:-}; do
     timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" --variants "$variants" 2>&1 | tail -14
   done
 elif [[ $STAGE == ncu ]]; then
   # Nsight Compute on one launch of each case of benchmarks/ncu_cases.py ($NCU_CASES), the
   # sections first (always available), then the pipes' instruction shares, then the NVFP4
-  # kernels' SASS (kernel_resources' dump) in one archive.
+  # kernels' PTX, ptxas report and SASS (kernel_resources' dump and log) in one archive.
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   PIPES=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
   for case in ${NCU_CASES:-nvfp4 nvfp4_sr mxfp8 fp8_block_gemm}; do
@@ -118,7 +119,9 @@ elif [[ $STAGE == ncu ]]; then
     grep -E "Duration|Issue Slots Busy|Executed Ipc A|pipe_|issue_active|inst_executed.sum|Warp Cycles Per Issued|Stall|Registers|Achieved Occ|Compute \(SM\)|Memory Through" "$OUT/ncu_$case.txt" | head -40
   done
   scratch=$(mktemp -d)
-  timeout "${SASS_BUDGET:-120}" python3 benchmarks/kernel_resources.py "$scratch" "${SASS_CASES:-lean}" > /dev/null 2>&1
+  # Mosaic GPU prints the SASS (MOSAIC_GPU_DUMP_SASS) to stdout: kept in the archive's log.
+  timeout "${SASS_BUDGET:-120}" python3 benchmarks/kernel_resources.py "$scratch" "${SASS_CASES:-lean}" \
+    > "$scratch/kernel_resources.log" 2>&1
   tar -czf "$OUT/sass_dump.tar.gz" -C "$scratch" .
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &

@@ -134,7 +134,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         instead of the tie-corrected comparison (~8 operations per element instead of ~17).
         The same decisions, so the same bits (tested in the interpreter against
         `e2m1_stochastic_integer` for every byte and against the reference; on the H200 by
-        `test_gpu_nvfp4_carry_stochastic_rounding_bit_exact`). The default since stop 35
+        every NVFP4 `gpu` test with stochastic rounding). The default since stop 35
         (2026-12-02): row + Hadamard col with stochastic rounding, bf16, in alternation on
         the H200, 228.1 → 165.4 µs (8192²) and 226.6 → 165.9 µs (16384×4096), the same
         bits. None (the default) means `integer_stochastic_rounding`'s value; True needs it;
