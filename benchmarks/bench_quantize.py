@@ -291,6 +291,16 @@ def extra_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]
             n // 2 + n // 16 + 2 * n,
         ),
         (
+            "dequantize nvfp4, float16 decode",
+            "row -> bf16",
+            "pallas",
+            lambda d, s, a: pk.dequantize_nvfp4(
+                d, s, a, out_dtype=bf, config=pk.DequantizeConfig(scaled_e2m1_decode=True)
+            ),
+            (nv.rowwise_data, nv.rowwise_scale_inv, nv.rowwise_amax),
+            n // 2 + n // 16 + 2 * n,
+        ),
+        (
             "dequantize nvfp4",
             "row -> bf16",
             "reference",

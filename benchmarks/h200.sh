@@ -16,8 +16,9 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: every NVFP4 gpu test on stop 35's
-#                                      grid-min rounding, and quantize_ab's NVFP4 variants)
+#                                      and their timing (now: every NVFP4 and dequantize gpu test
+#                                      on stop 35's grid-min rounding and float16 decode, then
+#                                      quantize_ab's NVFP4 variants and bench_quantize "extra")
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -86,11 +87,13 @@ elif [[ $STAGE == quantize ]]; then
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
   # stop 35's NVFP4 default grid_min_rounding (nearest codes by fma.rn.f32; its six targeted
-  # cases passed on the H200): every NVFP4 gpu test of the quantize files, then quantize_ab's
-  # NVFP4 variants ($PENDING_AB) and grouped_ab sets if any ($PENDING_GROUPED_AB, e.g.
-  # block_tiles). Point PENDING_* at the next path.
+  # cases passed on the H200) and the opt-in float16 decode of the NVFP4 dequantize kernel
+  # (DequantizeConfig.scaled_e2m1_decode): every NVFP4 and dequantize gpu test of the quantize
+  # files, then quantize_ab's NVFP4 variants ($PENDING_AB), grouped_ab sets if any
+  # ($PENDING_GROUPED_AB, e.g. block_tiles) and bench_quantize's "extra" cases
+  # ($PENDING_BENCH, empty for none). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-nvfp4}" ${PENDING_FILES:-\
+    -rfE -k "${PENDING_TESTS:-nvfp4 or dequantize}" ${PENDING_FILES:-\
     tests/pallas_kernels/test_quantize.py tests/jax_qtrain/test_quantize_gpu.py \
     tests/jax_qtrain/test_grouped_quantize.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
@@ -102,6 +105,12 @@ elif [[ $STAGE == pending ]]; then
   for variants in ${PENDING_GROUPED_AB:-}; do
     timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" --variants "$variants" 2>&1 | tail -14
   done
+  # bench_quantize's case groups ($PENDING_BENCH; "extra" times the NVFP4 dequantize kernel
+  # with and without the float16 decode, CUPTI), when set.
+  if [[ -n ${PENDING_BENCH-extra} ]]; then
+    BENCH_BUDGET_S=${BENCH_BUDGET_S:-90} timeout 120 python3 benchmarks/bench_quantize.py \
+      "$OUT/bq" --cases="${PENDING_BENCH-extra}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
+  fi
 elif [[ $STAGE == ncu ]]; then
   # Nsight Compute on one launch of each case of benchmarks/ncu_cases.py ($NCU_CASES), the
   # sections first (always available), then the pipes' instruction shares, then the NVFP4

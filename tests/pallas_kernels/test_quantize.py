@@ -1330,6 +1330,23 @@ def test_blocks_of_tiles_config_errors():
         untile_scales.untile_line_scales_all([jnp.zeros((4, 4), jnp.uint8)], kernel=1)
 
 
+# NVFP4 codes decoded as float16 bits (opt-in since stop 35): the same values.
+NVFP4_SCALED_DECODE = pk.DequantizeConfig(scaled_e2m1_decode=True)
+
+
+def test_e2m1_half_bits_give_every_code_s_value_over_2_to_the_14():
+    dequantize = importlib.import_module("pallas_kernels.dequantize")
+    byte = jnp.arange(256, dtype=jnp.uint32)
+    for nibble in (0, 1):
+        halves = jax.lax.bitcast_convert_type(dequantize.e2m1_half_bits(byte, nibble), jnp.float16)
+        got = np.asarray(halves.astype(jnp.float32)) * np.float32(2.0**14)
+        code = (byte >> (4 * nibble)) & 0xF
+        want = jax.lax.bitcast_convert_type(dequantize.e2m1_value_bits(code), jnp.float32)
+        np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want).view(np.uint32))
+    with pytest.raises(TypeError, match="scaled_e2m1_decode must be a bool, got 1"):
+        pk.DequantizeConfig(scaled_e2m1_decode=1)
+
+
 @cpu_only
 def test_dequantize_interpret():
     x = sample((128, 256), jnp.float32, 5, block=32)
@@ -1340,10 +1357,15 @@ def test_dequantize_interpret():
     spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
     amax = common.amax(x)
     d, s = nvfp4.quantize(x, spec, global_amax=amax)
-    got = pk.dequantize_nvfp4(d, s, amax, interpret=True)
-    assert_same_bits(
-        got, nvfp4.dequantize(d, s, spec, global_amax=amax), "nvfp4 dequantize", any_nan=True
-    )
+    s = s.at[0, 0].set(jnp.nan).at[1, 1].set(0.0).at[2, 2].set(2.0**-9)  # NaN, 0, tiny
+    want = nvfp4.dequantize(d, s, spec, global_amax=amax)
+    for config in (None, NVFP4_SCALED_DECODE):
+        got = pk.dequantize_nvfp4(d, s, amax, config=config, interpret=True)
+        assert_same_bits(got, want, f"nvfp4 dequantize ({config})", any_nan=True)
+        got16 = pk.dequantize_nvfp4(
+            d, s, amax, out_dtype=jnp.bfloat16, config=config, interpret=True
+        )
+        assert_same_bits(got16, want.astype(jnp.bfloat16), "nvfp4 dequantize bf16", any_nan=True)
     spec = QuantizerSpec("fp8_block", E4M3, (128, 128), power_2_scale=False)
     d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
     got16 = pk.dequantize_fp8_block(
@@ -1821,11 +1843,12 @@ def test_dequantize_cross_lowers_for_h200(out_dtype):
         codes,
         jax.ShapeDtypeStruct((256, 12), jnp.uint8),
     )
-    _cross_lower(
-        lambda d, s: pk.dequantize_nvfp4(d, s, _AMAX, out_dtype=out_dtype),
-        jax.ShapeDtypeStruct((256, 192), jnp.uint8),
-        jax.ShapeDtypeStruct((256, 24), E4M3),
-    )
+    for config in (None, NVFP4_SCALED_DECODE):
+        _cross_lower(
+            lambda d, s, c=config: pk.dequantize_nvfp4(d, s, _AMAX, out_dtype=out_dtype, config=c),
+            jax.ShapeDtypeStruct((256, 192), jnp.uint8),
+            jax.ShapeDtypeStruct((256, 24), E4M3),
+        )
     for block, scale_shape in (((1, 128), (256, 3)), ((128, 128), (2, 3))):
         _cross_lower(
             lambda d, s, b=block: pk.dequantize_fp8_block(d, s, block_shape=b, out_dtype=out_dtype),
@@ -2246,13 +2269,15 @@ def test_gpu_dequantize_bit_exact():
     spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
     amax = common.amax(x)
     d, s = nvfp4.quantize(x, spec, global_amax=amax)
-    poison_device_memory(4 * x.size)
-    assert_same_bits(
-        pk.dequantize_nvfp4(d, s, amax),
-        nvfp4.dequantize(d, s, spec, global_amax=amax),
-        "nvfp4 dequant",
-        any_nan=True,
-    )
+    # The float16 decode (opt-in since stop 35): float16 subnormals on the hardware.
+    for config in (None, NVFP4_SCALED_DECODE):
+        poison_device_memory(4 * x.size)
+        assert_same_bits(
+            pk.dequantize_nvfp4(d, s, amax, config=config),
+            nvfp4.dequantize(d, s, spec, global_amax=amax),
+            f"nvfp4 dequant ({config})",
+            any_nan=True,
+        )
     for block in ((1, 128), (128, 128)):
         spec = QuantizerSpec("fp8_block", E4M3, block)
         d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
