@@ -5,10 +5,11 @@
 
 CASE is one of `CASES`: the NVFP4 quantize kernel alone (row + Hadamard col, fixed global
 amaxes, as `bench_quantize.nvfp4_fixed_amax`), with and without stochastic rounding, and each
-copy alone; MXFP8 row+col (a memory-bound kernel of the same tiles, for comparison); and the
-dense block-FP8 GEMM, 8192³ (`dense_matmul_fp8_block`, bf16 output). `bash benchmarks/h200.sh
-ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so its durations are longer
-than CUPTI's: read its pipe, issue and stall figures, not its times.
+copy alone; MXFP8 row+col (a memory-bound kernel of the same tiles, for comparison); the
+dense block-FP8 GEMM, 8192³ (`dense_matmul_fp8_block`, bf16 output); and the NVFP4 dequantize
+kernel to bf16, with and without the float16 decode (`DequantizeConfig.scaled_e2m1_decode`).
+`bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
+its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ def _fp8_block_gemm(x: jax.Array) -> jax.Array:
     return pk.dense_matmul_fp8_block(codes, lhs_scale, codes, rhs_scale)
 
 
+def _nvfp4_dequantize(x: jax.Array, config: pk.DequantizeConfig | None = None) -> jax.Array:
+    rows, cols = x.shape
+    codes = jnp.full((rows, cols // 2), 0x9B, jnp.uint8)  # codes 11 and 9 (-1.5, -0.5)
+    scales = jnp.full((rows, cols // 16), 2.0, jnp.float8_e4m3fn)
+    return pk.dequantize_nvfp4(
+        codes, scales, jnp.float32(8.0), out_dtype=jnp.bfloat16, config=config
+    )
+
+
 CASES = {
     "nvfp4": functools.partial(nvfp4_fixed_amax, stochastic=False),
     "nvfp4_sr": functools.partial(nvfp4_fixed_amax, stochastic=True),
@@ -40,6 +50,10 @@ CASES = {
     "nvfp4_col": functools.partial(nvfp4_fixed_amax, rowwise=False),
     "mxfp8": functools.partial(pk.quantize_mxfp8, rowwise=True, columnwise=True),
     "fp8_block_gemm": _fp8_block_gemm,
+    "nvfp4_dequantize": _nvfp4_dequantize,
+    "nvfp4_dequantize_f16": functools.partial(
+        _nvfp4_dequantize, config=pk.DequantizeConfig(scaled_e2m1_decode=True)
+    ),
 }
 
 
