@@ -477,8 +477,8 @@ _INTEGER_GRID = 2.0**23  # float32 in [2^23, 2^24) are the integers (ulp 1)
 _INTEGER_GRID_BITS = 0x4B000000
 
 
-def e2m1_nearest_grid_min(a: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
-    """`e2m1_nearest`'s code of a = min(|p|, 6) (float32, held in `layout`), as the float
+def e2m1_nearest_grid_min(p: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
+    """`e2m1_nearest(p)` (float32 p held in `layout`; a = min(|p|, 6)), as the float
     2^23 + code (its bits: 0x4B000000 + code), by float operations.
 
     Rounded to each spacing of E2M1's grid, a gives a code candidate: 2a to the integers (the
@@ -490,8 +490,9 @@ def e2m1_nearest_grid_min(a: jax.Array, layout, *, on_hardware: bool) -> jax.Arr
     (`qc.exact_scale_add`: PTX fma.rn.f32 on the hardware; in the interpreter a·½ rounds
     first only when subnormal, whose rint is 0 either way). Three FMA-pipe instructions and
     two minima instead of `_e2m1_round`'s seven integer ones: the integer / logic (ALU) pipe
-    is the kernel's busiest (Nsight Compute on the H200, docs/benchmarks.md stop 35). NaN a
+    is the kernel's busiest (Nsight Compute on the H200, docs/benchmarks.md stop 35). NaN p
     gives NaN (the caller clears NaN blocks)."""
+    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
     halves = qc.exact_scale_add(a, 2.0, _INTEGER_GRID, layout, on_hardware=on_hardware)
     units = a + jnp.float32(_INTEGER_GRID + 2)
     doubles = qc.exact_scale_add(a, 0.5, _INTEGER_GRID + 4, layout, on_hardware=on_hardware)
@@ -558,8 +559,7 @@ def quantize_block_lines(
     if grid_min and uniforms is None and thresholds is None:
         if not lean:
             raise ValueError("grid_min (nearest rounding by float grids) needs lean=True")
-        a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
-        grid_code = e2m1_nearest_grid_min(a, layout, on_hardware=on_hardware)
+        grid_code = e2m1_nearest_grid_min(p, layout, on_hardware=on_hardware)
         # 0x4B000000 + code with code < 8: xor with 0x4B000000 (| 8 where negative) leaves the
         # signed code, one operation for the sign and the offset. NaN blocks are cleared below.
         offset = jnp.where(

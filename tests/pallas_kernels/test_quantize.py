@@ -1529,17 +1529,18 @@ _X = {dt: jax.ShapeDtypeStruct((256, 384), dt) for dt in (jnp.bfloat16, jnp.floa
 _TILE_256 = dict(tile_m=256, tile_k=256)
 
 
-def _nvfp4_rht_sr(x, **options):
-    """Both NVFP4 copies, Hadamard on the columnwise one, stochastic rounding (gradients)."""
+def _nvfp4_rht(x, *, sr=True, **options):
+    """Both NVFP4 copies, Hadamard on the columnwise one, stochastic rounding by default
+    (gradients; `sr=False`: nearest, as activations)."""
     return pk.quantize_nvfp4(
         x,
         columnwise=True,
         rowwise_amax=_AMAX,
         columnwise_amax=_AMAX,
         hadamard_columnwise=True,
-        stochastic_rounding=True,
-        rowwise_seed=jnp.uint32(1),
-        columnwise_seed=jnp.uint32(2),
+        stochastic_rounding=sr,
+        rowwise_seed=jnp.uint32(1) if sr else None,
+        columnwise_seed=jnp.uint32(2) if sr else None,
         **options,
     )
 
@@ -1605,17 +1606,11 @@ CROSS_LOWERED = {
         jnp.bfloat16,
     ),
     "nvfp4 row+col rht sr exact arithmetic": (
-        lambda x: _nvfp4_rht_sr(x, config=NVFP4_EXACT),
+        lambda x: _nvfp4_rht(x, config=NVFP4_EXACT),
         jnp.bfloat16,
     ),
     "nvfp4 row+col rht, nearest rounding by grid minima (inline fma.rn.f32)": (
-        lambda x: pk.quantize_nvfp4(
-            x,
-            columnwise=True,
-            rowwise_amax=_AMAX,
-            columnwise_amax=_AMAX,
-            hadamard_columnwise=True,
-        ),
+        functools.partial(_nvfp4_rht, sr=False),
         jnp.bfloat16,
     ),
     "mxfp8 row+col reuse_input_tile": (
@@ -1638,14 +1633,14 @@ CROSS_LOWERED = {
         lambda x: pk.quantize_nvfp4(x, columnwise=True, rowwise_amax=_AMAX, columnwise_amax=_AMAX),
         jnp.bfloat16,
     ),
-    "nvfp4 rht+sr row+col": (_nvfp4_rht_sr, jnp.float32),
+    "nvfp4 rht+sr row+col": (_nvfp4_rht, jnp.float32),
     "nvfp4 rht+sr row+col, comparison stochastic rounding": (
-        functools.partial(_nvfp4_rht_sr, config=NVFP4_COMPARISON_SR),
+        functools.partial(_nvfp4_rht, config=NVFP4_COMPARISON_SR),
         jnp.bfloat16,
     ),
     "nvfp4 rht+sr row+col at a shard's positions": (
         functools.partial(
-            _nvfp4_rht_sr,
+            _nvfp4_rht,
             rowwise_position=(jnp.uint32(4096), jnp.uint32(0)),
             columnwise_position=(jnp.uint32(0), jnp.uint32(4096)),
         ),
