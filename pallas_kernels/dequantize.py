@@ -236,6 +236,8 @@ def e2m1_half_bits(byte: jax.Array, nibble: int) -> jax.Array:
     2^(E−15)·(1 + m/2) for E ≥ 1 and, for E = 0, the float16 subnormal m·2^-15: E2M1's
     values times 2^-14. Two shifts and two masks; the conversion to float32 is exact,
     subnormals included (the hardware's and XLA:CPU's, which flushes float32 subnormals)."""
+    if nibble not in (0, 1):
+        raise ValueError(f"nibble must be 0 (bits 3..0) or 1 (bits 7..4), got {nibble!r}")
     offset = 4 * nibble
     magnitude = (byte << (9 - offset)) & jnp.uint32(0x0E00)
     sign = (byte << (12 - offset)) & jnp.uint32(0x8000)

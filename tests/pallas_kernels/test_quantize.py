@@ -1343,6 +1343,8 @@ def test_e2m1_half_bits_give_every_code_s_value_over_2_to_the_14():
         code = (byte >> (4 * nibble)) & 0xF
         want = jax.lax.bitcast_convert_type(dequantize.e2m1_value_bits(code), jnp.float32)
         np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want).view(np.uint32))
+    with pytest.raises(ValueError, match=r"nibble must be 0 \(bits 3..0\) or 1 .*got 2"):
+        dequantize.e2m1_half_bits(byte, 2)
     with pytest.raises(TypeError, match="scaled_e2m1_decode must be a bool, got 1"):
         pk.DequantizeConfig(scaled_e2m1_decode=1)
 
