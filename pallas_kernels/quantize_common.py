@@ -183,10 +183,10 @@ def exact_scale_add(
     FMA-pipe instruction; Mosaic GPU's lowering does not contract a multiply and an add). In
     the interpreter the product is rounded first, which is exact unless it is subnormal:
     callers must make such products round the same either way."""
-    if not on_hardware:
-        return values * jnp.float32(scale) + jnp.float32(addend)
     if np.frexp(scale)[0] != 0.5:
         raise ValueError(f"scale must be a power of two, got {scale}")
+    if not on_hardware:
+        return values * jnp.float32(scale) + jnp.float32(addend)
     constants = ", ".join(f"0f{np.float32(c).view(np.uint32):08X}" for c in (scale, addend))
     return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {constants};")
 
