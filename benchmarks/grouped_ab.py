@@ -20,7 +20,8 @@ for the run's clocks) are timed batch by batch in alternation
   neighbours (after the visit-table change, where single sweeps ranked them differently),
   the balanced shape and the dense block-FP8 GEMM only;
 * ``block_tiles``: block FP8 only (G8 balanced and the dense 8192³ GEMM): the default (with
-  and without `early_block_scales`, the default since stop 35) and its CTA tile of 64 x
+  and without `early_block_scales`, the default since stop 35; with the persistent pipeline;
+  with a wgmma in flight, i.e. the previous K block promoted under the MMA) and its CTA tile of 64 x
   (2 x 128) against 128 x (2 x 64), whose 128x128 tiles read a fifth less lhs + rhs per
   product (32 instead of 40 KB per 2 M multiply-adds and K step) for the same accumulator
   registers, with a wgmma in flight, the persistent pipeline and 2-CTA clusters;
@@ -150,14 +151,19 @@ def default_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConf
 
 
 def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMatmulConfig]:
-    """Block FP8's default config, its persistent pipeline, and 128 x (2 x 64) CTA tiles alone,
-    with a wgmma in flight, the persistent pipeline or 2-CTA clusters, each fitted to shared
+    """Block FP8's default config, its persistent pipeline, a wgmma in flight, and 128 x (2 x
+    64) CTA tiles alone, with a wgmma in flight, the persistent pipeline or 2-CTA clusters, each fitted to shared
     memory for contraction size k (bf16 output)."""
     replace = dataclasses.replace
     tall = replace(config, tile_m=128, tile_n=64)
     variants = {
         "default": config,
         "default, persistent": replace(config, persistent_pipeline=True),
+        # Promotes the previous K block under this block's wgmma: a third accumulator.
+        "default, 1 in flight": replace(config, wgmma_in_flight=1),
+        "default, 1 in flight, persistent": replace(
+            config, wgmma_in_flight=1, persistent_pipeline=True
+        ),
         "128x(2x64)": tall,
         "128x(2x64), 1 in flight": replace(tall, wgmma_in_flight=1),
         "128x(2x64), persistent": replace(tall, persistent_pipeline=True),

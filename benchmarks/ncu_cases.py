@@ -7,7 +7,8 @@ CASE is one of `CASES`: the NVFP4 quantize kernel alone (row + Hadamard col, fix
 amaxes, as `bench_quantize.nvfp4_fixed_amax`), with and without stochastic rounding, and each
 copy alone; MXFP8 row+col (a memory-bound kernel of the same tiles, for comparison); the
 dense block-FP8 GEMM, 8192³ (`dense_matmul_fp8_block`, bf16 output); and the NVFP4 dequantize
-kernel to bf16, with and without the float16 decode (`DequantizeConfig.scaled_e2m1_decode`).
+kernel to bf16, with the float16 decode (the default) and with the integer one
+(`DequantizeConfig(scaled_e2m1_decode=False)`).
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
@@ -51,8 +52,8 @@ CASES = {
     "mxfp8": functools.partial(pk.quantize_mxfp8, rowwise=True, columnwise=True),
     "fp8_block_gemm": _fp8_block_gemm,
     "nvfp4_dequantize": _nvfp4_dequantize,
-    "nvfp4_dequantize_f16": functools.partial(
-        _nvfp4_dequantize, config=pk.DequantizeConfig(scaled_e2m1_decode=True)
+    "nvfp4_dequantize_integer": functools.partial(
+        _nvfp4_dequantize, config=pk.DequantizeConfig(scaled_e2m1_decode=False)
     ),
 }
 

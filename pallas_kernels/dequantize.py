@@ -43,13 +43,13 @@ class DequantizeConfig(qc.TileConfig):
         then · S_dec as the reference. Two shifts and two masks per code instead of
         `e2m1_value_bits`' ~13 integer operations, compares and selects. The same bits
         (every byte against `e2m1_value_bits`, and the kernel against the reference in the
-        interpreter). Opt-in until it has run on the H200 (stop 35, without device time):
-        the NVFP4 kernel took as long as MXFP8's (65.5 vs 65.6 µs for 8192², stop 18)
-        reading half the code bytes, so its integer work, not memory, bounds it (as Nsight
-        Compute found for the NVFP4 quantize kernel, docs/benchmarks.md stop 35).
+        interpreter, and on the H200 by `test_gpu_dequantize_bit_exact`). The default since
+        stop 36: on the H200 (2026-12-02, CUPTI) 8192² to bf16 64.7 -> 56.4 µs (2.66 -> 3.05
+        TB/s); the integer decode (False) took as long as MXFP8's kernel while reading half
+        the code bytes, its integer work, not memory, bounding it.
     """
 
-    scaled_e2m1_decode: bool = False
+    scaled_e2m1_decode: bool = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -1330,8 +1330,9 @@ def test_blocks_of_tiles_config_errors():
         untile_scales.untile_line_scales_all([jnp.zeros((4, 4), jnp.uint8)], kernel=1)
 
 
-# NVFP4 codes decoded as float16 bits (opt-in since stop 35): the same values.
-NVFP4_SCALED_DECODE = pk.DequantizeConfig(scaled_e2m1_decode=True)
+# NVFP4 codes decoded by integer operations (the default before stop 36, kept as an option):
+# the same values as the default float16-bit decode.
+NVFP4_INTEGER_DECODE = pk.DequantizeConfig(scaled_e2m1_decode=False)
 
 
 def test_e2m1_half_bits_give_every_code_s_value_over_2_to_the_14():
@@ -1361,7 +1362,7 @@ def test_dequantize_interpret():
     d, s = nvfp4.quantize(x, spec, global_amax=amax)
     s = s.at[0, 0].set(jnp.nan).at[1, 1].set(0.0).at[2, 2].set(2.0**-9)  # NaN, 0, tiny
     want = nvfp4.dequantize(d, s, spec, global_amax=amax)
-    for config in (None, NVFP4_SCALED_DECODE):
+    for config in (None, NVFP4_INTEGER_DECODE):
         got = pk.dequantize_nvfp4(d, s, amax, config=config, interpret=True)
         assert_same_bits(got, want, f"nvfp4 dequantize ({config})", any_nan=True)
         got16 = pk.dequantize_nvfp4(
@@ -1840,7 +1841,7 @@ def test_dequantize_cross_lowers_for_h200(out_dtype):
         codes,
         jax.ShapeDtypeStruct((256, 12), jnp.uint8),
     )
-    for config in (None, NVFP4_SCALED_DECODE):
+    for config in (None, NVFP4_INTEGER_DECODE):
         _cross_lower(
             lambda d, s, c=config: pk.dequantize_nvfp4(d, s, _AMAX, out_dtype=out_dtype, config=c),
             jax.ShapeDtypeStruct((256, 192), jnp.uint8),
@@ -2266,8 +2267,8 @@ def test_gpu_dequantize_bit_exact():
     spec = QuantizerSpec("nvfp4", jnp.float4_e2m1fn, (1, 16))
     amax = common.amax(x)
     d, s = nvfp4.quantize(x, spec, global_amax=amax)
-    # The float16 decode (opt-in since stop 35): float16 subnormals on the hardware.
-    for config in (None, NVFP4_SCALED_DECODE):
+    # The float16 decode (the default): float16 subnormals on the hardware.
+    for config in (None, NVFP4_INTEGER_DECODE):
         poison_device_memory(4 * x.size)
         assert_same_bits(
             pk.dequantize_nvfp4(d, s, amax, config=config),
