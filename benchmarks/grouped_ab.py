@@ -152,8 +152,8 @@ def default_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConf
 
 def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMatmulConfig]:
     """Block FP8's default config, its persistent pipeline, a wgmma in flight, and 128 x (2 x
-    64) CTA tiles alone, with a wgmma in flight, the persistent pipeline or 2-CTA clusters, each fitted to shared
-    memory for contraction size k (bf16 output)."""
+    64) CTA tiles alone, with a wgmma in flight, the persistent pipeline or 2-CTA clusters,
+    each fitted to shared memory for contraction size k (bf16 output)."""
     replace = dataclasses.replace
     tall = replace(config, tile_m=128, tile_n=64)
     variants = {
