@@ -17,7 +17,7 @@
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (now: every NVFP4 and dequantize gpu test
-#                                      on stop 35's grid-min rounding and float16 decode, then
+#                                      on stop 36's float sign test, then
 #                                      quantize_ab's NVFP4 variants and bench_quantize "extra")
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
@@ -86,10 +86,9 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # stop 35's NVFP4 default grid_min_rounding (nearest codes by fma.rn.f32; its six targeted
-  # cases passed on the H200) and the opt-in float16 decode of the NVFP4 dequantize kernel
-  # (DequantizeConfig.scaled_e2m1_decode): every NVFP4 and dequantize gpu test of the quantize
-  # files, then quantize_ab's NVFP4 variants ($PENDING_AB), grouped_ab sets if any
+  # stop 36's NVFP4 default float_sign_test (each code's sign bit by fma.rn.sat.f32 and
+  # fma.rn.f32, nearest and stochastic rounding): every NVFP4 and dequantize gpu test of the
+  # quantize files, then quantize_ab's NVFP4 variants ($PENDING_AB), grouped_ab sets if any
   # ($PENDING_GROUPED_AB, e.g. block_tiles) and bench_quantize's "extra" cases
   # ($PENDING_BENCH, empty for none). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \

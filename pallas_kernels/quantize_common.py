@@ -129,23 +129,27 @@ def line_amax_bits(patterns: jax.Array) -> jax.Array:
     return amax.astype(jnp.uint32) << 16 if patterns.dtype == jnp.uint16 else amax
 
 
-def _inline_ptx_f32(values: jax.Array, layout, asm: str) -> jax.Array:
-    """`asm` (one PTX instruction, result $0, operand $1) on every element of a float32 array
-    held in `layout`, on the hardware only (inline code has no interpreter path)."""
+def _inline_ptx_f32(values: jax.Array, layout, asm: str, *more_values: jax.Array) -> jax.Array:
+    """`asm` (one PTX instruction, result $0, operands $1, $2, ...) on every element of float32
+    arrays of one shape held in `layout` (`values`, then `more_values`), on the hardware only
+    (inline code has no interpreter path)."""
+    operands = (values, *more_values)
+    constraints = "=f" + ",f" * len(operands)
 
     @plgpu.inline_mgpu(
-        arg_types=(layout,),
+        arg_types=(layout,) * len(operands),
         return_type=plgpu.ShapeDtypeStruct(values.shape, jnp.float32, layout=layout),
     )
-    def apply(_, fragments):
-        def one_register(x):
-            return llvm.inline_asm(x.type, [x], asm, "=f,f")
+    def apply(_, fragments, *more_fragments):
+        def one_register(*registers):
+            return llvm.inline_asm(registers[0].type, list(registers), asm, constraints)
 
         # Mosaic GPU's own helpers for one instruction per register (private API; jax is
         # pinned to 0.11.2, and the cross-lowering tests would catch a change).
-        return fragments._pointwise(mgpu.FragmentedArray._lift_fast_instr(one_register))
+        lifted = mgpu.FragmentedArray._lift_fast_instr(one_register)
+        return fragments._pointwise(lifted, *more_fragments)
 
-    return apply(values)
+    return apply(*operands)
 
 
 def ieee_reciprocal(values: jax.Array, *, on_hardware: bool) -> jax.Array:
@@ -187,8 +191,44 @@ def exact_scale_add(
         raise ValueError(f"scale must be a power of two, got {scale}")
     if not on_hardware:
         return values * jnp.float32(scale) + jnp.float32(addend)
-    constants = ", ".join(f"0f{np.float32(c).view(np.uint32):08X}" for c in (scale, addend))
-    return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {constants};")
+    asm = f"fma.rn.f32 $0, $1, {_ptx_f32(scale)}, {_ptx_f32(addend)};"
+    return _inline_ptx_f32(values, layout, asm)
+
+
+def _ptx_f32(value: float) -> str:
+    """A float32 constant as PTX spells it inline (0f + its bits in hex)."""
+    return f"0f{np.float32(value).view(np.uint32):08X}"
+
+
+def saturated_scale_add(
+    values: jax.Array, scale: float, addend: float, layout, *, on_hardware: bool
+) -> jax.Array:
+    """values · scale + addend in one rounding, clamped to [0, 1] (NaN to 0), for a power-of-two
+    `scale` whose products do not lose bits (|scale| ≥ 1, or no subnormal products). On the
+    hardware PTX's `fma.rn.sat.f32` (one FMA-pipe instruction); in the interpreter the same
+    from the exact product: a product that overflows makes the sum overflow the same way."""
+    if np.frexp(abs(scale))[0] != 0.5:
+        raise ValueError(f"scale must be ± a power of two, got {scale}")
+    if not on_hardware:
+        total = values * jnp.float32(scale) + jnp.float32(addend)
+        # `total > 0` is False for NaN and ±0: both clamp to +0, as .sat does.
+        return jnp.where(total > 0, jnp.minimum(total, jnp.float32(1.0)), jnp.float32(0.0))
+    asm = f"fma.rn.sat.f32 $0, $1, {_ptx_f32(scale)}, {_ptx_f32(addend)};"
+    return _inline_ptx_f32(values, layout, asm)
+
+
+def scale_add(
+    values: jax.Array, scale: float, addends: jax.Array, layout, *, on_hardware: bool
+) -> jax.Array:
+    """values · scale + addends (an array) in one rounding, for a power-of-two `scale` whose
+    products are exact (no subnormal products): PTX's `fma.rn.f32` on the hardware (one
+    instruction: Mosaic GPU's lowering keeps a multiply and an add apart), the product then
+    the sum in the interpreter."""
+    if np.frexp(abs(scale))[0] != 0.5:
+        raise ValueError(f"scale must be ± a power of two, got {scale}")
+    if not on_hardware:
+        return values * jnp.float32(scale) + addends
+    return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {_ptx_f32(scale)}, $2;", addends)
 
 
 def is_nan_bits(bits: jax.Array) -> jax.Array:

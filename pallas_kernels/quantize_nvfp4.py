@@ -150,6 +150,25 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         nearest rounding, the kernel alone in alternation 139.5 → 130.1 µs (8192²) and
         140.7 → 129.3 µs (16384×4096). True needs `lean_arithmetic`; False keeps
         `e2m1_nearest`.
+      float_sign_test: put each code's sign bit in with FMA-pipe instructions
+        (`negative_units`): the sign test r = fp32(x · enc·2^64) < −2^-86 as the saturated
+        fused multiply-add sat(r · −2^110 − 2^24), exactly 1.0 or 0.0, then added as 8 · that
+        to nearest rounding's float 2^23 + code (grid-min rounding) or to the carry's code
+        (stochastic rounding) in the same integer add. Replaces a compare, a select and a
+        logic operation per element (the ALU pipe's, still the busiest after grid-min rounding
+        on the H200: 73% against FMA's 38%, Nsight Compute, stop 36) by two FMA-pipe ones and
+        at most one add. The same bits (the equivalence of the two sign tests is checked on
+        every float32 near −2^-86 and on samples elsewhere, tests/pallas_kernels). None (the
+        default) means `lean_arithmetic`'s value; True needs it; False keeps the compare
+        and select.
+      float_block_amax: on the hardware, the amax of a block taken in float32 (a NaN-
+        propagating max of |v|, PTX `max.NaN.f32`, whose absolute values ptxas can take as
+        operand modifiers) wherever it is taken on float32 values (the Hadamard columnwise
+        copy, float32 input) instead of on bit patterns (an and and an integer max per
+        element); bf16 rows keep their packed 16-bit amax. The same bits but for a NaN block's
+        amax payload, which only its NaN-ness reaches (the block scale's NaN code and the
+        block's cleared codes). The interpreter keeps the bit patterns (XLA:CPU would read
+        subnormals as zero), so only the `gpu` tests check it. Opt-in (stop 36) until timed.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -164,6 +183,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     packed_row_amax: bool = True
     carry_stochastic_rounding: bool | None = None
     grid_min_rounding: bool | None = None
+    float_sign_test: bool | None = None
+    float_block_amax: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -173,6 +194,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             object.__setattr__(self, "grid_min_rounding", self.lean_arithmetic)
         if self.carry_stochastic_rounding is None:
             object.__setattr__(self, "carry_stochastic_rounding", self.integer_stochastic_rounding)
+        if self.float_sign_test is None:
+            object.__setattr__(self, "float_sign_test", self.lean_arithmetic)
         for name in (
             "lean_arithmetic",
             "loop_blocks",
@@ -182,6 +205,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "packed_row_amax",
             "carry_stochastic_rounding",
             "grid_min_rounding",
+            "float_sign_test",
+            "float_block_amax",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -204,6 +229,12 @@ class NVFP4QuantizeConfig(qc.TileConfig):
                 "grid_min_rounding=True needs lean_arithmetic=True; pass grid_min_rounding=None "
                 "to follow lean_arithmetic (also when replacing fields of a config whose "
                 "default resolved it to True)"
+            )
+        if self.float_sign_test and not self.lean_arithmetic:
+            raise ValueError(
+                "float_sign_test=True needs lean_arithmetic=True; pass float_sign_test=None to "
+                "follow lean_arithmetic (also when replacing fields of a config whose default "
+                "resolved it to True)"
             )
         if self.loop_blocks and self.reuse_input_tile:
             raise ValueError(
@@ -499,6 +530,25 @@ def e2m1_nearest_grid_min(p: jax.Array, layout, *, on_hardware: bool) -> jax.Arr
     return jnp.minimum(jnp.minimum(halves, units), doubles)
 
 
+# sat(r · −2^110 − 2^24) is 1.0 exactly where r < −2^-86 (`negative_units`).
+_SIGN_SCALE = -(2.0**110)
+_SIGN_OFFSET = -(2.0**24)
+
+
+def negative_units(signed_products: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
+    """1.0 where float32 r < −2^-86, else 0.0 (NaN gives 0.0): the lean sign test
+    (`quantize_block_lines`) as one saturated fused multiply-add, sat(r · −2^110 − 2^24), an
+    FMA-pipe instruction instead of a compare and a select on the ALU pipe.
+
+    r · −2^110 is exact (a power-of-two scaling up; where it overflows, the sum overflows the
+    same way), so the sum is positive exactly when −r · 2^110 > 2^24, i.e. r < −2^-86. The
+    float32 next below −2^-86 is −2^-86 − 2^-109 (the spacing just above 2^-86), giving 2: a
+    positive sum is at least 2 and saturates to exactly 1.0; r = −2^-86 gives +0."""
+    return qc.saturated_scale_add(
+        signed_products, _SIGN_SCALE, _SIGN_OFFSET, layout, on_hardware=on_hardware
+    )
+
+
 def quantize_block_lines(
     v,
     layout,
@@ -513,6 +563,8 @@ def quantize_block_lines(
     on_hardware=False,
     carry=False,
     grid_min=False,
+    float_sign=False,
+    float_amax=False,
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
@@ -524,9 +576,16 @@ def quantize_block_lines(
     interpreter's division). `carry`: `thresholds` are carry addends
     (`NVFP4QuantizeConfig.carry_stochastic_rounding`). `grid_min`: nearest rounding by
     `e2m1_nearest_grid_min` (`NVFP4QuantizeConfig.grid_min_rounding`; needs `lean`).
+    `float_sign`: the sign bits by `negative_units` (`NVFP4QuantizeConfig.float_sign_test`;
+    needs `lean`; used by the grid-min and carry paths, the others keep the compare).
+    `float_amax`: the block amax taken in float32 on the hardware
+    (`NVFP4QuantizeConfig.float_block_amax`).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
-    if block_amax_bits is None:
+    if block_amax_bits is None and float_amax and on_hardware:
+        # maximumf propagates NaN (PTX max.NaN.f32); |v| keeps subnormals.
+        block_amax_bits = lax.bitcast_convert_type(jnp.max(jnp.abs(v), axis=1), jnp.uint32)
+    elif block_amax_bits is None:
         block_amax_bits = qc.row_amax_bits(v)
     block_amax = qc.f32_from_bits(block_amax_bits)
     block_scale = jnp.minimum(block_amax * t, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
@@ -543,6 +602,11 @@ def quantize_block_lines(
     # may reassociate that product, and 2^64·enc can overflow. (Not `p < 0` even where
     # subnormals are kept: the two round differently when x·enc is within 2^-24 relative of
     # -2^-150, e.g. x = -3·2^-149, enc = fp32(1/6): p = -2^-149 but (x·2^64)·enc = -2^-86.)
+    grid_min_path = grid_min and uniforms is None and thresholds is None
+    if (grid_min_path or thresholds is not None or float_sign) and not lean:
+        raise ValueError("grid_min, thresholds and float_sign need lean=True")
+    float_sign = float_sign and (grid_min_path or (carry and thresholds is not None))
+    negative = negative_unit = None
     if lean:
         # x·(enc·2^64), one multiply per element: both scalings by 2^64 are exact unless they
         # overflow, so the product is the same rounding of x·enc·2^64. Where enc·2^64 is Inf
@@ -550,29 +614,48 @@ def quantize_block_lines(
         # f32 x, and x = ±0 gives NaN (not negative) where the reference gives ±0 (not
         # negative); where x·2^64 is ±Inf, enc ≥ 2^-125.4 keeps |x·enc·2^64| above 2^-86.
         encode_64 = qc.broadcast_rows(encode * _TWO_POW_64, v.shape, layout)
-        negative = v * encode_64 < jnp.float32(-(2.0**-86))
+        signed_product = v * encode_64
+        if float_sign:
+            negative_unit = negative_units(signed_product, layout, on_hardware=on_hardware)
+        else:
+            negative = signed_product < jnp.float32(-(2.0**-86))
     else:
         negative = (v * _TWO_POW_64) * encode_b < jnp.float32(-(2.0**-86))
     signed = False  # whether `magnitude` carries the sign bit already
     if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
         uniforms = plgpu.layout_cast(uniforms, layout)
-    if grid_min and uniforms is None and thresholds is None:
-        if not lean:
-            raise ValueError("grid_min (nearest rounding by float grids) needs lean=True")
+    if grid_min_path:
         grid_code = e2m1_nearest_grid_min(p, layout, on_hardware=on_hardware)
-        # 0x4B000000 + code with code < 8: xor with 0x4B000000 (| 8 where negative) leaves the
-        # signed code, one operation for the sign and the offset. NaN blocks are cleared below.
-        offset = jnp.where(
-            negative, jnp.uint32(_INTEGER_GRID_BITS | 8), jnp.uint32(_INTEGER_GRID_BITS)
-        )
-        magnitude, signed = lax.bitcast_convert_type(grid_code, jnp.uint32) ^ offset, True
+        if float_sign:
+            # 2^23 + code + 8 where negative, exactly: its bits are 0x4B000000 + the signed
+            # code, whose bits above the nibble packing drops (`packed & keep` below).
+            signed_code = qc.scale_add(
+                negative_unit, 8.0, grid_code, layout, on_hardware=on_hardware
+            )
+            magnitude = lax.bitcast_convert_type(signed_code, jnp.uint32)
+        else:
+            # 0x4B000000 + code with code < 8: xor with 0x4B000000 (| 8 where negative) leaves
+            # the signed code, one operation for the sign and the offset.
+            offset = jnp.where(
+                negative, jnp.uint32(_INTEGER_GRID_BITS | 8), jnp.uint32(_INTEGER_GRID_BITS)
+            )
+            magnitude = lax.bitcast_convert_type(grid_code, jnp.uint32) ^ offset
+        signed = True  # NaN blocks are cleared below
     elif thresholds is not None:
-        if not lean:
-            raise ValueError("thresholds (integer stochastic rounding) need lean=True")
         # NaN blocks are cleared after packing, as below.
         thresholds = plgpu.layout_cast(thresholds, layout)
         if carry:
             magnitude = e2m1_stochastic_carry(p, thresholds, layout, on_hardware=on_hardware)
+            if float_sign:
+                # bits(2^23 + 8·negative) − 0x4B000000 is the sign bit 8 or 0; the compiler
+                # folds its constant into the carry's (one three-input add).
+                sign_bits = lax.bitcast_convert_type(
+                    qc.exact_scale_add(
+                        negative_unit, 8.0, _INTEGER_GRID, layout, on_hardware=on_hardware
+                    ),
+                    jnp.uint32,
+                )
+                magnitude, signed = magnitude + (sign_bits - jnp.uint32(_INTEGER_GRID_BITS)), True
         else:
             magnitude = e2m1_stochastic_integer(p, thresholds)
     elif uniforms is None:
@@ -622,6 +705,8 @@ def _quantize_copy(
     on_hardware=False,
     carry_stochastic_rounding=False,
     grid_min_rounding=False,
+    float_sign_test=False,
+    float_block_amax=False,
     line_table=None,
     block_table=None,
 ):
@@ -734,6 +819,8 @@ def _quantize_copy(
                     on_hardware=on_hardware,
                     carry=carry_stochastic_rounding,
                     grid_min=grid_min_rounding,
+                    float_sign=float_sign_test,
+                    float_amax=float_block_amax,
                 )
                 packed_group.append(packed)
                 scales.append(qc.column(block_scale))
@@ -834,6 +921,8 @@ def _tile(
         native_division=config.native_division,
         carry_stochastic_rounding=config.carry_stochastic_rounding,
         grid_min_rounding=config.grid_min_rounding,
+        float_sign_test=config.float_sign_test,
+        float_block_amax=config.float_block_amax,
     )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)

@@ -398,6 +398,12 @@ NVFP4_INTEGER_DIVISION = pk.NVFP4QuantizeConfig(native_division=False, packed_ro
 # Nearest rounding by the magic-number integer sequence (stops <= 34; since stop 35 the default
 # takes the smallest of three float roundings, `grid_min_rounding`): the same bits.
 NVFP4_MAGIC_ROUNDING = pk.NVFP4QuantizeConfig(grid_min_rounding=False)
+# Each code's sign by a compare and a select (stops <= 35; since stop 36 the default adds it by
+# FMA-pipe instructions, `float_sign_test`): the same bits.
+NVFP4_COMPARE_SIGN = pk.NVFP4QuantizeConfig(float_sign_test=False)
+# Block amaxes of float32 values by a float max on the hardware (opt-in since stop 36; the
+# interpreter keeps the bit patterns, so only the gpu tests tell).
+NVFP4_FLOAT_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=True)
 
 
 @cpu_only
@@ -411,6 +417,7 @@ NVFP4_MAGIC_ROUNDING = pk.NVFP4QuantizeConfig(grid_min_rounding=False)
         NVFP4_INTEGER_DIVISION,
         NVFP4_COMPARISON_SR,
         NVFP4_MAGIC_ROUNDING,
+        NVFP4_COMPARE_SIGN,
     ],
 )
 @pytest.mark.parametrize(
@@ -607,6 +614,67 @@ def test_nvfp4_grid_min_rounding_matches_the_magic_number_codes_for_every_float(
         qc.exact_scale_add(jnp.zeros((128, 16)), 3.0, 1.0, None, on_hardware=True)
 
 
+def test_nvfp4_float_sign_test_matches_the_compare():
+    # negative_units (sat(r · −2^110 − 2^24), NVFP4QuantizeConfig.float_sign_test) against the
+    # lean sign test r < −2^-86: every float32 of magnitude in [2^-100, 2^-72) (both signs,
+    # 2^24 per jitted call), then ±0, ±Inf, NaN, subnormals, the largest floats and 2^24 random
+    # bit patterns. Each result must be exactly 1.0 or +0.0, and the same as the fused
+    # multiply-add of the hardware rounded once (numpy float64: r · 2^110 is exact there).
+    kernel_nvfp4 = importlib.import_module("pallas_kernels.quantize_nvfp4")
+
+    def check(bits):
+        r = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        units = kernel_nvfp4.negative_units(r, None, on_hardware=False)
+        want = jnp.where(r < jnp.float32(-(2.0**-86)), jnp.float32(1.0), jnp.float32(0.0))
+        unit_bits = jax.lax.bitcast_convert_type(units, jnp.uint32)
+        return jnp.sum(unit_bits != jax.lax.bitcast_convert_type(want, jnp.uint32))
+
+    mismatches = jax.jit(lambda first: check(first + jnp.arange(1 << 24, dtype=jnp.uint32)))
+    low, high = (int(np.float32(2.0**e).view(np.uint32)) for e in (-100, -72))
+    for sign in (0, 1 << 31):
+        for first in range(low, high, 1 << 24):
+            assert int(mismatches(jnp.uint32(sign | first))) == 0, hex(sign | first)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            2.0**-149,
+            -(2.0**-149),
+            -(2.0**-126),
+            3.4e38,
+            -3.4e38,
+        ],
+        np.float32,
+    ).view(np.uint32)
+    rng = np.random.default_rng(7)
+    samples = np.concatenate([special, rng.integers(0, 2**32, 1 << 24, dtype=np.uint32)])
+    assert int(jax.jit(check)(jnp.asarray(samples))) == 0
+    # The hardware's single rounding, clamped as .sat does (NaN to +0), on normal floats
+    # (XLA:CPU reads subnormal inputs as zero; their unit is 0 either way).
+    r = samples.view(np.float32)
+    normal = np.isnan(r) | (np.abs(r) >= np.float32(2.0**-126)) | (r == 0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        fused = (r[normal].astype(np.float64) * -(2.0**110) - 2.0**24).astype(np.float32)
+    hardware = np.where(fused > 0, np.minimum(fused, np.float32(1.0)), np.float32(0.0))
+    got = kernel_nvfp4.negative_units(jnp.asarray(r[normal]), None, on_hardware=False)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), hardware.view(np.uint32))
+    assert pk.NVFP4QuantizeConfig().float_sign_test is True
+    assert pk.NVFP4QuantizeConfig(lean_arithmetic=False).float_sign_test is False
+    with pytest.raises(ValueError, match="float_sign_test=True needs lean_arithmetic=True"):
+        pk.NVFP4QuantizeConfig(float_sign_test=True, lean_arithmetic=False)
+    with pytest.raises(TypeError, match="float_sign_test must be a bool, got 1"):
+        pk.NVFP4QuantizeConfig(float_sign_test=1)
+    with pytest.raises(TypeError, match="float_block_amax must be a bool, got 1"):
+        pk.NVFP4QuantizeConfig(float_block_amax=1)
+    with pytest.raises(ValueError, match=r"scale must be ± a power of two, got 3\.0"):
+        qc.saturated_scale_add(jnp.zeros((128, 16)), 3.0, 1.0, None, on_hardware=True)
+    with pytest.raises(ValueError, match=r"scale must be ± a power of two, got -6\.0"):
+        qc.scale_add(jnp.zeros((128, 16)), -6.0, jnp.zeros((128, 16)), None, on_hardware=True)
+
+
 def test_nvfp4_integer_stochastic_rounding_matches_the_float_decision():
     # e2m1_stochastic_integer (the byte against |p|'s fraction bits) and e2m1_stochastic_carry
     # (the same comparison as a carry, below 1 on a ceiling) against e2m1_stochastic
@@ -678,6 +746,7 @@ def test_nvfp4_integer_stochastic_rounding_follows_lean_arithmetic():
         integer_stochastic_rounding=None,
         carry_stochastic_rounding=None,
         grid_min_rounding=None,
+        float_sign_test=None,
     )
     assert exact == pk.NVFP4QuantizeConfig(lean_arithmetic=False)
     with pytest.raises(TypeError, match="integer_stochastic_rounding must be a bool"):
@@ -2004,6 +2073,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (False, False, jnp.float32, NVFP4_AMAX_TMA, (1, 16)),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (1, 16)),
         (False, False, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (16, 16)),
+        (True, False, jnp.bfloat16, NVFP4_FLOAT_AMAX, (1, 16)),
+        (True, True, jnp.float32, NVFP4_FLOAT_AMAX, (1, 16)),
+        (False, False, jnp.float32, NVFP4_FLOAT_AMAX, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -2034,6 +2106,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION),
+        (True, False, jnp.bfloat16, NVFP4_FLOAT_AMAX),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
@@ -2050,31 +2123,43 @@ def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
         assert_same_bits(g, w, f"nvfp4 grouped {name} ({config})")
 
 
+_EARLIER_NEAREST_CASES = ["1x16 bf16 rht", "1x16 f32", "16x16", "grouped", "ties", "sign"]
+
+
 @gpu_cases
-@pytest.mark.parametrize("case", ["1x16 bf16 rht", "1x16 f32", "16x16", "grouped", "ties", "sign"])
-def test_gpu_nvfp4_magic_number_rounding_bit_exact(case):
-    # Nearest rounding by the magic-number sequence (grid_min_rounding=False, stops <= 34): the
-    # reference's bits for 1×16 blocks (bf16 with the Hadamard transform, f32), 16×16 weight
-    # blocks, a grouped tensor, products within an ulp of E2M1's rounding thresholds (the ties)
-    # and the sign of a product past half the smallest subnormal. These six cases passed on the
-    # H200 with grid_min_rounding=True (its fma.rn.f32 runs on the hardware only) before it
-    # became the default (stop 35), which every other NVFP4 gpu test now runs.
+@pytest.mark.parametrize(
+    "path, case",
+    [("magic-number rounding", case) for case in _EARLIER_NEAREST_CASES]
+    + [("compare sign", case) for case in [*_EARLIER_NEAREST_CASES, "1x16 bf16 rht sr"]],
+)
+def test_gpu_nvfp4_earlier_arithmetic_bit_exact(path, case):
+    # Paths the defaults replaced, kept as options: nearest rounding by the magic-number
+    # sequence (grid_min_rounding=False, stops <= 34) and each code's sign by a compare and a
+    # select (float_sign_test=False, stops <= 35). The reference's bits for 1×16 blocks (bf16
+    # with the Hadamard transform, f32; with stochastic rounding for the sign), 16×16 weight
+    # blocks, a grouped tensor, products within an ulp of E2M1's rounding thresholds (the
+    # ties) and the sign of a product past half the smallest subnormal. The magic-number cases
+    # passed on the H200 with grid_min_rounding=True (its fma.rn.f32 runs on the hardware
+    # only) before it became the default (stop 35), which every other NVFP4 gpu test now runs.
+    config = {"magic-number rounding": NVFP4_MAGIC_ROUNDING, "compare sign": NVFP4_COMPARE_SIGN}
+    config = config[path]
     blocks = {
-        "1x16 bf16 rht": (True, jnp.bfloat16, (1, 16)),
-        "1x16 f32": (False, jnp.float32, (1, 16)),
-        "16x16": (False, jnp.bfloat16, (16, 16)),
+        "1x16 bf16 rht": (True, False, jnp.bfloat16, (1, 16)),
+        "1x16 bf16 rht sr": (True, True, jnp.bfloat16, (1, 16)),
+        "1x16 f32": (False, False, jnp.float32, (1, 16)),
+        "16x16": (False, False, jnp.bfloat16, (16, 16)),
     }
     if case in blocks:
-        rht, dtype, block = blocks[case]
-        test_gpu_nvfp4_bit_exact(rht, False, dtype, NVFP4_MAGIC_ROUNDING, block)
+        rht, sr, dtype, block = blocks[case]
+        test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block)
     elif case == "grouped":
-        test_gpu_nvfp4_grouped_bit_exact(True, False, jnp.bfloat16, NVFP4_MAGIC_ROUNDING)
+        test_gpu_nvfp4_grouped_bit_exact(True, False, jnp.bfloat16, config)
     elif case == "ties":
         for amax in (1.0, 3.3e5):
             x = division_sensitive_input((1024, 1024), amax)
-            check_nvfp4_over_global_amaxes(x, (amax,), NVFP4_MAGIC_ROUNDING, rht=False)
+            check_nvfp4_over_global_amaxes(x, (amax,), config, rht=False)
     else:
-        test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(NVFP4_MAGIC_ROUNDING)
+        test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config, False)
 
 
 @gpu_cases
@@ -2123,8 +2208,11 @@ def test_gpu_nvfp4_division_over_global_amaxes(dtype, rht, config):
 
 
 @gpu_cases
-@pytest.mark.parametrize("config", [None, NVFP4_EXACT, NVFP4_INTEGER_DIVISION])
-def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config):
+@pytest.mark.parametrize(
+    "config, sr",
+    [(None, False), (None, True), (NVFP4_EXACT, False), (NVFP4_INTEGER_DIVISION, False)],
+)
+def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(config, sr):
     # Global amax 2688 (S_enc = 1) and a block maximum of 36 give s_b = 6 and enc = fp32(1/6),
     # so x = -3·2^-149 has x·enc = -2^-150·(1 + 2^-25): fp32(x·enc) = -2^-149, while the
     # reference's (x·2^64)·enc rounds to -2^-86 exactly, i.e. "not negative" (code 0). Only the
@@ -2134,11 +2222,11 @@ def test_gpu_nvfp4_sign_of_a_product_just_past_half_the_smallest_subnormal(confi
     x[1:, 0] = 36.0
     x[1:, 1] = np.float32(-3 * 2.0**-149)
     x = jnp.asarray(x)
-    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS)
+    want, amaxes = ref_nvfp4(x, rht=False, sr=sr, seeds=SEEDS)
     poison_device_memory(2 * x.size)
-    got = run_nvfp4(x, rht=False, sr=False, amaxes=amaxes, seeds=SEEDS, config=config)
+    got = run_nvfp4(x, rht=False, sr=sr, amaxes=amaxes, seeds=SEEDS, config=config)
     for g, w, name in zip(got, want, NAMES, strict=True):
-        assert_same_bits(g, w, f"nvfp4 {name} ({config})")
+        assert_same_bits(g, w, f"nvfp4 {name} ({config}, sr={sr})")
 
 
 @gpu_cases
