@@ -83,7 +83,7 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
 NVFP4_BASELINE = "exact arithmetic (the first kernel)"
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     NVFP4_BASELINE: pk.NVFP4QuantizeConfig(
-        lean_arithmetic=False, loop_blocks=False, native_division=False
+        lean_arithmetic=False, loop_blocks=False, native_division=False, float_block_amax=False
     ),
     # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers (a
     # tie-corrected comparison), and each block's 1 / (scale · S_dec) by integer long division.
@@ -93,27 +93,34 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
         carry_stochastic_rounding=False,
         grid_min_rounding=False,
         float_sign_test=False,
+        float_block_amax=False,
     ),
     "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(
         packed_row_amax=False,
         carry_stochastic_rounding=False,
         grid_min_rounding=False,
         float_sign_test=False,
+        float_block_amax=False,
     ),
     "lean, loop_blocks, native division, packed row amax (stop 34)": pk.NVFP4QuantizeConfig(
-        carry_stochastic_rounding=False, grid_min_rounding=False, float_sign_test=False
+        carry_stochastic_rounding=False,
+        grid_min_rounding=False,
+        float_sign_test=False,
+        float_block_amax=False,
     ),
     # Stop 35: stochastic rounding's decision as one carry (no effect without it), then
     # nearest rounding as the smallest of three float roundings (no effect with stochastic
     # rounding, which rounds every element). Stop 36: each code's sign bit by two FMA-pipe
     # instructions instead of a compare and a select (both roundings). All the default.
     "stop 34 + carry stochastic rounding": pk.NVFP4QuantizeConfig(
-        grid_min_rounding=False, float_sign_test=False
+        grid_min_rounding=False, float_sign_test=False, float_block_amax=False
     ),
-    "+ grid-min nearest rounding (stop 35)": pk.NVFP4QuantizeConfig(float_sign_test=False),
-    "+ float sign test (default)": pk.NVFP4QuantizeConfig(),
-    # Stop 36, opt-in: float32 block amaxes by a float max (the Hadamard copy's, float32 x's).
-    "default + float block amax": pk.NVFP4QuantizeConfig(float_block_amax=True),
+    "+ grid-min nearest rounding (stop 35)": pk.NVFP4QuantizeConfig(
+        float_sign_test=False, float_block_amax=False
+    ),
+    "+ float sign test (stop 36)": pk.NVFP4QuantizeConfig(float_block_amax=False),
+    # Stop 36: float32 block amaxes by a float max (the Hadamard copy's, float32 x's).
+    "+ float block amax (default)": pk.NVFP4QuantizeConfig(),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
 SKELETON = "row+col e4m3 cast skeleton"

@@ -401,9 +401,10 @@ NVFP4_MAGIC_ROUNDING = pk.NVFP4QuantizeConfig(grid_min_rounding=False)
 # Each code's sign by a compare and a select (stops <= 35; since stop 36 the default adds it by
 # FMA-pipe instructions, `float_sign_test`): the same bits.
 NVFP4_COMPARE_SIGN = pk.NVFP4QuantizeConfig(float_sign_test=False)
-# Block amaxes of float32 values by a float max on the hardware (opt-in since stop 36; the
-# interpreter keeps the bit patterns, so only the gpu tests tell).
-NVFP4_FLOAT_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=True)
+# Block amaxes of float32 values on bit patterns (stops <= 35; since stop 36 the hardware takes
+# them by a float max, `float_block_amax`, which the interpreter does not run: the gpu tests
+# tell): the same bits.
+NVFP4_BITS_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=False)
 
 
 @cpu_only
@@ -2073,9 +2074,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (False, False, jnp.float32, NVFP4_AMAX_TMA, (1, 16)),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (1, 16)),
         (False, False, jnp.bfloat16, NVFP4_INTEGER_DIVISION, (16, 16)),
-        (True, False, jnp.bfloat16, NVFP4_FLOAT_AMAX, (1, 16)),
-        (True, True, jnp.float32, NVFP4_FLOAT_AMAX, (1, 16)),
-        (False, False, jnp.float32, NVFP4_FLOAT_AMAX, (16, 16)),
+        (True, False, jnp.bfloat16, NVFP4_BITS_AMAX, (1, 16)),
+        (True, True, jnp.float32, NVFP4_BITS_AMAX, (1, 16)),
+        (False, False, jnp.float32, NVFP4_BITS_AMAX, (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -2106,7 +2107,7 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         (True, True, jnp.bfloat16, NVFP4_UNROLLED),
         (True, True, jnp.bfloat16, NVFP4_FLOAT_SR),
         (True, True, jnp.bfloat16, NVFP4_INTEGER_DIVISION),
-        (True, False, jnp.bfloat16, NVFP4_FLOAT_AMAX),
+        (True, False, jnp.bfloat16, NVFP4_BITS_AMAX),
     ],
 )
 def test_gpu_nvfp4_grouped_bit_exact(rht, sr, dtype, config):
