@@ -78,8 +78,9 @@ class GroupedMatmulConfig:
       of after the wgmma has been waited for (False, stops <= 34). The same arithmetic, the
       same bits (compared on the H200 by `test_gpu_fp8_block_forward`); on the H200 in
       alternation (2026-12-02) 0.590 -> 0.553 ms for G8 balanced (M 16384, K 4096, N 4096) and
-      1.167 -> 1.021 ms for the dense 8192³ GEMM (942 -> 1077 TFLOP/s; without the persistent
-      pipeline that `dense_matmul_fp8_block`'s default adds, not yet timed with it).
+      1.167 -> 1.021 ms for the dense 8192³ GEMM (942 -> 1077 TFLOP/s). Not confirmed: stop
+      36's rerun of the same alternation gave the late loads 2-4% faster (G8 0.569 -> 0.559
+      ms, dense 1.094 -> 1.055), so neither order is shown better (docs/benchmarks.md).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
