@@ -180,11 +180,19 @@ def nvfp4_rows() -> list[tuple[str, float]]:
         ),
         # The default since stop 35: the integer decision as one carry (one add.rp.f32 per
         # element below 1 on the GPU, inline PTX: counted since stop 35).
-        "lean carry-sr": dict(lean_arithmetic=True, carry_stochastic_rounding=True),
+        "lean carry-sr": dict(
+            lean_arithmetic=True, carry_stochastic_rounding=True, float_sign_test=False
+        ),
         # The default since stop 35: nearest rounding as the smallest of three float roundings.
-        "lean grid-min": dict(lean_arithmetic=True, grid_min_rounding=True),
+        "lean grid-min": dict(lean_arithmetic=True, grid_min_rounding=True, float_sign_test=False),
+        # The defaults since stop 36: each code's sign bit by FMA-pipe instructions (both
+        # roundings; the counts are MLIR's: the carry's sign add folds into one IADD3 later)
+        # and float32 block amaxes by a float max (on the hardware, which this lowering is for).
+        "lean float-sign": dict(lean_arithmetic=True),
     }
     for arithmetic, options in arithmetics.items():
+        if arithmetic != "lean float-sign":  # the earlier kernels: block amaxes on bit patterns
+            options = dict(options, float_block_amax=False)
         config = pk.NVFP4QuantizeConfig(loop_blocks=False, **options)
         for rowwise, columnwise in ((True, False), (False, True), (True, True)):
             for stochastic in (False, True):
