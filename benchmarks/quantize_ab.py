@@ -81,43 +81,38 @@ FP8_BLOCK_VARIANTS: dict[str, pk.FP8BlockQuantizeConfig] = {
     ),
 }
 NVFP4_BASELINE = "exact arithmetic (the first kernel)"
+
+
+def _nvfp4_before_stop_36(**fields) -> pk.NVFP4QuantizeConfig:
+    """An earlier NVFP4 kernel: the sign by a compare and the block amaxes on bit patterns
+    (stop 36's defaults off), plus `fields`."""
+    return pk.NVFP4QuantizeConfig(float_sign_test=False, float_block_amax=False, **fields)
+
+
 NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     NVFP4_BASELINE: pk.NVFP4QuantizeConfig(
         lean_arithmetic=False, loop_blocks=False, native_division=False, float_block_amax=False
     ),
     # Stops 26-33's default: lean, loop_blocks, stochastic rounding decided on integers (a
     # tie-corrected comparison), and each block's 1 / (scale · S_dec) by integer long division.
-    "lean, loop_blocks, integer division (stops 26-33)": pk.NVFP4QuantizeConfig(
+    "lean, loop_blocks, integer division (stops 26-33)": _nvfp4_before_stop_36(
         native_division=False,
         packed_row_amax=False,
         carry_stochastic_rounding=False,
         grid_min_rounding=False,
-        float_sign_test=False,
-        float_block_amax=False,
     ),
-    "lean, loop_blocks, native division": pk.NVFP4QuantizeConfig(
-        packed_row_amax=False,
-        carry_stochastic_rounding=False,
-        grid_min_rounding=False,
-        float_sign_test=False,
-        float_block_amax=False,
+    "lean, loop_blocks, native division": _nvfp4_before_stop_36(
+        packed_row_amax=False, carry_stochastic_rounding=False, grid_min_rounding=False
     ),
-    "lean, loop_blocks, native division, packed row amax (stop 34)": pk.NVFP4QuantizeConfig(
-        carry_stochastic_rounding=False,
-        grid_min_rounding=False,
-        float_sign_test=False,
-        float_block_amax=False,
+    "lean, loop_blocks, native division, packed row amax (stop 34)": _nvfp4_before_stop_36(
+        carry_stochastic_rounding=False, grid_min_rounding=False
     ),
     # Stop 35: stochastic rounding's decision as one carry (no effect without it), then
     # nearest rounding as the smallest of three float roundings (no effect with stochastic
     # rounding, which rounds every element). Stop 36: each code's sign bit by two FMA-pipe
     # instructions instead of a compare and a select (both roundings). All the default.
-    "stop 34 + carry stochastic rounding": pk.NVFP4QuantizeConfig(
-        grid_min_rounding=False, float_sign_test=False, float_block_amax=False
-    ),
-    "+ grid-min nearest rounding (stop 35)": pk.NVFP4QuantizeConfig(
-        float_sign_test=False, float_block_amax=False
-    ),
+    "stop 34 + carry stochastic rounding": _nvfp4_before_stop_36(grid_min_rounding=False),
+    "+ grid-min nearest rounding (stop 35)": _nvfp4_before_stop_36(),
     "+ float sign test (stop 36)": pk.NVFP4QuantizeConfig(float_block_amax=False),
     # Stop 36: float32 block amaxes by a float max (the Hadamard copy's, float32 x's).
     "+ float block amax (default)": pk.NVFP4QuantizeConfig(),

@@ -187,12 +187,18 @@ def exact_scale_add(
     FMA-pipe instruction; Mosaic GPU's lowering does not contract a multiply and an add). In
     the interpreter the product is rounded first, which is exact unless it is subnormal:
     callers must make such products round the same either way."""
-    if np.frexp(scale)[0] != 0.5:
-        raise ValueError(f"scale must be a power of two, got {scale}")
+    _check_power_of_two(scale)
     if not on_hardware:
         return values * jnp.float32(scale) + jnp.float32(addend)
     asm = f"fma.rn.f32 $0, $1, {_ptx_f32(scale)}, {_ptx_f32(addend)};"
     return _inline_ptx_f32(values, layout, asm)
+
+
+def _check_power_of_two(scale: float, *, signed: bool = False) -> None:
+    """The fused multiply-adds below scale exactly only by a power of two (± when `signed`)."""
+    magnitude = abs(scale) if signed else scale
+    if np.frexp(magnitude)[0] != 0.5:
+        raise ValueError(f"scale must be {'± ' if signed else ''}a power of two, got {scale}")
 
 
 def _ptx_f32(value: float) -> str:
@@ -207,8 +213,7 @@ def saturated_scale_add(
     `scale` whose products do not lose bits (|scale| ≥ 1, or no subnormal products). On the
     hardware PTX's `fma.rn.sat.f32` (one FMA-pipe instruction); in the interpreter the same
     from the exact product: a product that overflows makes the sum overflow the same way."""
-    if np.frexp(abs(scale))[0] != 0.5:
-        raise ValueError(f"scale must be ± a power of two, got {scale}")
+    _check_power_of_two(scale, signed=True)
     if not on_hardware:
         total = values * jnp.float32(scale) + jnp.float32(addend)
         # `total > 0` is False for NaN and ±0: both clamp to +0, as .sat does.
@@ -224,8 +229,7 @@ def scale_add(
     products are exact (no subnormal products): PTX's `fma.rn.f32` on the hardware (one
     instruction: Mosaic GPU's lowering keeps a multiply and an add apart), the product then
     the sum in the interpreter."""
-    if np.frexp(abs(scale))[0] != 0.5:
-        raise ValueError(f"scale must be ± a power of two, got {scale}")
+    _check_power_of_two(scale, signed=True)
     if not on_hardware:
         return values * jnp.float32(scale) + addends
     return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {_ptx_f32(scale)}, $2;", addends)
