@@ -22,10 +22,14 @@ for the run's clocks) are timed batch by batch in alternation
 * ``block_tiles``: block FP8 only (G8 balanced and the dense 8192³ GEMM): the default (with
   and without `early_block_scales`, the default since stop 35; with the persistent pipeline;
   with a wgmma in flight, i.e. the previous K block promoted under the MMA; in 2-CTA
-  clusters) and its CTA tile of 64 x (2 x 128) against 128 x (2 x 64), whose 128x128 tiles
-  read a fifth less lhs + rhs per
-  product (32 instead of 40 KB per 2 M multiply-adds and K step) for the same accumulator
-  registers, with a wgmma in flight, the persistent pipeline and 2-CTA clusters;
+  clusters; with the consumers staggered by one K block) and its CTA tile of 64 x (2 x 128)
+  against 128 x (2 x 64), whose 128x128 tiles read a fifth less lhs + rhs per product (32
+  instead of 40 KB per 2 M multiply-adds and K step) for the same accumulator registers, with
+  a wgmma in flight, the persistent pipeline and 2-CTA clusters;
+* ``stagger``: block FP8 only, the same two shapes: the default with early and late scale
+  loads, alone and with `stagger_consumers` (the second consumer one K block behind the
+  first), and with the persistent pipeline: block_tiles' questions that are still open, with
+  fewer variants so that each gets more rounds;
 * ``wide_tiles``: the bf16 and FP8 rowwise defaults (CTA tile 128 x (2 x 128): each consumer
   issues two m64n128 wgmmas per K slice, re-reading the rhs slice) against 64 x (2 x 256),
   whose consumers issue one m64n256 wgmma each: a sixth less shared-memory traffic per
@@ -40,7 +44,7 @@ for the run's clocks) are timed batch by batch in alternation
   skewed G8 shapes.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
-        [--variants epilogue|schedule|grouping|defaults|block_tiles|wide_tiles|wgrad]
+        [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -174,8 +178,32 @@ def block_tile_variants(config: GroupedMatmulConfig, k: int) -> dict[str, Groupe
         "128x(2x64), cluster 2": replace(tall, cluster_n=2),
         # Stops <= 34: each K step's scales loaded after the wgmma wait.
         "default, late scale loads": replace(config, early_block_scales=False),
+        # The consumers offset by one K block, so each one's promotion runs under the
+        # other's MMA (stop 37).
+        "default, staggered": replace(config, stagger_consumers=True),
+        "default, staggered, late scale loads": replace(
+            config, stagger_consumers=True, early_block_scales=False
+        ),
+        "default, staggered, persistent": replace(
+            config, stagger_consumers=True, persistent_pipeline=True
+        ),
     }
     return {name: fit_fp8_block_config(c, k, BF16) for name, c in variants.items()}
+
+
+def stagger_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMatmulConfig]:
+    """Block FP8's default with and without early scale loads, staggered consumers and the
+    persistent pipeline (see the docstring), fitted to shared memory for k (bf16 output)."""
+    names = (
+        "default",
+        "default, late scale loads",
+        "default, staggered",
+        "default, staggered, late scale loads",
+        "default, persistent",
+        "default, staggered, persistent",
+    )
+    every = block_tile_variants(config, k)
+    return {name: every[name] for name in names}
 
 
 def wide_tile_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
@@ -203,6 +231,7 @@ VARIANT_SETS = {
     "grouping": None,  # not config variants: see grouping_cases
     "defaults": default_variants,
     "block_tiles": block_tile_variants,  # block FP8 only (takes k)
+    "stagger": stagger_variants,  # block FP8 only (takes k)
     "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
@@ -398,12 +427,12 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants in ("defaults", "block_tiles", "wide_tiles"):
+    if variants in ("defaults", "block_tiles", "stagger", "wide_tiles"):
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
             block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
-    block_only = variants == "block_tiles"
+    block_only = variants in ("block_tiles", "stagger")
 
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:

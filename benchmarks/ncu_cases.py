@@ -16,6 +16,7 @@ its durations are longer than CUPTI's: read its pipe, issue and stall figures, n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -23,16 +24,21 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from benchmarks.bench_quantize import nvfp4_fixed_amax
+from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
 
 SIZE = 8192
 
 
-def _fp8_block_gemm(x: jax.Array) -> jax.Array:
+def _fp8_block_gemm(x: jax.Array, stagger_consumers: bool = False) -> jax.Array:
     k = x.shape[1]
     codes = x.astype(jnp.float8_e4m3fn)
     lhs_scale = jnp.full((x.shape[0], k // 128), 2.0**-3, jnp.float32)
     rhs_scale = jnp.full((x.shape[0] // 128, k // 128), 2.0**-3, jnp.float32)
-    return pk.dense_matmul_fp8_block(codes, lhs_scale, codes, rhs_scale)
+    config = None
+    if stagger_consumers:
+        default = fp8_block_default_config(k, jnp.bfloat16, persistent_pipeline=True)
+        config = dataclasses.replace(default, stagger_consumers=True)
+    return pk.dense_matmul_fp8_block(codes, lhs_scale, codes, rhs_scale, config=config)
 
 
 def _nvfp4_dequantize(x: jax.Array, config: pk.DequantizeConfig | None = None) -> jax.Array:
@@ -51,6 +57,7 @@ CASES = {
     "nvfp4_col": functools.partial(nvfp4_fixed_amax, rowwise=False),
     "mxfp8": functools.partial(pk.quantize_mxfp8, rowwise=True, columnwise=True),
     "fp8_block_gemm": _fp8_block_gemm,
+    "fp8_block_gemm_staggered": functools.partial(_fp8_block_gemm, stagger_consumers=True),
     "nvfp4_dequantize": _nvfp4_dequantize,
     "nvfp4_dequantize_integer": functools.partial(
         _nvfp4_dequantize, config=pk.DequantizeConfig(scaled_e2m1_decode=False)

@@ -81,6 +81,11 @@ class GroupedMatmulConfig:
       1.167 -> 1.021 ms for the dense 8192³ GEMM (942 -> 1077 TFLOP/s). Not confirmed: stop
       36's rerun of the same alternation gave the late loads 2-4% faster (G8 0.569 -> 0.559
       ms, dense 1.094 -> 1.055), so neither order is shown better (docs/benchmarks.md).
+    stagger_consumers: block FP8 with wgmma_in_flight=0 only: at each tile's first K step the
+      second consumer issues its wgmma only after the first consumer's has finished. Both
+      consumers otherwise start a tile together, share the tensor core, finish their K block
+      together and promote it together while the tensor core idles; offset by one K block,
+      each one's promotion runs under the other's MMA (an ordering change only: the same bits).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -104,6 +109,7 @@ class GroupedMatmulConfig:
     persistent_pipeline: bool = False
     cluster_n: int = 1
     early_block_scales: bool = True
+    stagger_consumers: bool = False
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -147,6 +153,13 @@ class GroupedMatmulConfig:
             raise TypeError(f"persistent_pipeline must be a bool, got {self.persistent_pipeline!r}")
         if not isinstance(self.early_block_scales, bool):
             raise TypeError(f"early_block_scales must be a bool, got {self.early_block_scales!r}")
+        if not isinstance(self.stagger_consumers, bool):
+            raise TypeError(f"stagger_consumers must be a bool, got {self.stagger_consumers!r}")
+        if self.stagger_consumers and self.wgmma_in_flight:
+            raise ValueError(
+                "stagger_consumers needs wgmma_in_flight=0 (with a wgmma in flight the "
+                "promotion already runs under the next MMA)"
+            )
         if self.profile_dir is not None and (
             not isinstance(self.profile_dir, str) or not self.profile_dir
         ):
@@ -167,6 +180,11 @@ class GroupedMatmulConfig:
                 f"config: epi_tile_n={self.epi_tile_n} {jnp.dtype(out_dtype).name} outputs give "
                 f"{row_bytes}-byte epilogue rows; they must span a multiple of 128 bytes"
             )
+
+    def check_not_block_fp8_only(self) -> None:
+        """For the kernels without block scales: options only block FP8 has must be off."""
+        if self.stagger_consumers:
+            raise ValueError("config: stagger_consumers applies to the block-FP8 kernel only")
 
     def padded_cols(self, num_cols: int, multiple: int = 8) -> int:
         """Output columns the kernel computes: at least one CTA tile, a multiple of
@@ -351,6 +369,7 @@ def grouped_matmul(
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
 
     config.check_out_dtype(out_dtype)
+    config.check_not_block_fp8_only()
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     _check_smem(config, _stage_bytes(config, lhs, rhs), out_dtype, _vector_bytes(config))
 
@@ -671,6 +690,8 @@ def grouped_matmul_fp8_block(
     def promote(main, chunk, scale):
         return main + chunk * lax.broadcast_in_dim(scale, chunk.shape, [0])
 
+    stagger = config.stagger_consumers
+
     def step(refs, ctx, smem_refs, carry):
         lhs_smem, rhs_smem = smem_refs
         rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
@@ -678,6 +699,9 @@ def grouped_matmul_fp8_block(
             k_step, main, previous = carry
         else:
             k_step, main = carry
+        if stagger:
+            first_step_of = lambda consumer: (k_step == 0) & (ctx.consumer == consumer)
+            pl.when(first_step_of(1))(lambda: plgpu.barrier_wait(ctx.scratch[0]))
 
         def chunk_product(chunk_ref):
             # A freshly scoped accumulator starts at zero: this K block's products
@@ -698,9 +722,14 @@ def grouped_matmul_fp8_block(
                 # Loaded before reading the accumulator (which waits for the wgmma): the
                 # loads' latency runs under the MMA instead of after it.
                 scale = block_scale(refs, ctx, k_step)
-                return promote(main, chunk_ref[...], scale)
-            chunk = chunk_ref[...]
-            return promote(main, chunk, block_scale(refs, ctx, k_step))
+                chunk = chunk_ref[...]
+            else:
+                chunk = chunk_ref[...]
+                scale = block_scale(refs, ctx, k_step)
+            if stagger:
+                # The first consumer's MMA is done: the second one's may start.
+                pl.when(first_step_of(0))(lambda: plgpu.barrier_arrive(ctx.scratch[0]))
+            return promote(main, chunk, scale)
 
         result = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
         if overlap:
@@ -724,6 +753,8 @@ def grouped_matmul_fp8_block(
         step=step,
         num_k_steps=num_k_blocks,
         prefetches=(driver.TilePrefetch(2, "rows"),),
+        # stagger_consumers: the first consumer's first K block done, once per tile.
+        scratch=(plgpu.Barrier(num_arrivals=1),) if stagger else (),
     )
     out = driver.ragged_rows_call(
         group_sizes,

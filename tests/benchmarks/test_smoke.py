@@ -95,6 +95,11 @@ def test_grouped_ab_block_tile_variants_fit_shared_memory():
             assert (config.tile_m, config.tile_n) == ((128, 64) if "128x" in name else (64, 128))
             stage, scales = fwd._block_stage_bytes(config), fwd._block_scale_bytes(config, k)
             assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
+        staggered = grouped_ab.stagger_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
+        assert [c.stagger_consumers for c in staggered.values()] == [
+            "staggered" in name for name in staggered
+        ]
+        assert staggered["default, staggered, persistent"].persistent_pipeline
 
 
 def test_grouped_ab_wide_tile_variants_fit_shared_memory():

@@ -219,12 +219,22 @@ def test_fp8_forward_with_tensor_and_group_scales_bf16_out():
     assert_close(out, ref, rel=2**-7)
 
 
-@pytest.mark.parametrize("wgmma_in_flight, early_block_scales", [(0, True), (0, False), (1, True)])
-def test_fp8_block_forward_matches_dequantized_reference(wgmma_in_flight, early_block_scales):
+@pytest.mark.parametrize(
+    "wgmma_in_flight, early_block_scales, stagger_consumers",
+    [(0, True, False), (0, False, False), (1, True, False), (0, True, True), (0, False, True)],
+)
+def test_fp8_block_forward_matches_dequantized_reference(
+    wgmma_in_flight, early_block_scales, stagger_consumers
+):
     # wgmma_in_flight=1 promotes each K block's partial product during the next wgmma;
-    # early_block_scales=False loads the scales after waiting for it (stops <= 34).
+    # early_block_scales=False loads the scales after waiting for it (stops <= 34);
+    # stagger_consumers holds the second consumer's first wgmma of a tile behind the first's
+    # (a barrier per tile: the tiles here are several per CTA, so its phases are exercised).
     config = dataclasses.replace(
-        TINY_BLOCK, wgmma_in_flight=wgmma_in_flight, early_block_scales=early_block_scales
+        TINY_BLOCK,
+        wgmma_in_flight=wgmma_in_flight,
+        early_block_scales=early_block_scales,
+        stagger_consumers=stagger_consumers,
     )
     sizes = jnp.asarray([37, 0, 100], jnp.int32)
     k = keys(4, seed=4)
@@ -907,6 +917,10 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         (lambda: GroupedMatmulConfig(cluster_n=4), "cluster_n"),
         (lambda: GroupedMatmulConfig(profile_dir=""), "profile_dir"),
         (lambda: GroupedMatmulConfig(cluster_n=2, num_sms=131), "num_sms"),
+        (
+            lambda: GroupedMatmulConfig(stagger_consumers=True, wgmma_in_flight=1),
+            "stagger_consumers needs wgmma_in_flight=0",
+        ),
     ],
 )
 def test_bad_configs_raise(factory, needle):
@@ -917,6 +931,21 @@ def test_bad_configs_raise(factory, needle):
 def test_early_block_scales_must_be_a_bool():
     with pytest.raises(TypeError, match="early_block_scales must be a bool, got 1"):
         GroupedMatmulConfig(early_block_scales=1)
+
+
+def test_stagger_consumers_is_a_bool_for_block_fp8_only():
+    with pytest.raises(TypeError, match="stagger_consumers must be a bool, got 1"):
+        GroupedMatmulConfig(stagger_consumers=1)
+    staggered = dataclasses.replace(TINY_FWD_BF16_OUT, stagger_consumers=True)
+    with pytest.raises(ValueError, match="stagger_consumers applies to the block-FP8 kernel"):
+        grouped_matmul(
+            _bf16((128, 64)),
+            _bf16((2, 256, 64)),
+            jnp.zeros((2,), jnp.int32),
+            out_dtype=BF16,
+            config=staggered,
+            interpret=True,
+        )
 
 
 def test_persistent_pipeline_must_be_a_bool():

@@ -133,6 +133,20 @@ def test_gpu_fp8_block_forward():
         lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=late
     )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
+    # The second consumer's first wgmma of each tile held behind the first's (with early and
+    # late scale loads, and with the persistent pipeline): an order only, the same bits.
+    staggered = dataclasses.replace(
+        fp8_block_default_config(K_DIM, jnp.float32), stagger_consumers=True
+    )
+    for config in (
+        staggered,
+        dataclasses.replace(staggered, early_block_scales=False),
+        dataclasses.replace(staggered, persistent_pipeline=True),
+    ):
+        out = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))(
+            lhs, lhs_scale, rhs, rhs_scale, SIZES, out_dtype=jnp.float32, config=config
+        )
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
 @pytest.mark.parametrize("epilogue_buffers", [1, 2])
