@@ -258,6 +258,24 @@ def extra_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]
             (x,),
             2 * nv_row - xb,
         ),
+        # NVFP4 weights' 16×16 block amaxes (stop 37): the Pallas pass jax_qtrain now takes
+        # (the global amax is their maximum) vs the jnp reduction it replaces.
+        (
+            "nvfp4 16x16 block amaxes",
+            "amax",
+            "pallas",
+            lambda v: pk.nvfp4_block_amax_bits(v, use_kernel=True),
+            (x,),
+            xb + n // 64,
+        ),
+        (
+            "nvfp4 16x16 block amaxes",
+            "amax",
+            "xla (jnp)",
+            lambda v: pk.nvfp4_block_amax_bits(v, use_kernel=False),
+            (x,),
+            xb + n // 64,
+        ),
     ]
 
     # Dequantize (bf16 out) of the rowwise copies.

@@ -77,10 +77,26 @@ def quantize_kernel_applies(spec: QuantizerSpec, shape2d: tuple[int, int], dtype
     )
 
 
-def tensor_amaxes(x2d: jax.Array, spec: QuantizerSpec, usages) -> dict:
+def weight_block_amax_bits(x2d: jax.Array, spec: QuantizerSpec) -> jax.Array | None:
+    """NVFP4 16×16 blocks: every block's amax (float32 bits, (M16/16, K16/16) uint32) from one
+    pass over x, which the quantize kernel needs and the global amax is the maximum of (so
+    `tensor_amaxes` takes it from them instead of reading x again); None for other specs."""
+    if spec.format == "nvfp4" and spec.block_shape == (16, 16):
+        return _pallas().nvfp4_block_amax_bits(x2d)
+    return None
+
+
+def tensor_amaxes(
+    x2d: jax.Array, spec: QuantizerSpec, usages, block_amax_bits: jax.Array | None = None
+) -> dict:
     """Per-tensor amax of each requested copy, for formats that need one (FP8 current scaling,
     NVFP4's global scales; None for the block formats). NVFP4 gets both in one Pallas pass, the
-    columnwise one after the Hadamard transform, instead of rotating xᵀ in jnp first."""
+    columnwise one after the Hadamard transform, instead of rotating xᵀ in jnp first; with
+    16×16 blocks, from their amaxes (`weight_block_amax_bits`: the largest pattern is the
+    largest |x|, NaN's above Inf's, as the amax kernel takes them)."""
+    if block_amax_bits is not None:
+        tensor_amax = jax.lax.bitcast_convert_type(jnp.max(block_amax_bits), jnp.float32)
+        return {u: tensor_amax for u in usages}
     if spec.format == "nvfp4":
         row_amax, col_amax = _pallas().nvfp4_amax(x2d, hadamard_columnwise=spec.hadamard_columnwise)
         return {u: row_amax if u == "rowwise" else col_amax for u in usages}
@@ -114,14 +130,20 @@ def quantize(
     amaxes: dict,
     seeds: dict,
     positions: dict | None = None,
+    block_amax_bits: jax.Array | None = None,
 ) -> dict:
     """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
     in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
     `positions`: each copy's uint32 (line, col) in a larger tensor, for stochastic rounding
-    (NVFP4 only), or None.
+    (NVFP4 only), or None. `block_amax_bits`: NVFP4 16×16 blocks' amaxes from
+    `weight_block_amax_bits` (None: the kernel wrapper takes them itself).
     """
     require_quantize_kernel(spec, tuple(x2d.shape), x2d.dtype)
     run = _QUANTIZE_KERNELS[spec.format][1]
+    if block_amax_bits is not None:
+        if spec.format != "nvfp4" or spec.block_shape != (16, 16):
+            raise ValueError(f"block_amax_bits: NVFP4 16×16 blocks only, not {spec.describe()}")
+        run = functools.partial(run, block_amax_bits=block_amax_bits)
     if positions is None:
         return run(x2d, spec, input_dtype=input_dtype, amaxes=amaxes, seeds=seeds)
     if not kernel_takes_position_offset(spec):
@@ -178,13 +200,21 @@ def _nvfp4_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
 
 
 def _nvfp4_run(
-    x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict, positions=None
+    x2d,
+    spec: QuantizerSpec,
+    *,
+    input_dtype,
+    amaxes: dict,
+    seeds: dict,
+    positions=None,
+    block_amax_bits=None,
 ) -> dict:
     del input_dtype
     positions = positions or {}
     out = _pallas().quantize_nvfp4(
         x2d,
         block_shape=spec.block_shape,
+        block_amax_bits=block_amax_bits,
         rowwise="rowwise" in amaxes,
         columnwise="columnwise" in amaxes,
         rowwise_amax=amaxes.get("rowwise"),

@@ -396,7 +396,10 @@ def _quantize(
     if use_kernel:
         kernels.require_quantize_kernel(spec, x2d.shape, x2d.dtype)  # before the amax kernels
         sources = {}
-        amaxes = kernels.tensor_amaxes(x2d, spec, usages)  # one Pallas pass for NVFP4's two
+        # One Pallas pass for NVFP4's two amaxes; for its 16×16 weight blocks, the pass that
+        # the quantize kernel needs anyway (the blocks' amaxes) gives the global one too.
+        block_amax_bits = kernels.weight_block_amax_bits(x2d, spec)
+        amaxes = kernels.tensor_amaxes(x2d, spec, usages, block_amax_bits=block_amax_bits)
     else:
         sources = {u: x2d if u == "rowwise" else columnwise_source(x2d, spec) for u in usages}
         per_tensor = spec.format in ("fp8", "nvfp4")
@@ -413,7 +416,13 @@ def _quantize(
             row, col = position_offset
             positions = {u: (row, col) if u == "rowwise" else (col, row) for u in usages}
         fields = kernels.quantize(
-            x2d, spec, input_dtype=x.dtype, amaxes=amaxes, seeds=seeds, positions=positions
+            x2d,
+            spec,
+            input_dtype=x.dtype,
+            amaxes=amaxes,
+            seeds=seeds,
+            positions=positions,
+            block_amax_bits=block_amax_bits,
         )
     else:
         fields = {}

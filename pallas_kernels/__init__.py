@@ -27,5 +27,6 @@ from pallas_kernels.quantize_mxfp8 import quantize_mxfp8 as quantize_mxfp8
 from pallas_kernels.quantize_nvfp4 import NVFP4QuantizeConfig as NVFP4QuantizeConfig
 from pallas_kernels.quantize_nvfp4 import NVFP4Quantized as NVFP4Quantized
 from pallas_kernels.quantize_nvfp4 import nvfp4_amax as nvfp4_amax
+from pallas_kernels.quantize_nvfp4 import nvfp4_block_amax_bits as nvfp4_block_amax_bits
 from pallas_kernels.quantize_nvfp4 import nvfp4_line_amax_bits as nvfp4_line_amax_bits
 from pallas_kernels.quantize_nvfp4 import quantize_nvfp4 as quantize_nvfp4

@@ -21,9 +21,11 @@ and a uint32 seed (one hash word per four elements), so kernel and reference dra
 
 Weights' 16×16 blocks (`block_shape=(16, 16)`): one E4M3 scale per 16×16 block, shared by
 both copies (the columnwise copy is the rowwise one transposed). A block's amax spans 16 lines,
-i.e. 16 threads of the row-per-thread layout, so it is not reduced in the kernel: the wrapper
-takes the 16×16 block amaxes with one jnp reduction (1/256 of x's elements come out) and hands
-each copy's line its blocks' amaxes, repeated along the block's 16 lines; the kernel then
+i.e. 16 threads of the row-per-thread layout, so it is not reduced in the quantize kernel:
+`nvfp4_block_amax_bits` takes the 16×16 block amaxes in a pass of its own (one block per
+thread; 1/256 of x's elements come out, and their maximum is the global amax, so that pass
+replaces `nvfp4_amax` for weights), and the wrapper hands each copy's line its blocks' amaxes,
+repeated along the block's 16 lines; the quantize kernel then
 quantizes exactly as for 1×16 blocks, with the given amax in place of the line's own. Scales
 come out per line and are cut to one row per block ((M16/16, K16/16) and (K16/16, M16/16), the
 reference's layout); codes are (M16, K16/2) and (K16, M16/2).
@@ -1095,14 +1097,103 @@ def _grouped_copy_table(
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, BLOCK))
 
 
-def block_amax_per_line(xp: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint32 bits of each 16×16 block's amax of a padded x (NaN-propagating, flush-immune, like
-    the reference), repeated along the block's lines: (rows, cols/16) for the rowwise copy and
-    (cols, rows/16) for the columnwise one."""
-    rows, cols = xp.shape
-    bits = lax.bitcast_convert_type(xp.astype(jnp.float32), jnp.uint32) & jnp.uint32(qc.ABS_MASK)
-    block = jnp.max(bits.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK), axis=(1, 3))
-    return jnp.repeat(block, BLOCK, axis=0), jnp.repeat(block.T, BLOCK, axis=0)
+def block_amax_bits_reference(x: jax.Array) -> jax.Array:
+    """(ceil(M/16), ceil(K/16)) uint32: each 16×16 block's max|x| as float32 bits, x zero-padded
+    to whole blocks (NaN-propagating and flush-immune, like the reference quantizer), by jnp:
+    the reference of `nvfp4_block_amax_bits` and its path for narrow x."""
+    qc.check_input(x)
+    rows, cols = (qc.round_up(n, BLOCK) for n in x.shape)
+    bits = qc.abs_bits(qc.pad_to(x, rows, cols).astype(jnp.float32))
+    return jnp.max(bits.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK), axis=(1, 3))
+
+
+# The 16×16 block amax kernel: like the direct-load global amax below, no TMA and no shared
+# memory. A unit is 16 rows × 128 blocks of 16 columns; thread t loads its block's 16 columns of
+# each of the 16 rows (two 16-byte loads per row for bf16, coalesced across the warp) into the
+# row-per-thread layout, keeps the elementwise max of the |x| patterns and reduces its 16
+# columns in registers at the end: one block per thread, no exchange between threads.
+_BLOCKS_PER_UNIT = qc.LINES_PER_WARPGROUP
+BLOCK_AMAX_CTAS = 1024
+
+
+def _block_amax_kernel(x_blocks_gmem, out_gmem, *, ctas: int):
+    """out[r, c, 0] = the float32 bits of max|x| over rows 16r.. and columns 16c.. (x_blocks_gmem
+    is x as (M16, K16/16, 16)); units past the last whole one overlap it (same values)."""
+    rows, num_blocks, _ = x_blocks_gmem.shape
+    chunks = pl.cdiv(num_blocks, _BLOCKS_PER_UNIT)
+    units = rows // BLOCK * chunks
+    cta = lax.axis_index("cta")
+    layout = qc.rows_layout(x_blocks_gmem.dtype)
+
+    def unit(k, carry):
+        u = cta + k * ctas
+        row_block = u // chunks
+        first_block = jnp.minimum((u % chunks) * _BLOCKS_PER_UNIT, num_blocks - _BLOCKS_PER_UNIT)
+        patterns = None
+        for i in range(BLOCK):
+            window = x_blocks_gmem.at[row_block * BLOCK + i, pl.ds(first_block, _BLOCKS_PER_UNIT)]
+            line = qc.abs_patterns(plgpu.load(window, layout=layout, optimized=False))
+            patterns = line if patterns is None else jnp.maximum(patterns, line)
+        amax = qc.line_amax_bits(patterns)
+        qc.store_line_bytes(
+            out_gmem.at[row_block, pl.ds(first_block, _BLOCKS_PER_UNIT)], qc.column(amax)
+        )
+        return carry
+
+    lax.fori_loop(0, (units - cta + ctas - 1) // ctas, unit, jnp.int32(0))
+
+
+def nvfp4_block_amax_bits(
+    x: jax.Array, *, use_kernel: bool | None = None, interpret: bool = False
+) -> jax.Array:
+    """(ceil(M/16), ceil(K/16)) uint32: each 16×16 block's max|x| as float32 bit patterns (the
+    amaxes of NVFP4 weight blocks; a tensor's global amax is the largest pattern, NaN's
+    patterns being above Inf's), from one pass over x.
+
+    `use_kernel`: True runs the Pallas kernel (x needs at least 128 blocks of 16 columns, K >=
+    2033), False the jnp reference (`block_amax_bits_reference`), None the kernel when it
+    applies. Both give the same bits."""
+    qc.check_input(x)
+    rows, cols = (qc.round_up(n, BLOCK) for n in x.shape)
+    kernel_applies = cols // BLOCK >= _BLOCKS_PER_UNIT
+    if use_kernel is None:
+        use_kernel = kernel_applies
+    if not isinstance(use_kernel, bool):
+        raise TypeError(f"use_kernel must be a bool or None, got {use_kernel!r}")
+    if not use_kernel:
+        return block_amax_bits_reference(x)
+    if not kernel_applies:
+        raise ValueError(
+            f"use_kernel=True needs x with at least {_BLOCKS_PER_UNIT * BLOCK - BLOCK + 1} "
+            f"columns ({_BLOCKS_PER_UNIT} blocks of 16), got shape {tuple(x.shape)}"
+        )
+    xp = qc.pad_to(x, rows, cols)
+    units = rows // BLOCK * pl.cdiv(cols // BLOCK, _BLOCKS_PER_UNIT)
+    ctas = min(BLOCK_AMAX_CTAS, units)
+    bits = plgpu.kernel(
+        functools.partial(_block_amax_kernel, ctas=ctas),
+        out_type=jax.ShapeDtypeStruct((rows // BLOCK, cols // BLOCK, 1), jnp.uint32),
+        kernel_name="nvfp4_block_amax",
+        interpret=qc.interpret_params(interpret),
+        compiler_params=qc.compiler_params(),
+        grid=(ctas,),
+        grid_names=("cta",),
+    )(xp.reshape(rows, cols // BLOCK, BLOCK))
+    return varying_like(bits.reshape(rows // BLOCK, cols // BLOCK), xp)
+
+
+def _block_amax_per_line(
+    block_bits: jax.Array, padded_rows: int, padded_cols: int
+) -> tuple[jax.Array, jax.Array]:
+    """Each copy's lines' block amaxes for the kernel: `block_bits` (M16/16, K16/16) repeated
+    along each block's 16 lines, (padded_rows, padded_cols/16) for the rowwise copy and
+    (padded_cols, padded_rows/16) for the columnwise one (zero for the padding, whose blocks
+    are zeros)."""
+    block_rows, block_cols = padded_rows // BLOCK, padded_cols // BLOCK
+    padded = jnp.pad(
+        block_bits, ((0, block_rows - block_bits.shape[0]), (0, block_cols - block_bits.shape[1]))
+    )
+    return jnp.repeat(padded, BLOCK, axis=0), jnp.repeat(padded.T, BLOCK, axis=0)
 
 
 def quantize_nvfp4(
@@ -1125,6 +1216,7 @@ def quantize_nvfp4(
     columnwise_block_amax: jax.Array | None = None,
     columnwise_block_seed: jax.Array | None = None,
     columnwise_block_position: jax.Array | None = None,
+    block_amax_bits: jax.Array | None = None,
     config: NVFP4QuantizeConfig | None = None,
     interpret: bool = False,
 ) -> NVFP4Quantized:
@@ -1153,6 +1245,10 @@ def quantize_nvfp4(
     line or block, with the scalar path's expressions (`group_table`). Each excludes the scalar
     form of the same copy (`rowwise_amax`, `rowwise_seed`, `rowwise_position`; likewise
     columnwise).
+
+    16×16 blocks: `block_amax_bits` (M16/16, K16/16) uint32 are the blocks' amaxes as
+    `nvfp4_block_amax_bits(x)` gives them (a caller that took the global amax from them passes
+    them on, so x is read once for both); None computes them here.
     """
     qc.check_input(x)
     qc.check_copies(rowwise, columnwise)
@@ -1160,6 +1256,17 @@ def quantize_nvfp4(
     if block_shape not in BLOCK_SHAPES:
         raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
     two_d = block_shape == (BLOCK, BLOCK)
+    if block_amax_bits is not None:
+        if not two_d:
+            raise ValueError("block_amax_bits applies to block_shape=(16, 16) only")
+        expected = tuple(qc.round_up(n, BLOCK) // BLOCK for n in x.shape)
+        dtype = getattr(block_amax_bits, "dtype", type(block_amax_bits).__name__)
+        shape = tuple(getattr(block_amax_bits, "shape", ()))
+        if dtype != jnp.uint32 or shape != expected:
+            raise TypeError(
+                f"block_amax_bits must be uint32 of shape {expected} (nvfp4_block_amax_bits "
+                f"of x), got {dtype}{shape}"
+            )
     if two_d and hadamard_columnwise:
         raise ValueError(
             "hadamard_columnwise applies to 1×16 blocks only (TransformerEngine rotates "
@@ -1252,7 +1359,11 @@ def quantize_nvfp4(
             jax.ShapeDtypeStruct((padded_cols, padded_rows // 2), jnp.uint8),
             jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.float8_e4m3fn),
         ]
-    block_amaxes = block_amax_per_line(xp) if two_d else ()
+    block_amaxes = ()
+    if two_d:
+        if block_amax_bits is None:
+            block_amax_bits = nvfp4_block_amax_bits(x, interpret=interpret)
+        block_amaxes = _block_amax_per_line(block_amax_bits, padded_rows, padded_cols)
     outs = qc.run_tiles(
         _kernel,
         xp,

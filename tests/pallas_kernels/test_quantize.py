@@ -930,6 +930,81 @@ def test_nvfp4_line_amax_bits_interpret(rht, dtype, shape, config):
     check_nvfp4_line_amax_bits(sample(shape, dtype, 31, block=16), rht, config)
 
 
+def ref_nvfp4_block_amax_bits(x):
+    """Each 16×16 block's max|x| as float32 bits, x zero-padded: the reference quantizer's."""
+    rows, cols = (-(-n // 16) * 16 for n in x.shape)
+    padded = jnp.pad(x.astype(jnp.float32), ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+    blocks = common.abs_bits(padded).reshape(rows // 16, 16, cols // 16, 16)
+    return jnp.max(blocks, axis=(1, 3))
+
+
+def check_nvfp4_block_amax_bits(x, use_kernel=True, interpret=INTERPRET):
+    want = ref_nvfp4_block_amax_bits(x)
+    got = jax.jit(
+        lambda v: pk.nvfp4_block_amax_bits(v, use_kernel=use_kernel, interpret=interpret)
+    )(x)
+    assert got.dtype == jnp.uint32 and got.shape == want.shape, (got.dtype, got.shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg="block amax bits")
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (jnp.bfloat16, (48, 2048)),  # 128 blocks of 16 columns: one unit per 16 rows
+        (jnp.float32, (40, 2100)),  # padding both ways; the last unit overlaps the one before
+    ],
+)
+def test_nvfp4_block_amax_bits_interpret(dtype, shape):
+    # NVFP4 weights' 16×16 block amaxes (the quantize kernel's, and their maximum the global
+    # amax): NaN / Inf / huge / tiny blocks among them (sample's adversarial blocks).
+    check_nvfp4_block_amax_bits(sample(shape, dtype, 33, block=16))
+
+
+def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
+    x = sample((40, 100), jnp.float32, 34, block=16)  # 7 blocks wide: the jnp path
+    check_nvfp4_block_amax_bits(x, use_kernel=None)
+    with pytest.raises(ValueError, match="use_kernel=True needs x with at least 2033 columns"):
+        pk.nvfp4_block_amax_bits(x, use_kernel=True)
+    with pytest.raises(TypeError, match="use_kernel must be a bool or None, got 1"):
+        pk.nvfp4_block_amax_bits(x, use_kernel=1)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        pk.nvfp4_block_amax_bits(x.astype(jnp.float16))
+    amax = jnp.float32(1.0)
+    bits = pk.nvfp4_block_amax_bits(x)
+    with pytest.raises(TypeError, match=r"block_amax_bits must be uint32 of shape \(3, 7\)"):
+        pk.quantize_nvfp4(x, block_shape=(16, 16), rowwise_amax=amax, block_amax_bits=bits[:, :6])
+    with pytest.raises(TypeError, match="block_amax_bits must be uint32"):
+        pk.quantize_nvfp4(
+            x, block_shape=(16, 16), rowwise_amax=amax, block_amax_bits=bits.astype(jnp.int32)
+        )
+    with pytest.raises(ValueError, match=r"block_amax_bits applies to block_shape=\(16, 16\)"):
+        pk.quantize_nvfp4(x, rowwise_amax=amax, block_amax_bits=bits)
+
+
+@cpu_only
+def test_nvfp4_weight_blocks_from_given_block_amaxes_interpret():
+    # A caller that took the global amax from the block amaxes passes them on: the same bits
+    # as the wrapper taking them itself (here from the kernel, x 129 blocks wide).
+    x = sample((32, 2064), jnp.bfloat16, 35, block=16)
+    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
+    bits = pk.nvfp4_block_amax_bits(x, interpret=True)
+    assert_same_bits(
+        common.f32_from_bits(jnp.max(bits)), amaxes[0], "global amax from the block amaxes"
+    )
+    got = run_nvfp4(
+        x,
+        rht=False,
+        sr=False,
+        amaxes=amaxes,
+        seeds=SEEDS,
+        block_shape=(16, 16),
+        block_amax_bits=bits,
+    )
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 16x16, given block amaxes, {name}")
+
+
 @cpu_only
 @pytest.mark.parametrize(
     "rht, sr, dtype, config",
@@ -2186,6 +2261,34 @@ def test_gpu_nvfp4_line_amax_bits(rht, dtype):
     for x in gpu_inputs(dtype, 5, 16):
         poison_device_memory(2 * x.size)
         check_nvfp4_line_amax_bits(x, rht, interpret=False)
+
+
+@gpu_cases
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype):
+    # x 263 blocks of 16 wide (the last unit overlaps the one before) and padded rows: the
+    # block amax kernel against the reference's bits, then the 16×16 quantizer fed by it (the
+    # path jax_qtrain takes for NVFP4 weights) against the reference quantizer.
+    x = jnp.asarray(_adversarial((1000, 4200), 36, 16)).astype(dtype)
+    poison_device_memory(2 * x.size)
+    check_nvfp4_block_amax_bits(x, interpret=False)
+    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
+    bits = jax.jit(pk.nvfp4_block_amax_bits)(x)
+    assert_same_bits(
+        common.f32_from_bits(jnp.max(bits)), amaxes[0], "global amax from the block amaxes"
+    )
+    poison_device_memory(2 * x.size)
+    got = run_nvfp4(
+        x,
+        rht=False,
+        sr=False,
+        amaxes=amaxes,
+        seeds=SEEDS,
+        block_shape=(16, 16),
+        block_amax_bits=bits,
+    )
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 16x16 on the block amax kernel, {name}")
 
 
 @gpu_cases

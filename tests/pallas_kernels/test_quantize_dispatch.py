@@ -102,6 +102,51 @@ def test_auto_backend_uses_kernels_on_gpu_and_matches_reference(recipe, role):
     assert_same(got, want)
 
 
+# NVFP4 weights 129 / 263 blocks of 16 wide: the block amax kernel gives the quantize kernel its
+# 16×16 block amaxes and the global amax (jax_qtrain/kernels.py::weight_block_amax_bits).
+WIDE_WEIGHT = {"cpu": (32, 2064), "gpu": (520, 4200)}
+
+
+def _nvfp4_weight(shape, backend):
+    x = sample(shape, jnp.bfloat16, 6)
+    return jq.quantize(x, jq.NVFP4BlockScaling(), "weight", columnwise=True, backend=backend)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter path is the CPU's")
+def test_nvfp4_weight_on_the_block_amax_kernel_matches_reference_in_interpreter():
+    want = _nvfp4_weight(WIDE_WEIGHT["cpu"], "reference")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = _nvfp4_weight(WIDE_WEIGHT["cpu"], "pallas")
+    assert_same(got, want)
+
+
+@pytest.mark.gpu
+def test_nvfp4_weight_on_the_block_amax_kernel_matches_reference_on_gpu():
+    assert_same(
+        _nvfp4_weight(WIDE_WEIGHT["gpu"], "auto"), _nvfp4_weight(WIDE_WEIGHT["gpu"], "reference")
+    )
+
+
+def test_block_amaxes_are_passed_for_nvfp4_weights_only():
+    x = jnp.ones((32, 64), jnp.float32)
+    weight = jq.NVFP4BlockScaling().spec("weight")
+    bits = kernels.weight_block_amax_bits(x, weight)
+    assert bits.shape == (2, 4) and bits.dtype == jnp.uint32
+    amaxes = kernels.tensor_amaxes(x, weight, ["rowwise", "columnwise"], block_amax_bits=bits)
+    assert float(amaxes["rowwise"]) == float(amaxes["columnwise"]) == 1.0
+    activation = jq.NVFP4BlockScaling().spec("input")
+    assert kernels.weight_block_amax_bits(x, activation) is None
+    with pytest.raises(ValueError, match="block_amax_bits: NVFP4 16×16 blocks only"):
+        kernels.quantize(
+            x,
+            activation,
+            input_dtype=x.dtype,
+            amaxes={"rowwise": None},
+            seeds={},
+            block_amax_bits=bits,
+        )
+
+
 # --- stochastic rounding of a shard (position_offset) ------------------------------------------
 # A shard 4096 rows and 256 columns into a larger gradient: its random bits must be those of its
 # elements' places in the whole tensor, on the kernel as on the reference.
