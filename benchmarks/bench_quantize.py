@@ -277,6 +277,33 @@ def extra_cases(x: jax.Array) -> list[tuple[str, str, str, Callable, tuple, int]
             xb + n // 64,
         ),
     ]
+    # NVFP4 weights' quantize kernel alone (block amaxes and global amax given; the wrapper's
+    # per-line repetition of the block amaxes included), with each group's block amaxes loaded
+    # before it (the default) and the tile's loaded at its start (`preload_block_amaxes`).
+    weight_bits = jax.jit(pk.nvfp4_block_amax_bits)(x)
+    weight_amax = jax.lax.bitcast_convert_type(jnp.max(weight_bits), jnp.float32)
+    for label, config in (
+        ("row+col kernel only", None),
+        (
+            "row+col kernel only, preloaded block amaxes",
+            pk.NVFP4QuantizeConfig(preload_block_amaxes=True),
+        ),
+    ):
+        quantize_weight = functools.partial(
+            pk.quantize_nvfp4, block_shape=(16, 16), columnwise=True, config=config
+        )
+        out.append(
+            (
+                "nvfp4 16x16 (weight)",
+                label,
+                "pallas",
+                lambda v, b, a, f=quantize_weight: f(
+                    v, rowwise_amax=a, columnwise_amax=a, block_amax_bits=b
+                ),
+                (x, weight_bits, weight_amax),
+                xb + n + n // 128,
+            )
+        )
 
     # Dequantize (bf16 out) of the rowwise copies.
     mx = jq.quantize(x, jq.MXFP8BlockScaling(), backend="reference")

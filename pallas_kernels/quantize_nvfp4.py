@@ -175,6 +175,12 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         Hadamard col, the kernel alone in alternation on the H200 (2026-12-02), 124.7 ->
         122.9 µs (8192²) and 124.5 -> 123.7 (16384×4096); with stochastic rounding 163.9 ->
         161.4 and 163.1 -> 161.2. False keeps the bit patterns everywhere.
+      preload_block_amaxes: 16×16 blocks only: each thread loads its lines' block amaxes for
+        the whole tile, both copies, from global memory when the tile starts (8 words per line
+        and copy at 128-wide tiles), so the columnwise copy's loads wait under the rowwise
+        copy's work, instead of 4 words per group of four blocks just before the group (with
+        `loop_blocks`, four global-load latencies per tile in sequence, each waited for). The
+        same values, so the same bits; a group picks its four words from the tile's by selects.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -191,6 +197,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     grid_min_rounding: bool | None = None
     float_sign_test: bool | None = None
     float_block_amax: bool = True
+    preload_block_amaxes: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -213,6 +220,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "grid_min_rounding",
             "float_sign_test",
             "float_block_amax",
+            "preload_block_amaxes",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -690,6 +698,21 @@ def quantize_block_lines(
 _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
 
 
+def _group_columns(values: jax.Array, group) -> jax.Array:
+    """Columns `_BLOCKS_PER_STORE`·group … of a (lines, n) register array held row-per-thread:
+    a slice for a static group, selects for a loop's traced one."""
+    slices = [
+        values[:, g * _BLOCKS_PER_STORE : (g + 1) * _BLOCKS_PER_STORE]
+        for g in range(values.shape[1] // _BLOCKS_PER_STORE)
+    ]
+    if isinstance(group, int):
+        return slices[group]
+    picked = slices[0]
+    for g, candidate in enumerate(slices[1:], start=1):
+        picked = jnp.where(group == g, candidate, picked)
+    return picked
+
+
 def _quantize_copy(
     load_pair,
     layout,
@@ -703,6 +726,7 @@ def _quantize_copy(
     seed,
     hadamard,
     block_amax_gmem=None,
+    tile_block_amaxes=None,
     position=None,
     lean=False,
     loop_blocks=False,
@@ -722,8 +746,10 @@ def _quantize_copy(
     or x's own dtype (then each 1×16 block's amax is taken on x's bit patterns, two bf16 per
     32-bit integer operation, before the values are widened: the same amax bits).
     `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
-    1×16 blocks. `position`: uint32 (line, col) of the copy's first element in a larger
-    tensor, added to the positions stochastic rounding hashes (None: 0, 0).
+    1×16 blocks; `tile_block_amaxes`: instead, the (lines, n_blocks) of them already loaded
+    (`NVFP4QuantizeConfig.preload_block_amaxes`). `position`: uint32 (line, col) of the copy's
+    first element in a larger tensor, added to the positions stochastic rounding hashes (None:
+    0, 0).
 
     Grouped tensors (`group_table`): `line_table` (lines of the copy, 4) uint32 gives each
     line its own t, S_dec, seed and hashed row (the rowwise copy: a line is one token);
@@ -770,7 +796,9 @@ def _quantize_copy(
         """Blocks `_BLOCKS_PER_STORE`·group … of every line: codes and scales stored."""
         first_block = group * _BLOCKS_PER_STORE
         line_amaxes = None
-        if block_amax_gmem is not None:
+        if tile_block_amaxes is not None:
+            line_amaxes = _group_columns(tile_block_amaxes, group)
+        elif block_amax_gmem is not None:
             window = block_amax_gmem.at[
                 pl.ds(line0, lines), pl.ds(col0 // BLOCK + first_block, _BLOCKS_PER_STORE)
             ]
@@ -930,6 +958,20 @@ def _tile(
         float_sign_test=config.float_sign_test,
         float_block_amax=config.float_block_amax,
     )
+    tile_block_amaxes = [None, None]
+    if config.preload_block_amaxes:
+        # Both copies' loads issued before either copy's work (the same windows as the
+        # per-group loads, whole tiles wide): plain global loads, thread t its line's words.
+        windows = {
+            False: lambda ref: ref.at[pl.ds(m0, tm), pl.ds(k0 // BLOCK, tk // BLOCK)],
+            True: lambda ref: ref.at[pl.ds(k0, tk), pl.ds(m0 // BLOCK, tm // BLOCK)],
+        }
+        for columnwise in copies:
+            gmem = block_amax_gmems[int(columnwise)]
+            if gmem is not None:
+                tile_block_amaxes[int(columnwise)] = plgpu.load(
+                    windows[columnwise](gmem), layout=qc.RPT1, optimized=False
+                )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
         scalars = (scalars_gmem[c, _T], scalars_gmem[c, _S_DEC])
@@ -958,6 +1000,7 @@ def _tile(
                 seed,
                 hadamard=False,
                 block_amax_gmem=block_amax_gmems[0],
+                tile_block_amaxes=tile_block_amaxes[0],
                 position=position,
                 line_table=group_gmems[0],
                 **arithmetic,
@@ -980,6 +1023,7 @@ def _tile(
                 seed,
                 hadamard=hadamard,
                 block_amax_gmem=block_amax_gmems[1],
+                tile_block_amaxes=tile_block_amaxes[1],
                 position=position,
                 block_table=group_gmems[1],
                 **arithmetic,

@@ -405,6 +405,8 @@ NVFP4_COMPARE_SIGN = pk.NVFP4QuantizeConfig(float_sign_test=False)
 # them by a float max, `float_block_amax`, which the interpreter does not run: the gpu tests
 # tell): the same bits.
 NVFP4_BITS_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=False)
+# 16×16 blocks: each tile's block amaxes loaded when the tile starts (stop 37).
+NVFP4_PRELOAD = pk.NVFP4QuantizeConfig(preload_block_amaxes=True)
 
 
 @cpu_only
@@ -980,6 +982,29 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
         )
     with pytest.raises(ValueError, match=r"block_amax_bits applies to block_shape=\(16, 16\)"):
         pk.quantize_nvfp4(x, rowwise_amax=amax, block_amax_bits=bits)
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "sr, dtype, shape, config",
+    [
+        (False, jnp.bfloat16, (256, 384), NVFP4_PRELOAD),  # loop over groups: selects
+        (True, jnp.float32, (144, 200), NVFP4_PRELOAD),  # padding, stochastic rounding
+        (False, jnp.bfloat16, (256, 256), dataclasses.replace(NVFP4_PRELOAD, loop_blocks=False)),
+        (False, jnp.bfloat16, (512, 256), dataclasses.replace(NVFP4_PRELOAD, tile_m=256)),
+    ],
+)
+def test_nvfp4_preloaded_block_amaxes_interpret(sr, dtype, shape, config):
+    # The tile's block amaxes loaded at its start, a group's four picked from them: the same bits.
+    # Without NaN / Inf blocks, which would make most 16×16 blocks' amaxes alike (a 16×16 block
+    # holds 16 of sample's 1×16 blocks), so that a block given another's amax shows.
+    x = jnp.asarray(_adversarial_without_specials(*shape, 37)).astype(dtype)
+    check_nvfp4(x, False, sr, (16, 16), config=config)
+
+
+def test_preload_block_amaxes_must_be_a_bool():
+    with pytest.raises(TypeError, match="preload_block_amaxes must be a bool, got 1"):
+        pk.NVFP4QuantizeConfig(preload_block_amaxes=1)
 
 
 @cpu_only
@@ -2152,6 +2177,9 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, NVFP4_BITS_AMAX, (1, 16)),
         (True, True, jnp.float32, NVFP4_BITS_AMAX, (1, 16)),
         (False, False, jnp.float32, NVFP4_BITS_AMAX, (16, 16)),
+        (False, False, jnp.bfloat16, NVFP4_PRELOAD, (16, 16)),
+        (False, True, jnp.float32, NVFP4_PRELOAD, (16, 16)),
+        (False, False, jnp.bfloat16, dataclasses.replace(NVFP4_PRELOAD, tile_m=256), (16, 16)),
     ],
 )
 def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
@@ -2264,14 +2292,20 @@ def test_gpu_nvfp4_line_amax_bits(rht, dtype):
 
 
 @gpu_cases
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype):
+@pytest.mark.parametrize(
+    "dtype, config",
+    [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, NVFP4_PRELOAD)],
+)
+def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype, config):
     # x 263 blocks of 16 wide (the last unit overlaps the one before) and padded rows: the
     # block amax kernel against the reference's bits, then the 16×16 quantizer fed by it (the
     # path jax_qtrain takes for NVFP4 weights) against the reference quantizer.
     x = jnp.asarray(_adversarial((1000, 4200), 36, 16)).astype(dtype)
     poison_device_memory(2 * x.size)
     check_nvfp4_block_amax_bits(x, interpret=False)
+    # The quantizer on blocks without NaN / Inf (with them most 16×16 amaxes are alike, and a
+    # block given another's amax would not show).
+    x = jnp.asarray(_adversarial_without_specials(1000, 4200, 36)).astype(dtype)
     want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
     bits = jax.jit(pk.nvfp4_block_amax_bits)(x)
     assert_same_bits(
@@ -2286,6 +2320,7 @@ def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype):
         seeds=SEEDS,
         block_shape=(16, 16),
         block_amax_bits=bits,
+        config=config,
     )
     for g, w, name in zip(got, want, NAMES, strict=True):
         assert_same_bits(g, w, f"nvfp4 16x16 on the block amax kernel, {name}")
