@@ -988,6 +988,7 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
 @pytest.mark.parametrize(
     "sr, dtype, shape, config",
     [
+        (False, jnp.bfloat16, (256, 384), None),  # the default: each group's loads
         (False, jnp.bfloat16, (256, 384), NVFP4_PRELOAD),  # loop over groups: selects
         (True, jnp.float32, (144, 200), NVFP4_PRELOAD),  # padding, stochastic rounding
         (False, jnp.bfloat16, (256, 256), dataclasses.replace(NVFP4_PRELOAD, loop_blocks=False)),
@@ -995,7 +996,8 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
     ],
 )
 def test_nvfp4_preloaded_block_amaxes_interpret(sr, dtype, shape, config):
-    # The tile's block amaxes loaded at its start, a group's four picked from them: the same bits.
+    # The tile's block amaxes loaded at its start, a group's four picked from them: the same bits
+    # (and the default path on the same input).
     # Without NaN / Inf blocks, which would make most 16×16 blocks' amaxes alike (a 16×16 block
     # holds 16 of sample's 1×16 blocks), so that a block given another's amax shows.
     x = jnp.asarray(_adversarial_without_specials(*shape, 37)).astype(dtype)
