@@ -7,7 +7,8 @@ scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the de
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
 default and stops 34-35's changes (`native_division`, `packed_row_amax`,
-`carry_stochastic_rounding`, `grid_min_rounding`) one by one; earlier variants
+`carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_weight`: NVFP4
+16×16 weight blocks row+col, the default against `preload_block_amaxes`; earlier variants
 (unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md;
 written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
@@ -117,7 +118,14 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     # Stop 36: float32 block amaxes by a float max (the Hadamard copy's, float32 x's).
     "+ float block amax (default)": pk.NVFP4QuantizeConfig(),
 }
-KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr")
+# NVFP4 16×16 weight blocks (`--kernel nvfp4_weight`): each group's block amaxes loaded just
+# before it (the default) against the tile's loaded at its start (stop 37).
+NVFP4_WEIGHT_BASELINE = "per-group block amax loads (default)"
+NVFP4_WEIGHT_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
+    NVFP4_WEIGHT_BASELINE: pk.NVFP4QuantizeConfig(),
+    "preload_block_amaxes": pk.NVFP4QuantizeConfig(preload_block_amaxes=True),
+}
+KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr", "nvfp4_weight")
 SKELETON = "row+col e4m3 cast skeleton"
 SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
 SKELETON_SLABS = "row+col e4m3 cast skeleton, stage_columnwise_in_input"
@@ -162,6 +170,22 @@ def nvfp4_row_col(stochastic: bool) -> Callable:
     return make
 
 
+def nvfp4_weight_row_col(config: pk.NVFP4QuantizeConfig) -> Callable:
+    """NVFP4 16×16 blocks row + col with a fixed global amax; the block amaxes from
+    `nvfp4_block_amax_bits` inside the call (as `jax_qtrain.quantize` runs it)."""
+    amax = jnp.float32(4.0)
+    return jax.jit(
+        lambda x: pk.quantize_nvfp4(
+            x,
+            block_shape=(16, 16),
+            columnwise=True,
+            rowwise_amax=amax,
+            columnwise_amax=amax,
+            config=config,
+        )
+    )
+
+
 def nvfp4_bytes(rows: int, cols: int) -> int:
     """x (bf16) read once; both copies' packed codes (half a byte) and E4M3 scales written."""
     n = rows * cols
@@ -178,6 +202,16 @@ def kernel_setup(kernel: str) -> dict:
             variants=NVFP4_VARIANTS,
             make=nvfp4_row_col(stochastic),
             nbytes=nvfp4_bytes,
+            width=16,
+        )
+    if kernel == "nvfp4_weight":
+        n_bytes = lambda rows, cols: 2 * rows * cols + rows * cols + rows * cols // 128
+        return dict(
+            title="NVFP4 16x16 weight blocks (block amax pass included)",
+            baseline=NVFP4_WEIGHT_BASELINE,
+            variants=NVFP4_WEIGHT_VARIANTS,
+            make=nvfp4_weight_row_col,
+            nbytes=n_bytes,
             width=16,
         )
     if kernel == "mxfp8":

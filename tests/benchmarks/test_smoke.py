@@ -163,6 +163,17 @@ def test_quantize_ab_runs_small(tmp_path):
     assert all(r["us"] > 0 for r in rows) and "| split_copies |" in text
 
 
+def test_quantize_ab_nvfp4_weight_runs_small(tmp_path):
+    # The 16×16 weight kernel's block-amax loads, per group and preloaded: the same bits.
+    from benchmarks import quantize_ab
+
+    quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_weight")
+    rows = json.loads((tmp_path / "quantize_ab_nvfp4_weight.json").read_text())
+    preload = [r for r in rows if r["variant"] == "preload_block_amaxes"]
+    assert len(preload) >= 1 and all(r["bits"] == "identical" for r in preload)
+    assert all(r["us"] > 0 for r in rows)
+
+
 @pytest.mark.slow
 def test_quantize_scale_split_runs_small(tmp_path):
     # In the interpreter: every quantizer's outputs equal its default's (Inf / NaN / tiny
