@@ -86,6 +86,8 @@ class GroupedMatmulConfig:
       consumers otherwise start a tile together, share the tensor core, finish their K block
       together and promote it together while the tensor core idles; offset by one K block,
       each one's promotion runs under the other's MMA (an ordering change only: the same bits).
+      Measured and not adopted (stop 37, H200, `grouped_ab --variants stagger`): 4% slower
+      for G8 balanced and 6-7% for the dense 8192³ GEMM, in every combination tried.
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing

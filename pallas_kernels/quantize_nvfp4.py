@@ -181,6 +181,10 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         copy's work, instead of 4 words per group of four blocks just before the group (with
         `loop_blocks`, four global-load latencies per tile in sequence, each waited for). The
         same values, so the same bits; a group picks its four words from the tile's by selects.
+        Measured and not adopted (stop 37, H200, `quantize_ab.py --kernel nvfp4_weight`, in
+        alternation, the block-amax pass included): bit-identical but 5% slower, 192.3 ->
+        202.2 µs (8192²) and 190.7 -> 199.6 (16384×4096): the per-group loads' latency was
+        hidden already, and the tile's words stay live in registers across both copies.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
