@@ -16,8 +16,8 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: every NVFP4 and dequantize gpu test
-#                                      on stop 36's float sign test, then
+#                                      and their timing (now: every NVFP4 and dequantize gpu test,
+#                                      stop 37's 16×16 block-amax pass among them, then
 #                                      quantize_ab's NVFP4 variants and bench_quantize "extra")
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
@@ -85,9 +85,9 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # stop 36's NVFP4 default float_sign_test (each code's sign bit by fma.rn.sat.f32 and
-  # fma.rn.f32, nearest and stochastic rounding): every NVFP4 and dequantize gpu test of the
+  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
+  # (nothing is awaiting since stop 37; the last were its 16×16 block-amax pass and stop 36's
+  # float sign test): every NVFP4 and dequantize gpu test of the
   # quantize files, then quantize_ab's NVFP4 variants ($PENDING_AB), grouped_ab sets if any
   # ($PENDING_GROUPED_AB, e.g. block_tiles) and bench_quantize's "extra" cases
   # ($PENDING_BENCH, empty for none). Point PENDING_* at the next path.
