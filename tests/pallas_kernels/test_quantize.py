@@ -989,6 +989,7 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
     "sr, dtype, shape, config",
     [
         (False, jnp.bfloat16, (256, 384), None),  # the default: each group's loads
+        (True, jnp.float32, (144, 200), None),  # the default with stochastic rounding
         (False, jnp.bfloat16, (256, 384), NVFP4_PRELOAD),  # loop over groups: selects
         (True, jnp.float32, (144, 200), NVFP4_PRELOAD),  # padding, stochastic rounding
         (False, jnp.bfloat16, (256, 256), dataclasses.replace(NVFP4_PRELOAD, loop_blocks=False)),
