@@ -95,7 +95,7 @@ def tensor_amaxes(
     16×16 blocks, from their amaxes (`weight_block_amax_bits`: the largest pattern is the
     largest |x|, NaN's above Inf's, as the amax kernel takes them)."""
     if block_amax_bits is not None:
-        tensor_amax = jax.lax.bitcast_convert_type(jnp.max(block_amax_bits), jnp.float32)
+        tensor_amax = common.f32_from_bits(jnp.max(block_amax_bits))
         return {u: tensor_amax for u in usages}
     if spec.format == "nvfp4":
         row_amax, col_amax = _pallas().nvfp4_amax(x2d, hadamard_columnwise=spec.hadamard_columnwise)

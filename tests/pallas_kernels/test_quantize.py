@@ -1010,16 +1010,17 @@ def test_preload_block_amaxes_must_be_a_bool():
         pk.NVFP4QuantizeConfig(preload_block_amaxes=1)
 
 
-@cpu_only
-def test_nvfp4_weight_blocks_from_given_block_amaxes_interpret():
-    # A caller that took the global amax from the block amaxes passes them on: the same bits
-    # as the wrapper taking them itself (here from the kernel, x 129 blocks wide).
-    x = sample((32, 2064), jnp.bfloat16, 35, block=16)
+def check_nvfp4_from_block_amaxes(x, config=None, interpret=INTERPRET, poison=False):
+    """The NVFP4 weight path: 16×16 block amaxes from `nvfp4_block_amax_bits`, the global amax
+    their maximum (equal to the reference's), the 16×16 quantizer given both (equal to the
+    reference quantizer). `poison`: fill device memory before the quantizer runs."""
     want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
-    bits = pk.nvfp4_block_amax_bits(x, interpret=True)
+    bits = jax.jit(lambda v: pk.nvfp4_block_amax_bits(v, interpret=interpret))(x)
     assert_same_bits(
         common.f32_from_bits(jnp.max(bits)), amaxes[0], "global amax from the block amaxes"
     )
+    if poison:
+        poison_device_memory(2 * x.size)
     got = run_nvfp4(
         x,
         rht=False,
@@ -1028,9 +1029,17 @@ def test_nvfp4_weight_blocks_from_given_block_amaxes_interpret():
         seeds=SEEDS,
         block_shape=(16, 16),
         block_amax_bits=bits,
+        config=config,
     )
     for g, w, name in zip(got, want, NAMES, strict=True):
-        assert_same_bits(g, w, f"nvfp4 16x16, given block amaxes, {name}")
+        assert_same_bits(g, w, f"nvfp4 16x16 from the block amaxes, {name} ({config})")
+
+
+@cpu_only
+def test_nvfp4_weight_blocks_from_given_block_amaxes_interpret():
+    # A caller that took the global amax from the block amaxes passes them on: the same bits
+    # as the wrapper taking them itself (here from the kernel, x 129 blocks wide).
+    check_nvfp4_from_block_amaxes(sample((32, 2064), jnp.bfloat16, 35, block=16))
 
 
 @cpu_only
@@ -2309,24 +2318,7 @@ def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype, config):
     # The quantizer on blocks without NaN / Inf (with them most 16×16 amaxes are alike, and a
     # block given another's amax would not show).
     x = jnp.asarray(_adversarial_without_specials(1000, 4200, 36)).astype(dtype)
-    want, amaxes = ref_nvfp4(x, rht=False, sr=False, seeds=SEEDS, block=(16, 16))
-    bits = jax.jit(pk.nvfp4_block_amax_bits)(x)
-    assert_same_bits(
-        common.f32_from_bits(jnp.max(bits)), amaxes[0], "global amax from the block amaxes"
-    )
-    poison_device_memory(2 * x.size)
-    got = run_nvfp4(
-        x,
-        rht=False,
-        sr=False,
-        amaxes=amaxes,
-        seeds=SEEDS,
-        block_shape=(16, 16),
-        block_amax_bits=bits,
-        config=config,
-    )
-    for g, w, name in zip(got, want, NAMES, strict=True):
-        assert_same_bits(g, w, f"nvfp4 16x16 on the block amax kernel, {name}")
+    check_nvfp4_from_block_amaxes(x, config, interpret=False, poison=True)
 
 
 @gpu_cases
