@@ -41,7 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantize_common as qc
@@ -185,6 +188,13 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         alternation, the block-amax pass included): bit-identical but 5% slower, 192.3 ->
         202.2 µs (8192²) and 190.7 -> 199.6 (16384×4096): the per-group loads' latency was
         hidden already, and the tile's words stay live in registers across both copies.
+      compact_block_amaxes (default True; hardware only): 16×16 blocks only: the kernel reads
+        the blocks' amaxes from the (M/16, K/16) array `nvfp4_block_amax_bits` gives, thread t
+        computing its line's addresses (row (line0 + t) / 16; for the columnwise copy the same
+        array read down a column), instead of from one copy of them per line and copy that XLA
+        writes first (two (lines, blocks) arrays, 16 MiB each for an 8192² weight). The same
+        words, so the same bits. The interpreter cannot run the inline address arithmetic and
+        always reads the per-line copies (False does too on the hardware).
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -202,6 +212,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     float_sign_test: bool | None = None
     float_block_amax: bool = True
     preload_block_amaxes: bool = False
+    compact_block_amaxes: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -225,6 +236,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "float_sign_test",
             "float_block_amax",
             "preload_block_amaxes",
+            "compact_block_amaxes",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -702,6 +714,63 @@ def quantize_block_lines(
 _BLOCKS_PER_STORE = 4  # 4 blocks = 32 packed bytes per line: one (8, 32)-tiled column group
 
 
+@dataclasses.dataclass(frozen=True)
+class _CompactBlockAmaxes:
+    """The 16×16 blocks' amax bits as one (M/16, K/16) uint32 array in global memory
+    (`NVFP4QuantizeConfig.compact_block_amaxes`), read for the rowwise copy (a line is a row
+    of x) or, `transposed`, for the columnwise one (a line is a column of x)."""
+
+    gmem: object
+    transposed: bool
+
+
+def _line_block_amaxes(source, line0, lines: int, block0, n: int) -> jax.Array:
+    """(lines, n) uint32 in `qc.RPT1`: the amax bits of blocks block0 … block0 + n − 1 of the
+    copy's lines line0 … (thread t: line line0 + t). `source`: a (lines, blocks) array of the
+    copy's per-line amaxes, or `_CompactBlockAmaxes`."""
+    if not isinstance(source, _CompactBlockAmaxes):
+        window = source.at[pl.ds(line0, lines), pl.ds(block0, n)]
+        # Thread t gets its line's amaxes: a plain global load of a few words.
+        return plgpu.load(window, layout=qc.RPT1, optimized=False)
+    line_blocks, blocks = pl.ds(line0 // BLOCK, lines // BLOCK), pl.ds(block0, n)
+    window = (
+        source.gmem.at[blocks, line_blocks]
+        if source.transposed
+        else source.gmem.at[line_blocks, blocks]
+    )
+    return _load_compact_window(window, source.gmem.shape[1], source.transposed, lines, n)
+
+
+def _load_compact_window(window, row_stride: int, transposed: bool, lines: int, n: int):
+    """`_line_block_amaxes` from a window of the compact array: (lines / 16, n), or (n,
+    lines / 16) `transposed`, of a (·, `row_stride`) uint32 array. Each register of the RPT1
+    result (line l, block b) is one 4-byte load from row l / 16 (column, transposed): the 16
+    threads of a 16-line block load the same word, which the L1 serves once."""
+    layout = mgpu.tmem_native_layout(1)  # qc.RPT1's Mosaic layout
+    shape = (lines, n)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct(shape, jnp.uint32, layout=qc.RPT1),
+    )
+    def load(_, window_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        base = mgpu.utils.memref_ptr(window_ref)
+        registers = np.empty(layout.registers_shape(shape), dtype=object)
+        for register, (line, block) in zip(
+            np.ndindex(registers.shape), layout.thread_idxs(shape), strict=True
+        ):
+            line_block = arith.divui(arith.index_cast(i32, line), mgpu.utils.c(BLOCK, i32))
+            block = arith.index_cast(i32, block)
+            row, col = (block, line_block) if transposed else (line_block, block)
+            offset = arith.addi(arith.muli(row, mgpu.utils.c(row_stride, i32)), col)
+            word = llvm.load(i32, mgpu.utils.getelementptr(base, [offset], i32))
+            registers[register] = vector.broadcast(ir.VectorType.get((1,), i32), word)
+        return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=False)
+
+    return load(window)
+
+
 def _group_columns(values: jax.Array, group) -> jax.Array:
     """Columns `_BLOCKS_PER_STORE`·group … of a (lines, n) register array held row-per-thread:
     a slice for a static group, selects for a loop's traced one."""
@@ -749,11 +818,11 @@ def _quantize_copy(
     `scale_gmem`. `load_pair(p)` gives blocks 2p and 2p+1 as one (lines, 32) array, float32
     or x's own dtype (then each 1×16 block's amax is taken on x's bit patterns, two bf16 per
     32-bit integer operation, before the values are widened: the same amax bits).
-    `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring), or None for
-    1×16 blocks; `tile_block_amaxes`: instead, the (lines, n_blocks) of them already loaded
-    (`NVFP4QuantizeConfig.preload_block_amaxes`). `position`: uint32 (line, col) of the copy's
-    first element in a larger tensor, added to the positions stochastic rounding hashes (None:
-    0, 0).
+    `block_amax_gmem`: the 16×16 blocks' amax bits per line (module docstring) or a
+    `_CompactBlockAmaxes`, or None for 1×16 blocks; `tile_block_amaxes`: instead, the
+    (lines, n_blocks) of them already loaded (`NVFP4QuantizeConfig.preload_block_amaxes`).
+    `position`: uint32 (line, col) of the copy's first element in a larger tensor, added to
+    the positions stochastic rounding hashes (None: 0, 0).
 
     Grouped tensors (`group_table`): `line_table` (lines of the copy, 4) uint32 gives each
     line its own t, S_dec, seed and hashed row (the rowwise copy: a line is one token);
@@ -803,11 +872,9 @@ def _quantize_copy(
         if tile_block_amaxes is not None:
             line_amaxes = _group_columns(tile_block_amaxes, group)
         elif block_amax_gmem is not None:
-            window = block_amax_gmem.at[
-                pl.ds(line0, lines), pl.ds(col0 // BLOCK + first_block, _BLOCKS_PER_STORE)
-            ]
-            # Thread t gets its line's amaxes: a plain global load of a few words.
-            line_amaxes = plgpu.load(window, layout=qc.RPT1, optimized=False)
+            line_amaxes = _line_block_amaxes(
+                block_amax_gmem, line0, lines, col0 // BLOCK + first_block, _BLOCKS_PER_STORE
+            )
         scales, packed_group = [], []
         for p in range(_BLOCKS_PER_STORE // 2):
             pair = load_pair(first_block // 2 + p)
@@ -898,15 +965,21 @@ def _kernel(
     two_d,
     positioned,
     grouped=(False, False),
+    compact_block_amaxes=False,
     **options,
 ):
     data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
     # With positions: one more input, each copy's (line, col) offset (4 uint32).
     positions_gmem = refs[0] if positioned else None
     refs = refs[1:] if positioned else refs
-    # 16×16 blocks: two more inputs, the per-line block amaxes of each copy.
-    block_amax_gmems = refs[:2] if two_d else (None, None)
-    refs = refs[2:] if two_d else refs
+    # 16×16 blocks: the per-line block amaxes of each copy (two more inputs), or one more,
+    # the compact (M/16, K/16) block amaxes both copies read.
+    block_amax_gmems = (None, None)
+    if two_d and compact_block_amaxes:
+        block_amax_gmems = tuple(_CompactBlockAmaxes(refs[0], t) for t in (False, True))
+        refs = refs[1:]
+    elif two_d:
+        block_amax_gmems, refs = refs[:2], refs[2:]
     # Grouped tensors: one more input per grouped copy, its `group_table`.
     group_gmems = []
     for is_grouped in grouped:
@@ -967,14 +1040,14 @@ def _tile(
         # Both copies' loads issued before either copy's work (the same windows as the
         # per-group loads, whole tiles wide): plain global loads, thread t its line's words.
         windows = {
-            False: lambda ref: ref.at[pl.ds(m0, tm), pl.ds(k0 // BLOCK, tk // BLOCK)],
-            True: lambda ref: ref.at[pl.ds(k0, tk), pl.ds(m0 // BLOCK, tm // BLOCK)],
+            False: (m0, tm, k0 // BLOCK, tk // BLOCK),
+            True: (k0, tk, m0 // BLOCK, tm // BLOCK),
         }
         for columnwise in copies:
-            gmem = block_amax_gmems[int(columnwise)]
-            if gmem is not None:
-                tile_block_amaxes[int(columnwise)] = plgpu.load(
-                    windows[columnwise](gmem), layout=qc.RPT1, optimized=False
+            source = block_amax_gmems[int(columnwise)]
+            if source is not None:
+                tile_block_amaxes[int(columnwise)] = _line_block_amaxes(
+                    source, *windows[columnwise]
                 )
     for columnwise, dest, scale_gmem in zip(copies, dests, scale_gmems, strict=True):
         c = int(columnwise)
@@ -1230,6 +1303,15 @@ def nvfp4_block_amax_bits(
     return varying_like(bits.reshape(rows // BLOCK, cols // BLOCK), xp)
 
 
+def _padded_block_amaxes(block_bits: jax.Array, padded_rows: int, padded_cols: int) -> jax.Array:
+    """`block_bits` (M16/16, K16/16) zero-padded to the tile-padded input's blocks (the
+    padding's blocks are zeros)."""
+    block_rows, block_cols = padded_rows // BLOCK, padded_cols // BLOCK
+    return jnp.pad(
+        block_bits, ((0, block_rows - block_bits.shape[0]), (0, block_cols - block_bits.shape[1]))
+    )
+
+
 def _block_amax_per_line(
     block_bits: jax.Array, padded_rows: int, padded_cols: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -1237,10 +1319,7 @@ def _block_amax_per_line(
     along each block's 16 lines, (padded_rows, padded_cols/16) for the rowwise copy and
     (padded_cols, padded_rows/16) for the columnwise one (zero for the padding, whose blocks
     are zeros)."""
-    block_rows, block_cols = padded_rows // BLOCK, padded_cols // BLOCK
-    padded = jnp.pad(
-        block_bits, ((0, block_rows - block_bits.shape[0]), (0, block_cols - block_bits.shape[1]))
-    )
+    padded = _padded_block_amaxes(block_bits, padded_rows, padded_cols)
     return jnp.repeat(padded, BLOCK, axis=0), jnp.repeat(padded.T, BLOCK, axis=0)
 
 
@@ -1408,10 +1487,14 @@ def quantize_nvfp4(
             jax.ShapeDtypeStruct((padded_cols, padded_rows // BLOCK), jnp.float8_e4m3fn),
         ]
     block_amaxes = ()
+    compact_block_amaxes = two_d and config.compact_block_amaxes and not qc.interpreting(interpret)
     if two_d:
         if block_amax_bits is None:
             block_amax_bits = nvfp4_block_amax_bits(x, interpret=interpret)
-        block_amaxes = _block_amax_per_line(block_amax_bits, padded_rows, padded_cols)
+        if compact_block_amaxes:
+            block_amaxes = (_padded_block_amaxes(block_amax_bits, padded_rows, padded_cols),)
+        else:
+            block_amaxes = _block_amax_per_line(block_amax_bits, padded_rows, padded_cols)
     outs = qc.run_tiles(
         _kernel,
         xp,
@@ -1427,6 +1510,7 @@ def quantize_nvfp4(
         rowwise=rowwise,
         columnwise=columnwise,
         two_d=two_d,
+        compact_block_amaxes=compact_block_amaxes,
         positioned=positioned,
         **({"grouped": grouped} if any(grouped) else {}),
         hadamard=hadamard_columnwise,

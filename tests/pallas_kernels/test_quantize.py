@@ -407,6 +407,9 @@ NVFP4_COMPARE_SIGN = pk.NVFP4QuantizeConfig(float_sign_test=False)
 NVFP4_BITS_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=False)
 # 16×16 blocks: each tile's block amaxes loaded when the tile starts (stop 37).
 NVFP4_PRELOAD = pk.NVFP4QuantizeConfig(preload_block_amaxes=True)
+# 16×16 block amaxes read from per-line copies that XLA writes (the only path the interpreter
+# has; on the hardware the kernel reads the compact (M/16, K/16) array by default).
+NVFP4_PER_LINE_BLOCK_AMAXES = pk.NVFP4QuantizeConfig(compact_block_amaxes=False)
 
 
 @cpu_only
@@ -1008,6 +1011,8 @@ def test_nvfp4_preloaded_block_amaxes_interpret(sr, dtype, shape, config):
 def test_preload_block_amaxes_must_be_a_bool():
     with pytest.raises(TypeError, match="preload_block_amaxes must be a bool, got 1"):
         pk.NVFP4QuantizeConfig(preload_block_amaxes=1)
+    with pytest.raises(TypeError, match="compact_block_amaxes must be a bool, got 0"):
+        pk.NVFP4QuantizeConfig(compact_block_amaxes=0)
 
 
 def check_nvfp4_from_block_amaxes(x, config=None, interpret=INTERPRET, poison=False):
@@ -1882,6 +1887,17 @@ CROSS_LOWERED = {
         ),
         jnp.bfloat16,
     ),
+    "nvfp4 16x16 preloaded compact block amaxes, 256-row tiles": (
+        lambda x: pk.quantize_nvfp4(
+            x,
+            block_shape=(16, 16),
+            columnwise=True,
+            rowwise_amax=_AMAX,
+            columnwise_amax=_AMAX,
+            config=pk.NVFP4QuantizeConfig(preload_block_amaxes=True, tile_m=256),
+        ),
+        jnp.bfloat16,
+    ),
     "nvfp4 amax rht": (lambda x: pk.nvfp4_amax(x, hadamard_columnwise=True), jnp.bfloat16),
     "nvfp4 amax": (lambda x: pk.nvfp4_amax(x), jnp.float32),
     "fp8_block 1x128 row+col": (lambda x: pk.quantize_fp8_block(x, columnwise=True), jnp.bfloat16),
@@ -2306,7 +2322,12 @@ def test_gpu_nvfp4_line_amax_bits(rht, dtype):
 @gpu_cases
 @pytest.mark.parametrize(
     "dtype, config",
-    [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, NVFP4_PRELOAD)],
+    [
+        (jnp.bfloat16, None),
+        (jnp.float32, None),
+        (jnp.bfloat16, NVFP4_PRELOAD),
+        (jnp.bfloat16, NVFP4_PER_LINE_BLOCK_AMAXES),
+    ],
 )
 def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype, config):
     # x 263 blocks of 16 wide (the last unit overlaps the one before) and padded rows: the
@@ -2319,6 +2340,35 @@ def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype, config):
     # block given another's amax would not show).
     x = jnp.asarray(_adversarial_without_specials(1000, 4200, 36)).astype(dtype)
     check_nvfp4_from_block_amaxes(x, config, interpret=False, poison=True)
+
+
+@gpu_cases
+@pytest.mark.parametrize(
+    "sr, dtype, config",
+    [
+        (False, jnp.bfloat16, None),
+        (True, jnp.float32, None),
+        (True, jnp.bfloat16, pk.NVFP4QuantizeConfig(tile_m=256)),
+        (False, jnp.bfloat16, pk.NVFP4QuantizeConfig(tile_k=256, loop_blocks=False)),
+        (True, jnp.bfloat16, NVFP4_PRELOAD),
+        (False, jnp.float32, dataclasses.replace(NVFP4_PRELOAD, tile_m=256)),
+        (True, jnp.bfloat16, NVFP4_PER_LINE_BLOCK_AMAXES),
+    ],
+)
+def test_gpu_nvfp4_compact_block_amaxes_bit_exact(sr, dtype, config):
+    # The kernel's own address arithmetic into the compact (M/16, K/16) block amaxes (the
+    # default on the hardware; the interpreter reads per-line copies): rows and columns padded
+    # (1000 × 4200), tiles of 256 lines (two lines per thread), unrolled groups, the tile's
+    # amaxes preloaded, both roundings. Blocks without NaN / Inf, so that a line given another
+    # block row's amaxes shows.
+    x = jnp.asarray(_adversarial_without_specials(1000, 4200, 38)).astype(dtype)
+    want, amaxes = ref_nvfp4(x, rht=False, sr=sr, seeds=SEEDS, block=(16, 16))
+    poison_device_memory(2 * x.size)
+    got = run_nvfp4(
+        x, rht=False, sr=sr, amaxes=amaxes, seeds=SEEDS, block_shape=(16, 16), config=config
+    )
+    for g, w, name in zip(got, want, NAMES, strict=True):
+        assert_same_bits(g, w, f"nvfp4 16x16 {name} (sr={sr}, {dtype}, {config})")
 
 
 @gpu_cases
