@@ -8,8 +8,8 @@ scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the de
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
 default and stops 34-35's changes (`native_division`, `packed_row_amax`,
 `carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_weight`: NVFP4
-16×16 weight blocks row+col, the default (compact block amaxes) against per-line copies of
-them and `preload_block_amaxes`; earlier variants
+16×16 weight blocks row+col, the default (compact block amaxes, preloaded per tile) against
+per-line copies of them and per-group loads; earlier variants
 (unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md;
 written to
 OUT_DIR/quantize_ab_KERNEL.{json,md}.
@@ -120,13 +120,18 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     "+ float block amax (default)": pk.NVFP4QuantizeConfig(),
 }
 # NVFP4 16×16 weight blocks (`--kernel nvfp4_weight`): each group's block amaxes loaded just
-# before it (the default) against the tile's loaded at its start (stop 37); read from the
-# compact (M/16, K/16) array (the default since stop 38) against per-line copies written by XLA.
+# before it against the tile's loaded at its start (stop 37), read from per-line copies written
+# by XLA or from the compact (M/16, K/16) array (stop 38); both of the latter are the default.
 NVFP4_WEIGHT_BASELINE = "per-group loads, per-line copies (stop 37's default)"
 NVFP4_WEIGHT_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
-    NVFP4_WEIGHT_BASELINE: pk.NVFP4QuantizeConfig(compact_block_amaxes=False),
-    "per-group loads, compact block amaxes (default)": pk.NVFP4QuantizeConfig(),
-    "preload_block_amaxes, compact": pk.NVFP4QuantizeConfig(preload_block_amaxes=True),
+    NVFP4_WEIGHT_BASELINE: pk.NVFP4QuantizeConfig(
+        compact_block_amaxes=False, preload_block_amaxes=False
+    ),
+    "per-group loads, compact block amaxes (stop 38's first)": pk.NVFP4QuantizeConfig(
+        preload_block_amaxes=False
+    ),
+    "preload_block_amaxes, compact (default)": pk.NVFP4QuantizeConfig(),
+    "preload_block_amaxes, per-line copies": pk.NVFP4QuantizeConfig(compact_block_amaxes=False),
 }
 KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr", "nvfp4_weight")
 SKELETON = "row+col e4m3 cast skeleton"

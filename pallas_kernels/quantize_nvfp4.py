@@ -184,10 +184,12 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         copy's work, instead of 4 words per group of four blocks just before the group (with
         `loop_blocks`, four global-load latencies per tile in sequence, each waited for). The
         same values, so the same bits; a group picks its four words from the tile's by selects.
-        Measured and not adopted (stop 37, H200, `quantize_ab.py --kernel nvfp4_weight`, in
-        alternation, the block-amax pass included): bit-identical but 5% slower, 192.3 ->
-        202.2 µs (8192²) and 190.7 -> 199.6 (16384×4096): the per-group loads' latency was
-        hidden already, and the tile's words stay live in registers across both copies.
+        The default since stop 38: reading per-line copies (stop 37) it was 5% slower (H200,
+        `quantize_ab.py --kernel nvfp4_weight`, in alternation, the block-amax pass included:
+        192.3 -> 202.2 µs for 8192²), but with `compact_block_amaxes` each load is an address
+        computation per line and block, which the per-group loads repeat in every group of the
+        loop, and preloading was 2.1–2.4% faster in each of three runs (8192²: 155.7 -> 152.0,
+        156.8 -> 153.5, 153.6 -> 148.7 µs; 16384×4096 alike). False loads per group.
       compact_block_amaxes (default True; hardware only): 16×16 blocks only: the kernel reads
         the blocks' amaxes from the (M/16, K/16) array `nvfp4_block_amax_bits` gives, thread t
         computing its line's addresses (row (line0 + t) / 16; for the columnwise copy the same
@@ -211,7 +213,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     grid_min_rounding: bool | None = None
     float_sign_test: bool | None = None
     float_block_amax: bool = True
-    preload_block_amaxes: bool = False
+    preload_block_amaxes: bool = True  # (stop 38)
     compact_block_amaxes: bool = True
 
     def __post_init__(self):

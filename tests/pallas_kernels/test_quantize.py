@@ -406,7 +406,9 @@ NVFP4_COMPARE_SIGN = pk.NVFP4QuantizeConfig(float_sign_test=False)
 # tell): the same bits.
 NVFP4_BITS_AMAX = pk.NVFP4QuantizeConfig(float_block_amax=False)
 # 16×16 blocks: each tile's block amaxes loaded when the tile starts (stop 37).
-NVFP4_PRELOAD = pk.NVFP4QuantizeConfig(preload_block_amaxes=True)
+NVFP4_PRELOAD = pk.NVFP4QuantizeConfig(preload_block_amaxes=True)  # the default since stop 38
+# 16×16 block amaxes loaded per group of four blocks, just before it (the default until stop 38).
+NVFP4_PER_GROUP = pk.NVFP4QuantizeConfig(preload_block_amaxes=False)
 # 16×16 block amaxes read from per-line copies that XLA writes (the only path the interpreter
 # has; on the hardware the kernel reads the compact (M/16, K/16) array by default).
 NVFP4_PER_LINE_BLOCK_AMAXES = pk.NVFP4QuantizeConfig(compact_block_amaxes=False)
@@ -991,8 +993,8 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
 @pytest.mark.parametrize(
     "sr, dtype, shape, config",
     [
-        (False, jnp.bfloat16, (256, 384), None),  # the default: each group's loads
-        (True, jnp.float32, (144, 200), None),  # the default with stochastic rounding
+        (False, jnp.bfloat16, (256, 384), NVFP4_PER_GROUP),  # each group's loads
+        (True, jnp.float32, (144, 200), NVFP4_PER_GROUP),  # with stochastic rounding
         (False, jnp.bfloat16, (256, 384), NVFP4_PRELOAD),  # loop over groups: selects
         (True, jnp.float32, (144, 200), NVFP4_PRELOAD),  # padding, stochastic rounding
         (False, jnp.bfloat16, (256, 256), dataclasses.replace(NVFP4_PRELOAD, loop_blocks=False)),
@@ -1000,8 +1002,8 @@ def test_nvfp4_block_amax_bits_paths_and_bad_arguments():
     ],
 )
 def test_nvfp4_preloaded_block_amaxes_interpret(sr, dtype, shape, config):
-    # The tile's block amaxes loaded at its start, a group's four picked from them: the same bits
-    # (and the default path on the same input).
+    # The tile's block amaxes loaded at its start (the default since stop 38), a group's four
+    # picked from them, and each group's loaded just before it: the same bits.
     # Without NaN / Inf blocks, which would make most 16×16 blocks' amaxes alike (a 16×16 block
     # holds 16 of sample's 1×16 blocks), so that a block given another's amax shows.
     x = jnp.asarray(_adversarial_without_specials(*shape, 37)).astype(dtype)
@@ -2205,8 +2207,8 @@ def test_gpu_mxfp8_edge_blocks_bit_exact(config):
         (True, False, jnp.bfloat16, NVFP4_BITS_AMAX, (1, 16)),
         (True, True, jnp.float32, NVFP4_BITS_AMAX, (1, 16)),
         (False, False, jnp.float32, NVFP4_BITS_AMAX, (16, 16)),
-        (False, False, jnp.bfloat16, NVFP4_PRELOAD, (16, 16)),
-        (False, True, jnp.float32, NVFP4_PRELOAD, (16, 16)),
+        (False, False, jnp.bfloat16, NVFP4_PER_GROUP, (16, 16)),
+        (False, True, jnp.float32, NVFP4_PER_GROUP, (16, 16)),
         (False, False, jnp.bfloat16, dataclasses.replace(NVFP4_PRELOAD, tile_m=256), (16, 16)),
     ],
 )
@@ -2325,7 +2327,7 @@ def test_gpu_nvfp4_line_amax_bits(rht, dtype):
     [
         (jnp.bfloat16, None),
         (jnp.float32, None),
-        (jnp.bfloat16, NVFP4_PRELOAD),
+        (jnp.bfloat16, NVFP4_PER_GROUP),
         (jnp.bfloat16, NVFP4_PER_LINE_BLOCK_AMAXES),
     ],
 )
@@ -2350,8 +2352,8 @@ def test_gpu_nvfp4_weight_blocks_on_the_block_amax_kernel(dtype, config):
         (True, jnp.float32, None),
         (True, jnp.bfloat16, pk.NVFP4QuantizeConfig(tile_m=256)),
         (False, jnp.bfloat16, pk.NVFP4QuantizeConfig(tile_k=256, loop_blocks=False)),
-        (True, jnp.bfloat16, NVFP4_PRELOAD),
-        (False, jnp.float32, dataclasses.replace(NVFP4_PRELOAD, tile_m=256)),
+        (True, jnp.bfloat16, NVFP4_PER_GROUP),
+        (False, jnp.float32, dataclasses.replace(NVFP4_PER_GROUP, tile_m=256)),
         (True, jnp.bfloat16, NVFP4_PER_LINE_BLOCK_AMAXES),
     ],
 )
