@@ -24,8 +24,10 @@ both copies (the columnwise copy is the rowwise one transposed). A block's amax 
 i.e. 16 threads of the row-per-thread layout, so it is not reduced in the quantize kernel:
 `nvfp4_block_amax_bits` takes the 16×16 block amaxes in a pass of its own (one block per
 thread; 1/256 of x's elements come out, and their maximum is the global amax, so that pass
-replaces `nvfp4_amax` for weights), and the wrapper hands each copy's line its blocks' amaxes,
-repeated along the block's 16 lines; the quantize kernel then
+replaces `nvfp4_amax` for weights). Each thread of the quantize kernel reads its line's block
+amaxes from that (M/16, K/16) array by its own address arithmetic (row line / 16; the
+columnwise copy reads it down a column; `NVFP4QuantizeConfig.compact_block_amaxes`), or, in
+the interpreter, from copies the wrapper repeats along each block's 16 lines; it then
 quantizes exactly as for 1×16 blocks, with the given amax in place of the line's own. Scales
 come out per line and are cut to one row per block ((M16/16, K16/16) and (K16/16, M16/16), the
 reference's layout); codes are (M16, K16/2) and (K16, M16/2).
