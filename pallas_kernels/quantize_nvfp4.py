@@ -188,9 +188,9 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         same values, so the same bits; a group picks its four words from the tile's by selects.
         The default since stop 38: reading per-line copies (stop 37) it was 5% slower (H200,
         `quantize_ab.py --kernel nvfp4_weight`, in alternation, the block-amax pass included:
-        192.3 -> 202.2 µs for 8192²), but with `compact_block_amaxes` each load is an address
-        computation per line and block, which the per-group loads repeat in every group of the
-        loop, and preloading was 2.1–2.4% faster in each of three runs (8192²: 155.7 -> 152.0,
+        192.3 -> 202.2 µs for 8192²); with `compact_block_amaxes` (each load then an address
+        computation per line and block, which per-group loads repeat inside the group loop:
+        probably why) preloading was 2.1–2.4% faster in each of three runs (8192²: 155.7 -> 152.0,
         156.8 -> 153.5, 153.6 -> 148.7 µs; 16384×4096 alike). False loads per group.
       compact_block_amaxes (default True; hardware only): 16×16 blocks only: the kernel reads
         the blocks' amaxes from the (M/16, K/16) array `nvfp4_block_amax_bits` gives, thread t
@@ -215,7 +215,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     grid_min_rounding: bool | None = None
     float_sign_test: bool | None = None
     float_block_amax: bool = True
-    preload_block_amaxes: bool = True  # (stop 38)
+    preload_block_amaxes: bool = True
     compact_block_amaxes: bool = True
 
     def __post_init__(self):
