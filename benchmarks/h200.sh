@@ -16,9 +16,10 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: every NVFP4 and dequantize gpu test,
-#                                      stop 37's 16×16 block-amax pass among them, then
-#                                      quantize_ab's NVFP4 variants and bench_quantize "extra")
+#                                      and their timing (now: every NVFP4 gpu test of the quantize
+#                                      files and tests/jax_qtrain, stop 38's compact 16×16 block
+#                                      amaxes reaching the layers, then quantize_ab's NVFP4
+#                                      variants and bench_quantize "extra")
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -86,19 +87,19 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (nothing is awaiting since stop 37; the last were its 16×16 block-amax pass and stop 36's
-  # float sign test): every NVFP4 and dequantize gpu test of the
-  # quantize files, then quantize_ab's NVFP4 variants ($PENDING_AB), grouped_ab sets if any
-  # ($PENDING_GROUPED_AB, e.g. block_tiles) and bench_quantize's "extra" cases
-  # ($PENDING_BENCH, empty for none). Point PENDING_* at the next path.
+  # (stop 38: the compact 16×16 block amaxes and their preload, whose kernel tests passed but
+  # 13 long NVFP4 layer / training tests of tests/jax_qtrain were not reached): every NVFP4 gpu
+  # test of the quantize files and of tests/jax_qtrain, then quantize_ab's NVFP4 variants
+  # ($PENDING_AB), grouped_ab sets if any ($PENDING_GROUPED_AB, e.g. block_tiles) and
+  # bench_quantize's "extra" cases ($PENDING_BENCH, empty for none). Then run `gpu and slow`.
+  # Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-nvfp4 or dequantize}" ${PENDING_FILES:-\
-    tests/pallas_kernels/test_quantize.py tests/jax_qtrain/test_quantize_gpu.py \
-    tests/jax_qtrain/test_grouped_quantize.py} \
+    -rfE -k "${PENDING_TESTS:-nvfp4}" ${PENDING_FILES:-\
+    tests/pallas_kernels/test_quantize.py tests/jax_qtrain} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  for kernel in ${PENDING_AB:-nvfp4 nvfp4_sr}; do
+  for kernel in ${PENDING_AB:-nvfp4_weight}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
   for variants in ${PENDING_GROUPED_AB:-}; do
