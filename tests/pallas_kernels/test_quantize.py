@@ -1889,17 +1889,6 @@ CROSS_LOWERED = {
         ),
         jnp.bfloat16,
     ),
-    "nvfp4 16x16 preloaded compact block amaxes, 256-row tiles": (
-        lambda x: pk.quantize_nvfp4(
-            x,
-            block_shape=(16, 16),
-            columnwise=True,
-            rowwise_amax=_AMAX,
-            columnwise_amax=_AMAX,
-            config=pk.NVFP4QuantizeConfig(preload_block_amaxes=True, tile_m=256),
-        ),
-        jnp.bfloat16,
-    ),
     "nvfp4 amax rht": (lambda x: pk.nvfp4_amax(x, hadamard_columnwise=True), jnp.bfloat16),
     "nvfp4 amax": (lambda x: pk.nvfp4_amax(x), jnp.float32),
     "fp8_block 1x128 row+col": (lambda x: pk.quantize_fp8_block(x, columnwise=True), jnp.bfloat16),
