@@ -131,15 +131,21 @@ def quantize(
     seeds: dict,
     positions: dict | None = None,
     block_amax_bits: jax.Array | None = None,
+    scale_layout: str = "lines",
 ) -> dict:
     """Run the quantize kernel for `spec`; returns QuantizedTensor fields for the copies named
     in `amaxes` (keys "rowwise" / "columnwise"; values are the reduced per-tensor amaxes or None).
     `positions`: each copy's uint32 (line, col) in a larger tensor, for stochastic rounding
     (NVFP4 only), or None. `block_amax_bits`: NVFP4 16×16 blocks' amaxes from
-    `weight_block_amax_bits` (None: the kernel wrapper takes them itself).
+    `weight_block_amax_bits` (None: the kernel wrapper takes them itself). `scale_layout`:
+    "tiles" keeps the MXFP8 / FP8 block 1×128 kernels' tile-major scales as they are.
     """
     require_quantize_kernel(spec, tuple(x2d.shape), x2d.dtype)
     run = _QUANTIZE_KERNELS[spec.format][1]
+    if scale_layout != "lines":
+        if spec.format not in ("mxfp8", "fp8_block"):
+            raise ValueError(f"scale_layout={scale_layout!r}: not for {spec.describe()}")
+        run = functools.partial(run, scale_layout=scale_layout)
     if block_amax_bits is not None:
         if spec.format != "nvfp4" or spec.block_shape != (16, 16):
             raise ValueError(f"block_amax_bits: NVFP4 16×16 blocks only, not {spec.describe()}")
@@ -182,13 +188,16 @@ def _mxfp8_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
     return _kernel_input(dtype) and spec.block_shape == (1, 32)
 
 
-def _mxfp8_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:
+def _mxfp8_run(
+    x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict, scale_layout="lines"
+) -> dict:
     del input_dtype, seeds
     out = _pallas().quantize_mxfp8(
         x2d,
         rowwise="rowwise" in amaxes,
         columnwise="columnwise" in amaxes,
         fp8_dtype=spec.dtype,
+        scale_layout=scale_layout,
     )
     return _copy_fields(out, amaxes, "scale")
 
@@ -279,10 +288,13 @@ def _fp8_block_applies(spec: QuantizerSpec, shape2d, dtype) -> bool:
     return _kernel_input(dtype) and spec.block_shape in ((1, 128), (128, 128))
 
 
-def _fp8_block_run(x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict) -> dict:
+def _fp8_block_run(
+    x2d, spec: QuantizerSpec, *, input_dtype, amaxes: dict, seeds: dict, scale_layout="lines"
+) -> dict:
     del seeds
     out = _pallas().quantize_fp8_block(
         x2d,
+        scale_layout=scale_layout,
         block_shape=spec.block_shape,
         rowwise="rowwise" in amaxes,
         columnwise="columnwise" in amaxes,
@@ -354,7 +366,9 @@ def gemm_kernels_enabled() -> bool:
 # these. Verified so far: the packed (token-order) output of the 16-bit and FP8 grouped kernels
 # and of the block-FP8 one ("fp8_block_packed_output", stop 26), bits equal to the aligned output
 # gathered (tests/pallas_kernels/test_grouped_matmul_gpu.py::test_gpu_*packed_output_*, 2026-12-01).
-_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = set()
+# Awaiting: the block-FP8 GEMM reading 1×128 scales in the "tiles" layout the dense layer now
+# quantizes its lhs in ("fp8_block_tiled_scales", ops/gemm.py::lhs_scale_layout).
+_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {"fp8_block_tiled_scales"}
 
 
 def gemm_path_enabled(path: str) -> bool:
@@ -484,8 +498,16 @@ def dequantize_bf16(spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array):
     return values.reshape(*data.shape[:-2], rows, cols)
 
 
-def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale):
-    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks."""
+def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, *, lhs_scale_k_major: bool = False):
+    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks;
+    lhs_scale (M, K/128), or (K/128, M) with `lhs_scale_k_major` (the "tiles" layout)."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[0] % 128:
         return None
-    return _pallas().dense_matmul_fp8_block(lhs, lhs_scale, rhs, rhs_scale, out_dtype=jnp.float32)
+    return _pallas().dense_matmul_fp8_block(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        out_dtype=jnp.float32,
+        lhs_scale_k_major=lhs_scale_k_major,
+    )

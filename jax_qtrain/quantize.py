@@ -27,6 +27,8 @@ Usage = Literal["rowwise", "columnwise"]
 USAGES: tuple[str, ...] = get_args(Usage)
 Backend = Literal["auto", "reference", "pallas"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+ScaleLayout = Literal["lines", "tiles"]
+assert get_args(ScaleLayout) == common.SCALE_LAYOUTS
 
 # How each format stores its scales, for repr and docs.
 _SCALE_STORAGE = {"fp8": "fp32", "fp8_block": "fp32", "mxfp8": "E8M0 bytes", "nvfp4": "E4M3"}
@@ -40,7 +42,12 @@ class QuantizedTensor:
       rowwise_data, rowwise_scale_inv: codes and scales of the rowwise copy, (M, K) layout.
       columnwise_data, columnwise_scale_inv: the columnwise copy, stored transposed, (K, M).
       rowwise_amax, columnwise_amax: NVFP4's float32 global amax of each copy (None otherwise).
-    Static metadata: `spec` (format and options), `shape` and `dtype` of the original tensor.
+    Static metadata: `spec` (format and options), `shape` and `dtype` of the original tensor,
+    and `scale_layout`: "lines" (the default: each copy's block scales (lines, blocks), the
+    formats' layout) or "tiles" (MXFP8 and FP8 block 1×128 only: "GEMM-ready" scales,
+    (blocks / blocks_per_tile, lines, blocks_per_tile) with 128-wide tiles, what the quantize
+    kernels write and the block-FP8 GEMM reads; `line_scale_inv` gives either as lines,
+    docs/design/layouts.md).
 
     Codes: FP8 formats store real float8_e4m3fn / float8_e5m2 arrays (XLA's FP8 dot_general and
     Mosaic GPU's wgmma consume them directly); NVFP4 stores two E2M1 codes per uint8, element 2i
@@ -61,7 +68,10 @@ class QuantizedTensor:
         columnwise_scale_inv: jax.Array | None = None,
         rowwise_amax: jax.Array | None = None,
         columnwise_amax: jax.Array | None = None,
+        scale_layout: ScaleLayout = "lines",
     ):
+        _check_scale_layout(scale_layout, spec)
+        self.scale_layout = scale_layout
         self.spec = spec
         self.shape = tuple(shape)
         self.dtype = jnp.dtype(dtype)
@@ -84,15 +94,16 @@ class QuantizedTensor:
 
     def tree_flatten(self):
         children = tuple(getattr(self, name) for name in self._LEAF_FIELDS)
-        return children, (self.spec, self.shape, self.dtype)
+        return children, (self.spec, self.shape, self.dtype, self.scale_layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        spec, shape, dtype = aux
+        spec, shape, dtype, scale_layout = aux
         return cls(
             spec=spec,
             shape=shape,
             dtype=dtype,
+            scale_layout=scale_layout,
             **dict(zip(cls._LEAF_FIELDS, children, strict=True)),
         )
 
@@ -150,7 +161,36 @@ class QuantizedTensor:
             if usage not in usages:
                 for part in ("data", "scale_inv", "amax"):
                     fields[f"{usage}_{part}"] = None
-        return QuantizedTensor(spec=self.spec, shape=self.shape, dtype=self.dtype, **fields)
+        return self._replace(fields, self.scale_layout)
+
+    def line_scale_inv(self, usage: Usage = "rowwise") -> jax.Array:
+        """One copy's scales in the formats' (lines, blocks) layout, whatever `scale_layout`
+        holds them in (a transpose for "tiles", which XLA fuses into its consumer)."""
+        self._require(usage)
+        scale_inv = self._scale_inv(usage)
+        return common.untile_scales(scale_inv) if self.scale_layout == "tiles" else scale_inv
+
+    def with_scale_layout(self, scale_layout: ScaleLayout) -> QuantizedTensor:
+        """The same tensor with its block scales in `scale_layout` ("lines" or "tiles")."""
+        _check_scale_layout(scale_layout, self.spec)
+        if scale_layout == self.scale_layout:
+            return self
+        fields = {name: getattr(self, name) for name in self._LEAF_FIELDS}
+        for usage in self.usages:
+            lines = self.line_scale_inv(usage)
+            fields[f"{usage}_scale_inv"] = (
+                lines if scale_layout == "lines" else tile_line_scales(lines, self.spec)
+            )
+        return self._replace(fields, scale_layout)
+
+    def _replace(self, fields: dict, scale_layout: str) -> QuantizedTensor:
+        return QuantizedTensor(
+            spec=self.spec,
+            shape=self.shape,
+            dtype=self.dtype,
+            scale_layout=scale_layout,
+            **fields,
+        )
 
     def dequantize_stored(self, usage: Usage = "rowwise") -> jax.Array:
         """float32 values of one copy exactly as stored: 2-D, padded to block multiples, the
@@ -180,16 +220,19 @@ class QuantizedTensor:
                 text += ", global amax float32[]"
             return text
 
+        layout = ", scale_layout='tiles'" if self.scale_layout == "tiles" else ""
+
         copies = ",\n  ".join(describe(u) for u in self.usages) or "no copies"
         return (
-            f"QuantizedTensor({self.spec.describe()}, shape={self.shape}, dtype={self.dtype},\n"
+            f"QuantizedTensor({self.spec.describe()}, shape={self.shape}, dtype={self.dtype}"
+            f"{layout},\n"
             f"  {copies},\n  nbytes={self.nbytes:,})"
         )
 
 
 @functools.partial(jax.jit, static_argnames=("usage",))
 def _dequantize_stored(q: QuantizedTensor, usage: str) -> jax.Array:
-    data, scale_inv = q._data(usage), q._scale_inv(usage)
+    data, scale_inv = q._data(usage), q.line_scale_inv(usage)
     fmt = q.spec.format
     if fmt == "fp8":
         return fp8_tensor.dequantize(data, scale_inv)
@@ -211,6 +254,41 @@ def _dequantize(q: QuantizedTensor, usage: str, dtype) -> jax.Array:
     else:
         values = values[:rows, :cols]
     return values.reshape(q.shape).astype(dtype)
+
+
+def tile_line_scales(line_scales: jax.Array, spec: QuantizerSpec) -> jax.Array:
+    """A copy's (lines, blocks) scales in the "tiles" layout of `spec`'s blocks."""
+    return common.tile_scales(line_scales, common.scale_blocks_per_tile(spec.block_shape[1]))
+
+
+def tiles_layout_applies(spec: QuantizerSpec) -> bool:
+    """Whether `spec`'s scales have a "tiles" layout: per-line block scales (MXFP8, FP8 block
+    1×128) whose blocks fill a 128-wide tile."""
+    return (
+        spec.format in ("mxfp8", "fp8_block")
+        and spec.block_shape[0] == 1
+        and common.SCALE_TILE % spec.block_shape[1] == 0
+    )
+
+
+def _check_scale_layout(scale_layout, spec: QuantizerSpec) -> None:
+    if scale_layout not in common.SCALE_LAYOUTS:
+        raise ValueError(
+            f"scale_layout must be one of {list(common.SCALE_LAYOUTS)}, got {scale_layout!r}"
+        )
+    if scale_layout == "tiles" and not tiles_layout_applies(spec):
+        raise ValueError(
+            f"scale_layout='tiles': only MXFP8 and FP8 block 1×128 scales have a tiles layout, "
+            f"not {spec.describe()}'s; use scale_layout='lines'"
+        )
+
+
+def _check_tiles_shape(scale_layout: str, shape2d: tuple[int, int]) -> None:
+    if scale_layout == "tiles" and any(n % common.SCALE_TILE for n in shape2d):
+        raise ValueError(
+            f"scale_layout='tiles': x's 2-D view (M, K) must be whole {common.SCALE_TILE}×"
+            f"{common.SCALE_TILE} tiles, got {tuple(shape2d)}; use scale_layout='lines'"
+        )
 
 
 def _leaf_str(leaf) -> str:
@@ -315,6 +393,7 @@ def quantize(
     backend: Backend = "auto",
     amax_axis_name: str | tuple[str, ...] | None = None,
     position_offset: tuple[int | jax.Array, int | jax.Array] | None = None,
+    scale_layout: ScaleLayout = "lines",
 ) -> QuantizedTensor:
     """Quantize `x` as `recipe` quantizes a tensor of this `role`.
 
@@ -338,6 +417,10 @@ def quantize(
         tensor would be. Only stochastic rounding reads it. The NVFP4 kernel takes it
         (`kernels.kernel_takes_position_offset`); a format whose kernel does not stays on the
         reference under backend="auto".
+      scale_layout: "lines" (the formats' (lines, blocks) scales) or "tiles" (MXFP8 and FP8
+        block 1×128, x's 2-D view whole 128×128 tiles: the GEMM-ready layout the quantize
+        kernels write, so they skip rearranging it; TransformerEngine's `optimize_for_gemm`
+        plays this part). Both backends give the same bytes in either layout.
     """
     if isinstance(recipe, QuantizerSpec):
         spec = recipe
@@ -349,6 +432,8 @@ def quantize(
             f"got {type(recipe).__name__}"
         )
     _validate_input(x)
+    _check_scale_layout(scale_layout, spec)
+    _check_tiles_shape(scale_layout, (math.prod(x.shape[:-1]), x.shape[-1]))
     for name, flag in (("rowwise", rowwise), ("columnwise", columnwise)):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -374,14 +459,23 @@ def quantize(
         columnwise=bool(columnwise),
         backend=backend,
         amax_axis_name=amax_axis_name,
+        scale_layout=scale_layout,
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("spec", "rowwise", "columnwise", "backend", "amax_axis_name")
+    jax.jit,
+    static_argnames=(
+        "spec",
+        "rowwise",
+        "columnwise",
+        "backend",
+        "amax_axis_name",
+        "scale_layout",
+    ),
 )
 def _quantize(
-    x, key, position_offset, *, spec, rowwise, columnwise, backend, amax_axis_name
+    x, key, position_offset, *, spec, rowwise, columnwise, backend, amax_axis_name, scale_layout
 ) -> QuantizedTensor:
     # Jitted so that eager calls compile once per shape (inside a caller's jit it is inlined).
     x2d = common.rounded_input(x.reshape(-1, x.shape[-1]))
@@ -423,6 +517,7 @@ def _quantize(
             seeds=seeds,
             positions=positions,
             block_amax_bits=block_amax_bits,
+            scale_layout=scale_layout,
         )
     else:
         fields = {}
@@ -439,7 +534,11 @@ def _quantize(
                 seed=seeds[usage],
                 origin=origin,
             )
+            if scale_layout == "tiles":
+                scale_inv = tile_line_scales(scale_inv, spec)
             fields.update(
                 {f"{usage}_data": data, f"{usage}_scale_inv": scale_inv, f"{usage}_amax": copy_amax}
             )
-    return QuantizedTensor(spec=spec, shape=x.shape, dtype=x.dtype, **fields)
+    return QuantizedTensor(
+        spec=spec, shape=x.shape, dtype=x.dtype, scale_layout=scale_layout, **fields
+    )

@@ -76,12 +76,14 @@ def dense_matmul_fp8_block(
     out_dtype: jnp.dtype = jnp.bfloat16,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
+    lhs_scale_k_major: bool = False,
 ) -> jax.Array:
     """Block-scaled FP8 ``out = lhs @ rhsᵀ``: lhs 1x128 blocks, rhs 128x128 blocks.
 
     Args:
       lhs: (M, K) FP8; K a multiple of 128.
-      lhs_scale: (M, K/128) f32.
+      lhs_scale: (M, K/128) f32, or (K/128, M) with `lhs_scale_k_major` (the order the
+        kernel reads, as the quantize kernels' "tiles" layout gives it: no transpose).
       rhs: (N, K) FP8.
       rhs_scale: (ceil(N/128), K/128) f32.
       out_dtype: bfloat16 or float32.
@@ -104,4 +106,5 @@ def dense_matmul_fp8_block(
         out_dtype=out_dtype,
         config=config,
         interpret=interpret,
+        lhs_scale_k_major=lhs_scale_k_major,
     )

@@ -592,6 +592,7 @@ def grouped_matmul_fp8_block(
     out_rows: int | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
+    lhs_scale_k_major: bool = False,
 ) -> jax.Array:
     """Block-scaled FP8 ragged-row GEMM (1x128 lhs blocks, 128x128 rhs blocks).
 
@@ -615,6 +616,9 @@ def grouped_matmul_fp8_block(
         the H200 (stop 26, `grouped_ab --variants block_tiles`) 0.79x the default grouped
         and 0.77x dense, 0.90x with the persistent pipeline; kept as an option.
       interpret: run the Pallas interpreter.
+      lhs_scale_k_major: lhs_scale is given as (K/128, M), each K block's scales for
+        consecutive rows, the order the kernel reads (the quantize kernels' "tiles" layout
+        of 1x128 scales, docs/design/layouts.md), instead of being transposed here.
     """
     out_dtype, num_rows, k, num_groups, num_cols = common.check_block_scaled_operands(
         lhs, lhs_scale, rhs, rhs_scale, jnp.float32, out_dtype
@@ -623,7 +627,10 @@ def grouped_matmul_fp8_block(
         raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
     common.check_group_sizes(group_sizes, num_groups)
     packed = _check_packed_output(group_starts, out_rows, num_groups)
-    common.check_shape("lhs_scale", lhs_scale, (num_rows, k // 128))
+    if not isinstance(lhs_scale_k_major, bool):
+        raise TypeError(f"lhs_scale_k_major must be a bool, got {lhs_scale_k_major!r}")
+    lhs_scale_shape = (k // 128, num_rows) if lhs_scale_k_major else (num_rows, k // 128)
+    common.check_shape("lhs_scale", lhs_scale, lhs_scale_shape)
     common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
     if config is None:
         config = fp8_block_default_config(k, out_dtype)
@@ -652,7 +659,7 @@ def grouped_matmul_fp8_block(
     num_k_blocks = k // 128
     # Scales of one K block for consecutive rows, so each step reads one TMA row.
     scale_cols = common.round_up(rows_p, 4)
-    lhs_scale_t = common.pad_axis(lhs_scale.T, 1, scale_cols)
+    lhs_scale_t = common.pad_axis(lhs_scale if lhs_scale_k_major else lhs_scale.T, 1, scale_cols)
     num_col_blocks = rhs_scale.shape[1]
 
     in_specs = (

@@ -380,14 +380,19 @@ def quantize_fp8_block(
     input_dtype=None,
     config: FP8BlockQuantizeConfig | None = None,
     interpret: bool = False,
+    scale_layout: str = "lines",
 ) -> FP8BlockQuantized:
     """FP8-block-quantize a 2-D bf16/f32 array: both copies in one pass over x.
 
     `input_dtype` (default x.dtype) picks the scale that replaces an overflowing one. Shapes:
     rowwise data (M, K') and columnwise (K, M') with K', M' padded to 128 for 1×128 blocks
-    (both dims padded for 128×128); scale_inv as in the module docstring.
+    (both dims padded for 128×128); scale_inv as in the module docstring. `scale_layout=
+    "tiles"` (1×128 blocks, x of whole 128×128 tiles) returns each copy's scale_inv as
+    (blocks, lines, 1), the kernel's tile-major output as written: the (K/128, M) order the
+    block-FP8 GEMM reads (docs/design/layouts.md).
     """
     qc.check_input(x)
+    untile_scales.check_scale_layout(scale_layout, x.shape)
     qc.check_copies(rowwise, columnwise)
     fp8_dtype = qc.check_fp8_dtype(fp8_dtype)
     if tuple(block_shape) not in BLOCK_SHAPES:
@@ -398,6 +403,8 @@ def quantize_fp8_block(
         raise ValueError(f"amax_epsilon must be a float >= 0, got {amax_epsilon!r}")
     config = qc.resolve_config(config, FP8BlockQuantizeConfig)
     two_d = tuple(block_shape) == (128, 128)
+    if two_d and scale_layout != "lines":
+        raise ValueError("scale_layout='tiles' is for 1×128 blocks (128×128 have one per tile)")
     if two_d and (config.tile_m, config.tile_k) != (BLOCK, BLOCK):
         raise ValueError("config: 128×128 blocks need tile_m = tile_k = 128")
     input_dtype = jnp.dtype(x.dtype if input_dtype is None else input_dtype)
@@ -453,11 +460,16 @@ def quantize_fp8_block(
     c_rows = qc.round_up(cols, BLOCK) if two_d else cols
     r_cols, c_cols = qc.round_up(cols, BLOCK), qc.round_up(rows, BLOCK)
     codes = iter(outs[0::2])
-    scale_outs = iter(
-        untile_scales.untile_line_scales_all(
-            outs[1::2], kernel=config.untile_kernel, interpret=interpret
+    if scale_layout == "tiles":
+        scale_outs = iter(outs[1::2])
+        finish = functools.partial(untile_scales.tiled_line_scales, block=BLOCK)
+    else:
+        scale_outs = iter(
+            untile_scales.untile_line_scales_all(
+                outs[1::2], kernel=config.untile_kernel, interpret=interpret
+            )
         )
-    )
+        finish = qc.crop
     result = {}
     for copy, wanted, lines, width in (
         ("rowwise", rowwise, r_rows, r_cols),
@@ -467,7 +479,7 @@ def quantize_fp8_block(
             continue
         result[f"{copy}_data"] = qc.crop_codes(next(codes), lines, width, fp8_dtype)
         scale_lines = lines // BLOCK if two_d else lines
-        result[f"{copy}_scale_inv"] = qc.crop(next(scale_outs), scale_lines, width // BLOCK)
+        result[f"{copy}_scale_inv"] = finish(next(scale_outs), scale_lines, width // BLOCK)
     return FP8BlockQuantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale_inv=result.get("rowwise_scale_inv"),

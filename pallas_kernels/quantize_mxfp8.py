@@ -330,14 +330,19 @@ def quantize_mxfp8(
     fp8_dtype=jnp.float8_e4m3fn,
     config: MXFP8QuantizeConfig | None = None,
     interpret: bool = False,
+    scale_layout: str = "lines",
 ) -> MXFP8Quantized:
     """MXFP8-quantize a 2-D bf16/f32 array: both copies in one pass over x.
 
     Shapes follow docs/design/layouts.md: rowwise codes (M, K32) and scales (M, K32/32), and
     columnwise codes (K, M32) and scales (K, M32/32), with K32 / M32 rounded up to 32 (zero
     padding). Inputs that are not whole 128×128 tiles are zero-padded first (one extra copy).
+    `scale_layout="tiles"` (x of whole 128×128 tiles) returns each copy's scales as
+    (blocks / 4, lines, 4), the kernel's tile-major output as written, instead of rearranging
+    them into (lines, blocks) (`untile_scales.py`; docs/design/layouts.md).
     """
     qc.check_input(x)
+    untile_scales.check_scale_layout(scale_layout, x.shape)
     qc.check_copies(rowwise, columnwise)
     fp8_dtype = qc.check_fp8_dtype(fp8_dtype)
     config = qc.resolve_config(config, MXFP8QuantizeConfig)
@@ -379,18 +384,23 @@ def quantize_mxfp8(
     )
     rows32, cols32 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     codes = iter(outs[0::2])
-    scale_outs = iter(
-        untile_scales.untile_line_scales_all(
-            outs[1::2], kernel=config.untile_kernel, interpret=interpret
+    if scale_layout == "tiles":
+        scale_outs = iter(outs[1::2])
+        finish = functools.partial(untile_scales.tiled_line_scales, block=BLOCK)
+    else:
+        scale_outs = iter(
+            untile_scales.untile_line_scales_all(
+                outs[1::2], kernel=config.untile_kernel, interpret=interpret
+            )
         )
-    )
+        finish = qc.crop
     result = {}
     if rowwise:
         result["rowwise_data"] = qc.crop_codes(next(codes), rows, cols32, fp8_dtype)
-        result["rowwise_scale"] = qc.crop(next(scale_outs), rows, cols32 // BLOCK)
+        result["rowwise_scale"] = finish(next(scale_outs), rows, cols32 // BLOCK)
     if columnwise:
         result["columnwise_data"] = qc.crop_codes(next(codes), cols, rows32, fp8_dtype)
-        result["columnwise_scale"] = qc.crop(next(scale_outs), cols, rows32 // BLOCK)
+        result["columnwise_scale"] = finish(next(scale_outs), cols, rows32 // BLOCK)
     return MXFP8Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),

@@ -46,6 +46,34 @@ def untile_line_scales(scales: jax.Array) -> jax.Array:
     return scales.transpose(1, 0, 2).reshape(lines, tiles * per_tile)
 
 
+SCALE_LAYOUTS = ("lines", "tiles")
+TILE = 128  # the "tiles" layout's tiles: 128 elements of a line
+
+
+def check_scale_layout(scale_layout, shape: tuple[int, int]) -> None:
+    """The wrappers' `scale_layout` argument: "lines", or "tiles" for whole 128×128 tiles."""
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {list(SCALE_LAYOUTS)}, got {scale_layout!r}")
+    if scale_layout == "tiles" and any(n % TILE for n in shape):
+        raise ValueError(
+            f"scale_layout='tiles' needs x of whole {TILE}×{TILE} tiles, got shape {tuple(shape)}"
+        )
+
+
+def tiled_line_scales(scales: jax.Array, lines: int, blocks: int, block: int) -> jax.Array:
+    """A kernel's scale output (either layout) as the "tiles" layout of a copy of `lines` ×
+    `blocks` scales of `block` elements: (blocks / per_tile, lines, per_tile), per_tile the
+    blocks of a 128-wide tile. The kernel's own tile-major output is that already when its
+    tiles are 128 wide and unpadded (the default configs on whole tiles); any other is put in
+    the (lines, blocks) layout and rearranged by XLA."""
+    per_tile = TILE // block
+    tiles_shape = (blocks // per_tile, lines, per_tile)
+    if scales.shape == tiles_shape:
+        return scales
+    line_major = untile_line_scales(scales)[:lines, :blocks]
+    return line_major.reshape(lines, blocks // per_tile, per_tile).transpose(1, 0, 2)
+
+
 def as_words(scales: jax.Array) -> jax.Array | None:
     """A tile-major scale output whose tiles hold one 32-bit word per line as (tiles, lines)
     uint32 (a bitcast), when the kernel can move it: None otherwise."""

@@ -167,3 +167,38 @@ def block_amax(x2d: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
 def broadcast_block_scale(scale: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
     """(R/br, C/bc) → (R, C): each block's scale repeated over its elements."""
     return jnp.repeat(jnp.repeat(scale, block_rows, axis=0), block_cols, axis=1)
+
+
+# --- Scale layouts ------------------------------------------------------------------------------
+# A copy's per-line block scales, (lines, blocks), are the formats' layout ("lines"). The
+# "tiles" layout (docs/design/layouts.md, "GEMM-ready scales") groups them by 128-wide tile of
+# the copy: (blocks / blocks_per_tile, lines, blocks_per_tile), each tile's scales contiguous
+# for its lines. It is what the MXFP8 and FP8 block 1×128 quantize kernels write and what the
+# block-FP8 GEMM reads (a K step's scales for consecutive rows in one row), so a tensor
+# quantized for a GEMM skips rearranging them twice.
+SCALE_LAYOUTS = ("lines", "tiles")
+SCALE_TILE = 128  # elements of a line per tile
+
+
+def scale_blocks_per_tile(block_cols: int) -> int:
+    """Blocks of a line in one 128-wide tile: 4 for MXFP8's 1×32, 1 for FP8 block 1×128."""
+    return SCALE_TILE // block_cols
+
+
+def tile_scales(line_scales: jax.Array, blocks_per_tile: int) -> jax.Array:
+    """(..., lines, blocks) → the "tiles" layout (..., blocks / blocks_per_tile, lines,
+    blocks_per_tile); leading dims (a stack of experts) are kept."""
+    *lead, lines, blocks = line_scales.shape
+    if blocks % blocks_per_tile:
+        raise ValueError(
+            f"line_scales: {blocks} blocks per line is not a whole number of "
+            f"{blocks_per_tile}-block tiles"
+        )
+    split = line_scales.reshape(*lead, lines, blocks // blocks_per_tile, blocks_per_tile)
+    return jnp.swapaxes(split, -3, -2)
+
+
+def untile_scales(tiled_scales: jax.Array) -> jax.Array:
+    """The "tiles" layout (..., tiles, lines, blocks_per_tile) → (..., lines, blocks)."""
+    *lead, tiles, lines, blocks_per_tile = tiled_scales.shape
+    return jnp.swapaxes(tiled_scales, -3, -2).reshape(*lead, lines, tiles * blocks_per_tile)

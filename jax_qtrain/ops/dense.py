@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
+from jax_qtrain.ops.gemm import fprop_gemm, lhs_scale_layout, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
@@ -141,7 +141,14 @@ def _check_quantized_kernel_usages(
 def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, differentiated):
     recipe, mode = config.recipe, config.mode
     keep_x_columnwise = mode is None and not config.save_original_input and config.has_kernel
-    qx = quantize(x2d, recipe, "input", rowwise=True, columnwise=keep_x_columnwise)
+    qx = quantize(
+        x2d,
+        recipe,
+        "input",
+        rowwise=True,
+        columnwise=keep_x_columnwise,
+        scale_layout=lhs_scale_layout(recipe, "input", x2d.shape),
+    )
     if quantized_kernel is None:
         qw = quantize(kernel, recipe, "weight", rowwise=mode is None, columnwise=True)
     else:
@@ -190,6 +197,7 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
             key=stochastic_rounding_key(key, dy)
             if recipe.spec("grad").stochastic_rounding
             else None,
+            scale_layout=lhs_scale_layout(recipe, "grad", dy.shape),
         )
         dx = matmul_nt(qdy, "rowwise", saved_kernel, "rowwise", rows=rows, cols=in_features)
         dw = None

@@ -41,11 +41,10 @@ _NT = (((1,), (1,)), ((), ()))
 
 
 def _copy(q: QuantizedTensor, usage: Usage):
-    return (
-        (q.rowwise_data, q.rowwise_scale_inv, q.rowwise_amax)
-        if usage == "rowwise"
-        else (q.columnwise_data, q.columnwise_scale_inv, q.columnwise_amax)
-    )
+    """(codes, scale_inv in the (lines, blocks) layout, global amax) of one stored copy."""
+    if usage == "rowwise":
+        return q.rowwise_data, q.line_scale_inv(usage), q.rowwise_amax
+    return q.columnwise_data, q.line_scale_inv(usage), q.columnwise_amax
 
 
 def _block_operand(q: QuantizedTensor, usage: Usage) -> tuple[jax.Array, jax.Array | None]:
@@ -64,15 +63,42 @@ def _block_operand(q: QuantizedTensor, usage: Usage) -> tuple[jax.Array, jax.Arr
     return values.astype(jnp.bfloat16), None
 
 
+def lhs_scale_layout(recipe, role: str, shape2d: tuple[int, int]) -> str:
+    """The scale layout to quantize a layer's GEMM lhs in (x for fprop, dy for dgrad):
+    "tiles" where the block-FP8 GEMM kernel reads it (1×128 blocks against 128×128 weight
+    blocks, whole 128×128 tiles, the kernel path on), so the quantize kernel's tile-major
+    scales reach the GEMM as written instead of being rearranged and transposed back
+    (docs/design/layouts.md); "lines" elsewhere."""
+    spec = recipe.spec(role)
+    if (
+        spec.format == "fp8_block"
+        and spec.block_shape == (1, 128)
+        and recipe.spec("weight").block_shape == (128, 128)
+        and not any(n % 128 for n in shape2d)
+        and kernels.gemm_path_enabled("fp8_block_tiled_scales")
+    ):
+        return "tiles"
+    return "lines"
+
+
 def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Array | None:
     """The Pallas block-FP8 GEMM (DeepSeek-V3 style: FP8 wgmma, float32 promotion every 128 of
     K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad); None for wgrad's two
     1×128 operands, which no kernel covers yet."""
     if a.spec.block_shape != (1, 128) or b.spec.block_shape != (128, 128):
         return None
-    a_data, a_scale_inv, _ = _copy(a, a_usage)
     b_data, b_scale_inv, _ = _copy(b, b_usage)
-    out = kernels.dense_fp8_block_gemm(a_data[:rows], a_scale_inv[:rows], b_data, b_scale_inv)
+    a_data = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
+    if a.scale_layout == "tiles" and a_data.shape[0] == rows:
+        # (K/128, rows, 1): each K block's scales for consecutive rows, the order the kernel
+        # reads, so neither the quantize kernel nor this GEMM rearranges them.
+        tiled_scales = a.rowwise_scale_inv if a_usage == "rowwise" else a.columnwise_scale_inv
+        out = kernels.dense_fp8_block_gemm(
+            a_data, tiled_scales[..., 0], b_data, b_scale_inv, lhs_scale_k_major=True
+        )
+    else:
+        a_scale_inv = a.line_scale_inv(a_usage)
+        out = kernels.dense_fp8_block_gemm(a_data[:rows], a_scale_inv[:rows], b_data, b_scale_inv)
     return None if out is None else out[:, :cols]
 
 

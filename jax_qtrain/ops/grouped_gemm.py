@@ -122,7 +122,7 @@ def _activation_operand(q: GroupedQuantizedTensor, usage: Usage):
 def _expert_operand(q: QuantizedTensor, usage: Usage):
     if not q.has_usage(usage):
         raise ValueError(f"usage={usage!r}: the experts' weights hold only {list(q.usages)}")
-    fields = tuple(getattr(q, f"{usage}_{part}") for part in ("data", "scale_inv", "amax"))
+    fields = (getattr(q, f"{usage}_data"), q.line_scale_inv(usage), getattr(q, f"{usage}_amax"))
     on_kernel = _kernel_exact_operand(q.spec, *fields)  # all experts in one launch
     if on_kernel is not None:
         return on_kernel
@@ -162,7 +162,7 @@ def _kernel_nt(
         return None
     a_data, a_scale_inv, _ = lhs.copy(lhs_usage)
     b_data = getattr(rhs, f"{rhs_usage}_data")
-    b_scale_inv = getattr(rhs, f"{rhs_usage}_scale_inv")
+    b_scale_inv = rhs.line_scale_inv(rhs_usage)
     if a_data.shape[1] != b_data.shape[2]:
         return None
     fmt = lhs.spec.format

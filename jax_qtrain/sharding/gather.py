@@ -117,6 +117,8 @@ class Split:
 
     def gather_quantized(self, q_shard: QuantizedTensor) -> QuantizedTensor:
         """All-gather every copy `q_shard` holds into the whole weight's quantized tensor."""
+        # Shards are split along lines or blocks of the (lines, blocks) scales.
+        q_shard = q_shard.with_scale_layout("lines")
         matrix_rank = 3 if self.stacked else 2
         fields = {}
         for usage in ("rowwise", "columnwise"):

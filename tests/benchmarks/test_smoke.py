@@ -448,3 +448,17 @@ def test_ncu_driver_runs_every_case_and_names_bad_ones():
         ncu_cases.main("nvfp5", 1)
     with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
         ncu_cases.main("nvfp4", 0)
+
+
+@pytest.mark.slow
+def test_scale_layout_ab_runs_small(tmp_path):
+    # Quantize and the dense layer in both scale layouts (the interpreter): bits checked equal
+    # before timing.
+    from benchmarks import scale_layout_ab
+
+    text = scale_layout_ab.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "scale_layout_ab.json").read_text())
+    assert len(rows) == 2 * 2 * len(scale_layout_ab.FORMATS)  # quantize and dense, two layouts
+    assert {r["layout"] for r in rows} == {"lines", "tiles"}
+    assert all(r["bits"] == "identical" and r["us"] > 0 for r in rows)
+    assert "| dense fp8 block 1x128 fwd+bwd |" in text
