@@ -366,9 +366,10 @@ def gemm_kernels_enabled() -> bool:
 # these. Verified so far: the packed (token-order) output of the 16-bit and FP8 grouped kernels
 # and of the block-FP8 one ("fp8_block_packed_output", stop 26), bits equal to the aligned output
 # gathered (tests/pallas_kernels/test_grouped_matmul_gpu.py::test_gpu_*packed_output_*, 2026-12-01).
-# Awaiting: the block-FP8 GEMM reading 1×128 scales in the "tiles" layout the dense layer now
-# quantizes its lhs in ("fp8_block_tiled_scales", ops/gemm.py::lhs_scale_layout).
-_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {"fp8_block_tiled_scales"}
+# Also verified: the block-FP8 GEMM reading the 1×128 scales of the dense layer's lhs in the
+# "tiles" layout ("fp8_block_tiled_scales", ops/gemm.py::lhs_scale_layout), bits equal to the
+# "lines" path (tests/jax_qtrain/test_scale_layout.py::test_gpu_*, 2026-12-03).
+_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = set()
 
 
 def gemm_path_enabled(path: str) -> bool:

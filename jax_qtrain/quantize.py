@@ -27,8 +27,8 @@ Usage = Literal["rowwise", "columnwise"]
 USAGES: tuple[str, ...] = get_args(Usage)
 Backend = Literal["auto", "reference", "pallas"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-ScaleLayout = Literal["lines", "tiles"]
-assert get_args(ScaleLayout) == common.SCALE_LAYOUTS
+ScaleLayout = Literal["lines", "tiles"]  # docs/design/layouts.md, "GEMM-ready scales"
+SCALE_LAYOUTS: tuple[str, ...] = get_args(ScaleLayout)
 
 # How each format stores its scales, for repr and docs.
 _SCALE_STORAGE = {"fp8": "fp32", "fp8_block": "fp32", "mxfp8": "E8M0 bytes", "nvfp4": "E4M3"}
@@ -272,10 +272,8 @@ def tiles_layout_applies(spec: QuantizerSpec) -> bool:
 
 
 def _check_scale_layout(scale_layout, spec: QuantizerSpec) -> None:
-    if scale_layout not in common.SCALE_LAYOUTS:
-        raise ValueError(
-            f"scale_layout must be one of {list(common.SCALE_LAYOUTS)}, got {scale_layout!r}"
-        )
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {list(SCALE_LAYOUTS)}, got {scale_layout!r}")
     if scale_layout == "tiles" and not tiles_layout_applies(spec):
         raise ValueError(
             f"scale_layout='tiles': only MXFP8 and FP8 block 1×128 scales have a tiles layout, "

@@ -176,7 +176,6 @@ def broadcast_block_scale(scale: jax.Array, block_rows: int, block_cols: int) ->
 # for its lines. It is what the MXFP8 and FP8 block 1×128 quantize kernels write and what the
 # block-FP8 GEMM reads (a K step's scales for consecutive rows in one row), so a tensor
 # quantized for a GEMM skips rearranging them twice.
-SCALE_LAYOUTS = ("lines", "tiles")
 SCALE_TILE = 128  # elements of a line per tile
 
 
