@@ -37,6 +37,13 @@ for the run's clocks) are timed batch by batch in alternation
   lhs tile is half as tall). 72 KB per 64-wide K step leave room for two stages only, so K
   steps of 32 (bf16) / 64 (FP8) with more stages too. Block FP8 keeps its default (its chunk
   accumulator doubles the registers);
+* ``consumer_split``: the bf16 and FP8 rowwise defaults (consumers that split the CTA tile's
+  columns, each issuing two m64n128 wgmmas per K slice that both read its rhs slice) against
+  `consumer_split="m"` on the same 128 x (2 x 128) tile (each consumer owns 64 rows and all
+  256 columns: one m64n256 wgmma per K slice, a sixth less shared memory read per product,
+  the same L2 traffic and accumulator registers), alone and with a deeper pipeline (its
+  epilogue buffers are half as tall), the persistent pipeline or 2-CTA clusters. Block FP8
+  keeps its default (the yardstick only);
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -44,7 +51,8 @@ for the run's clocks) are timed batch by batch in alternation
   skewed G8 shapes.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
-        [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|wgrad]
+        [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
+                    consumer_split|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -225,6 +233,37 @@ def wide_tile_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulCo
     }
 
 
+def consumer_split_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The default, then its consumers splitting the tile's rows (see the docstring): alone,
+    with one more stage (bf16, whose 48 KB stages leave room for a fourth with one epilogue
+    buffer) or without the wgmma in flight (FP8, whose 4 stages fill shared memory), with the
+    persistent pipeline (which needs no wgmma in flight) and in 2-CTA clusters."""
+    replace = dataclasses.replace
+    rows = replace(config, consumer_split="m")
+    if config.tile_k == 64:
+        third_name = f"rows split, {config.max_concurrent_steps + 1} stages"
+        third = replace(
+            rows, max_concurrent_steps=config.max_concurrent_steps + 1, epilogue_buffers=1
+        )
+    else:
+        in_flight = 1 - min(config.wgmma_in_flight, 1)
+        third_name = f"rows split, {in_flight} in flight"
+        third = replace(rows, wgmma_in_flight=in_flight)
+    return {
+        "default": config,
+        "rows split": rows,
+        third_name: third,
+        "rows split, persistent": replace(
+            rows,
+            persistent_pipeline=True,
+            wgmma_in_flight=0,
+            max_concurrent_steps=4,
+            epilogue_buffers=1,
+        ),
+        "rows split, cluster 2": replace(rows, cluster_n=2),
+    }
+
+
 VARIANT_SETS = {
     "epilogue": epilogue_variants,
     "schedule": schedule_variants,
@@ -233,6 +272,7 @@ VARIANT_SETS = {
     "block_tiles": block_tile_variants,  # block FP8 only (takes k)
     "stagger": stagger_variants,  # block FP8 only (takes k)
     "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
+    "consumer_split": consumer_split_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -427,7 +467,7 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants in ("defaults", "block_tiles", "stagger", "wide_tiles"):
+    if variants in ("defaults", "block_tiles", "stagger", "wide_tiles", "consumer_split"):
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
@@ -437,7 +477,7 @@ def main(
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:
             return variant_configs(block_config, k)
-        if variants == "wide_tiles":  # the yardstick of the run's clocks only
+        if variants in ("wide_tiles", "consumer_split"):  # a yardstick of the run's clocks
             return {"default": block_config}
         return variant_configs(block_config)
 

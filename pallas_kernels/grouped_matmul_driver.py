@@ -1,13 +1,17 @@
 """Persistent, warp-specialized driver shared by the ragged-row (forward/dgrad) kernels.
 
 One CTA per SM runs three warpgroups: a TMA producer and two wgmma consumers. The
-CTA tile is ``tile_m x (2 * tile_n)``: both consumers share the ``tile_m`` lhs rows and
-each owns ``tile_n`` output columns, so both see the same group boundaries and the
-same row mask. Each CTA loops over *work items*, (row-tile visit, column item) pairs,
-in a planar-snake order (for L2 reuse of the rhs tile of a group). Only visits of real
-groups are items (their count and each visit's rows come from the visit table that XLA
-computes from ``group_sizes`` before the launch, see grouped_matmul_common); the tail rows
-past the last group are zero-filled by the consumers in a second loop, without the
+CTA tile is ``tile_m x (2 * tile_n)``. By default (``consumer_split="n"``) both consumers
+share the ``tile_m`` lhs rows and each owns ``tile_n`` output columns; with
+``consumer_split="m"`` each owns ``tile_m / 2`` of the rows and all ``2 * tile_n``
+columns, so a consumer's wgmma is one m64n256 instruction per K slice instead of two
+m64n128 ones that both read the rhs slice (see TileSchedule). Either way both consumers
+work on the same visit (one group's rhs), and each stores only the rows of its part that
+belong to the visit's group. Each CTA loops over *work items*, (row-tile visit, column
+item) pairs, in a planar-snake order (for L2 reuse of the rhs tile of a group). Only visits
+of real groups are items (their count and each visit's rows come from the visit table that
+XLA computes from ``group_sizes`` before the launch, see grouped_matmul_common); the tail
+rows past the last group are zero-filled by the consumers in a second loop, without the
 producer.
 
 Two options change how the items run:
@@ -64,16 +68,55 @@ class TileSchedule:
     persistent_pipeline: bool = False  # keep the TMA pipeline running across items
     cluster_n: int = 1  # CTAs per cluster along N (2: the lhs tile is multicast)
     profile_dir: str | None = None  # Mosaic GPU profiler trace of the consumers' ranges
+    # "n": the consumers share the tile's rows and split its columns (each tile_m x tile_n);
+    # "m": they split the rows and share the columns (each tile_m / 2 x 2 * tile_n). For
+    # the same accumulator registers "m" reads a sixth less shared memory per product: at
+    # the 128 x (2 x 128) tile, per 16-wide K slice of bf16, a consumer issues two m64n128
+    # wgmmas (2 KB of lhs rows + its 4 KB of rhs columns each, 12 KB) under "n" and one
+    # m64n256 (2 KB + all 8 KB of rhs, 10 KB) under "m", for the same 128 x 128 x 16 products.
+    consumer_split: str = "n"
+
+    def __post_init__(self):
+        if self.consumer_split not in ("n", "m"):
+            raise ValueError(f"consumer_split must be 'n' or 'm', got {self.consumer_split!r}")
+        if self.consumer_split == "m" and self.tile_m % (2 * 64):
+            raise ValueError(
+                f"consumer_split='m' needs tile_m to be a multiple of 128 (64 rows or more "
+                f"per consumer), got tile_m={self.tile_m}"
+            )
+
+    @property
+    def consumer_rows(self) -> int:
+        """Rows of one consumer's part of the CTA tile."""
+        return self.tile_m // NUM_CONSUMERS if self.consumer_split == "m" else self.tile_m
+
+    @property
+    def consumer_cols(self) -> int:
+        """Columns of one consumer's part of the CTA tile."""
+        return NUM_CONSUMERS * self.tile_n if self.consumer_split == "m" else self.tile_n
+
+    def consumer_row_offset(self, consumer: jax.Array) -> jax.Array | int:
+        """First row of a consumer's part, relative to the CTA tile's first row."""
+        if self.consumer_split == "m":
+            return consumer * jnp.int32(self.consumer_rows)
+        return 0  # a Python int: a constant array start breaks the wgmma operand's lowering
+
+    def consumer_col_offset(self, consumer: jax.Array) -> jax.Array | int:
+        """First column of a consumer's part, relative to the CTA tile's first column."""
+        if self.consumer_split == "n":
+            return consumer * jnp.int32(self.tile_n)
+        return 0  # a Python int, as in consumer_row_offset
 
 
 @dataclasses.dataclass(frozen=True)
 class TilePrefetch:
     """A per-tile slice of an operand that each consumer TMA-copies to SMEM at tile start.
 
-    kind "rows": the operand is (rows,) or (R, rows) and the tile's ``tile_m`` rows are
-    cut from the last axis. kind "group_cols": the operand is (G, cols) or (G, R, cols);
-    the tile's group is selected and the consumer's ``tile_n`` columns are cut from the
-    last axis. The wrapper pads the last axis so that every slice is in bounds.
+    kind "rows": the operand is (rows,) or (R, rows) and the consumer's rows of the tile
+    (``TileSchedule.consumer_rows``) are cut from the last axis. kind "group_cols": the
+    operand is (G, cols) or (G, R, cols); the tile's group is selected and the consumer's
+    columns (``consumer_cols``) are cut from the last axis. The wrapper pads the last axis so
+    that every slice is in bounds.
     """
 
     operand: int
@@ -91,6 +134,10 @@ class TileContext:
     row_tile: common.RowTile
     col_tile: jax.Array  # index of the CTA column tile (2 * tile_n columns)
     consumer: jax.Array  # 0 or 1 inside a consumer warpgroup
+    # This consumer's part of the CTA tile, relative to its first row / column (see
+    # TileSchedule.consumer_split): the lhs rows and rhs columns its wgmma reads.
+    row_slice: Any = None
+    col_slice: Any = None
     prefetched: tuple = ()  # (smem ref, barrier ref) of this consumer, per TilePrefetch
     scratch: tuple = ()  # the refs of RowKernelParts.scratch (shared by both consumers)
     k_step: jax.Array | None = None  # inside `step`: the K step of this tile (from 0)
@@ -111,8 +158,9 @@ class RowKernelParts:
         must stream the lhs rows: with clusters it is the operand the CTAs share.
     pipeline_refs(refs, ctx) -> the GMEM windows those specs read, in order.
     allocation_refs(refs) -> refs of the same shapes, for sizing SMEM once.
-    run_tile(refs, ctx, run_pipeline) -> f32 (tile_m, tile_n) tile of this consumer,
-        scales applied; ``run_pipeline(carry)`` runs the K loop and returns the carry.
+    run_tile(refs, ctx, run_pipeline) -> f32 (consumer_rows, consumer_cols) part of the
+        tile of this consumer, scales applied; ``run_pipeline(carry)`` runs the K loop and
+        returns the carry.
     step(refs, ctx, smem_refs, carry) -> carry: one K step of one consumer.
     prefetches: per-tile operand slices copied to SMEM at tile start (see TilePrefetch).
     scratch: SMEM buffers and barriers the format's steps use (plgpu.SMEM / plgpu.Barrier),
@@ -150,15 +198,20 @@ def ragged_rows_call(
     grouped_matmul_common's module docstring)."""
     packed = group_starts is not None
     tile_m, tile_n = schedule.tile_m, schedule.tile_n
+    part_rows, part_cols = schedule.consumer_rows, schedule.consumer_cols
     epi_tile_n = schedule.epi_tile_n
-    num_epi_chunks = tile_n // epi_tile_n
+    if part_cols % epi_tile_n:
+        raise ValueError(
+            f"config: epi_tile_n={epi_tile_n} must divide a consumer's {part_cols} columns"
+        )
+    num_epi_chunks = part_cols // epi_tile_n
     num_buffers = schedule.epilogue_buffers
     cluster_n = schedule.cluster_n
     # With two buffers that alternate, a chunk only waits for the store before last;
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
     stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
-    epilogue_shape = (NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n)
+    epilogue_shape = (NUM_CONSUMERS, num_buffers, part_rows, epi_tile_n)
     swizzled_transforms = common.smem_transforms(epi_tile_n, out_dtype)
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
     if num_col_tiles % cluster_n:
@@ -188,9 +241,9 @@ def ragged_rows_call(
     for prefetch in parts.prefetches:
         operand = operands[prefetch.operand]
         if prefetch.kind == "rows":
-            shape = (*operand.shape[:-1], tile_m)
+            shape = (*operand.shape[:-1], part_rows)
         else:
-            shape = (*operand.shape[1:-1], tile_n)
+            shape = (*operand.shape[1:-1], part_cols)
         prefetch_types.append((shape, operand.dtype))
 
     def body(visit_table_gmem, *refs):
@@ -242,36 +295,39 @@ def ragged_rows_call(
                 for i, prefetch in enumerate(parts.prefetches):
                     gmem = operand_refs[prefetch.operand]
                     if prefetch.kind == "rows":
-                        window = gmem.at[..., pl.ds(row_tile.block_start, tile_m)]
+                        row0 = row_tile.block_start + schedule.consumer_row_offset(consumer)
+                        window = gmem.at[..., pl.ds(row0, part_rows)]
                     else:
-                        col0 = col_tile * (2 * tile_n) + consumer * tile_n
-                        window = gmem.at[row_tile.group].at[..., pl.ds(col0, tile_n)]
+                        col0 = col_tile * (2 * tile_n) + schedule.consumer_col_offset(consumer)
+                        window = gmem.at[row_tile.group].at[..., pl.ds(col0, part_cols)]
                     barrier = prefetch_barriers.at[i * NUM_CONSUMERS + consumer]
                     slices.append((window, prefetch_smem[i].at[consumer], barrier))
                 return slices
 
-            def store_chunk(chunk_values, slot: int, chunk_gmem, cols, ctx: TileContext) -> None:
-                """Stores one epilogue chunk: `chunk_gmem` is its GMEM window from the tile's
-                first row; a packed output's windows start at the visit's output row instead,
-                built from the chunk's columns `cols`."""
-                row_tile = ctx.row_tile
+            def store_chunk(
+                chunk_values, slot: int, chunk_gmem, cols, row_tile: common.RowTile, consumer
+            ) -> None:
+                """Stores one epilogue chunk of a consumer's part of the tile, whose rows of
+                the visit `row_tile` gives (relative to the part's first row): `chunk_gmem` is
+                its GMEM window from the part's first row; a packed output's windows start at
+                the visit's output row instead, built from the chunk's columns `cols`."""
 
                 def packed_window(first_row):
-                    return out_gmem.at[pl.ds(first_row, tile_m)].at[:, cols]
+                    return out_gmem.at[pl.ds(first_row, part_rows)].at[:, cols]
 
                 def store_rows_of_group():
                     common.store_row_range(
                         chunk_values,
-                        plain_out_smem.at[ctx.consumer, slot],
+                        plain_out_smem.at[consumer, slot],
                         packed_window(row_tile.out_row) if packed else chunk_gmem,
                         row_tile,
-                        tile_m,
+                        part_rows,
                     )
 
                 if not schedule.swizzled_epilogue:
                     store_rows_of_group()
                     return
-                whole_tile = row_tile.num_rows == tile_m
+                whole_tile = row_tile.num_rows == part_rows
                 if packed:
                     # TMA writes a swizzled tile through GMEM's (8, ·)-tiled view: whole tiles
                     # of a packed output go that way from rows that are multiples of 8 only.
@@ -279,7 +335,7 @@ def ragged_rows_call(
 
                 @pl.when(whole_tile)
                 def _store_whole_tile():
-                    swizzled = swizzled_out_smem.at[ctx.consumer, slot]
+                    swizzled = swizzled_out_smem.at[consumer, slot]
                     swizzled[...] = chunk_values.astype(out_dtype)
                     plgpu.commit_smem()
                     if packed:
@@ -291,14 +347,44 @@ def ragged_rows_call(
                 pl.when(jnp.logical_not(whole_tile))(store_rows_of_group)
 
             def store_tile(values: jax.Array, ctx: TileContext) -> None:
-                col0 = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n
-                rows = out_gmem.at[pl.ds(ctx.row_tile.block_start, tile_m)]
-                for chunk in range(num_epi_chunks):
-                    plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
-                    chunk_values = values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n]
-                    cols = pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)
-                    chunk_gmem = None if packed else rows.at[:, cols]
-                    store_chunk(chunk_values, chunk % num_buffers, chunk_gmem, cols, ctx)
+                """Stores a consumer's part of the tile: the rows of it that the visit owns."""
+                row_off = schedule.consumer_row_offset(ctx.consumer)
+                col0 = ctx.col_tile * (2 * tile_n) + schedule.consumer_col_offset(ctx.consumer)
+                part = consumer_part(ctx.row_tile, row_off)
+                rows = out_gmem.at[pl.ds(ctx.row_tile.block_start + row_off, part_rows)]
+
+                def store_chunks():
+                    for chunk in range(num_epi_chunks):
+                        plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
+                        chunk_values = values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n]
+                        cols = pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)
+                        chunk_gmem = None if packed else rows.at[:, cols]
+                        store_chunk(
+                            chunk_values, chunk % num_buffers, chunk_gmem, cols, part, ctx.consumer
+                        )
+
+                if schedule.consumer_split == "n":
+                    store_chunks()  # every visit has rows in the whole tile
+                else:
+                    pl.when(part.num_rows > 0)(store_chunks)
+
+            def consumer_part(row_tile: common.RowTile, row_off) -> common.RowTile:
+                """The visit's rows inside a consumer's part of the tile, which starts
+                `row_off` rows into it (the visit itself under consumer_split="n")."""
+                if schedule.consumer_split == "n":
+                    return row_tile
+                begin = jnp.clip(row_tile.row_begin - row_off, 0, part_rows)
+                end = jnp.clip(row_tile.row_begin + row_tile.num_rows - row_off, 0, part_rows)
+                out_row = row_tile.out_row
+                if out_row is not None:  # the output row of the part's first stored row
+                    out_row = out_row + (row_off + begin - row_tile.row_begin)
+                return common.RowTile(
+                    group=row_tile.group,
+                    block_start=row_tile.block_start + row_off,
+                    row_begin=begin,
+                    num_rows=end - begin,
+                    out_row=out_row,
+                )
 
             def pipeline_state(loop_info: plgpu.NDLoopInfo):
                 """START on this CTA's first item, STOP on its last, STEADY between.
@@ -336,6 +422,8 @@ def ragged_rows_call(
                     row_tile=row_tile,
                     col_tile=col_tile,
                     consumer=wg,
+                    row_slice=pl.ds(schedule.consumer_row_offset(wg), part_rows),
+                    col_slice=pl.ds(schedule.consumer_col_offset(wg), part_cols),
                     prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
                     scratch=tuple(scratch),
                 )
@@ -377,7 +465,7 @@ def ragged_rows_call(
                 @pl.when(wg < NUM_CONSUMERS)
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
-                        jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                        jnp.zeros((part_rows, part_cols), jnp.float32), plgpu.Layout.WGMMA
                     )
                     with jax.named_scope(PROFILE_ZERO_TAIL):
                         store_tile(zeros, ctx)

@@ -88,6 +88,13 @@ class GroupedMatmulConfig:
       each one's promotion runs under the other's MMA (an ordering change only: the same bits).
       Measured and not adopted (stop 37, H200, `grouped_ab --variants stagger`): 4% slower
       for G8 balanced and 6-7% for the dense 8192³ GEMM, in every combination tried.
+    consumer_split: "n" (default): the two consumer warpgroups share the tile's tile_m rows and
+      own tile_n columns each; "m": each owns tile_m / 2 rows and all 2 * tile_n columns, so
+      that its wgmma is one m64n(2 * tile_n) instruction per K slice where "n" issues two
+      m64n(tile_n) ones that both read the consumer's rhs columns (a sixth less shared memory
+      read per product at 128 x (2 x 128), the same accumulator registers; CUTLASS's
+      "cooperative" Hopper kernels split the rows the same way). Needs tile_m a multiple of
+      128 and 2 * tile_n <= 256 (one wgmma); `grouped_matmul` (16-bit and FP8 rowwise) only.
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -112,6 +119,7 @@ class GroupedMatmulConfig:
     cluster_n: int = 1
     early_block_scales: bool = True
     stagger_consumers: bool = False
+    consumer_split: str = "n"
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -168,6 +176,19 @@ class GroupedMatmulConfig:
             raise ValueError(
                 f"profile_dir must be None or a directory path, got {self.profile_dir!r}"
             )
+        if self.consumer_split not in ("n", "m"):
+            raise ValueError(f"consumer_split must be 'n' or 'm', got {self.consumer_split!r}")
+        if self.consumer_split == "m":
+            if self.tile_m % 128:
+                raise ValueError(
+                    f"consumer_split='m' needs tile_m to be a multiple of 128 (at least 64 rows "
+                    f"per consumer), got tile_m={self.tile_m}"
+                )
+            if 2 * self.tile_n > 256:
+                raise ValueError(
+                    f"consumer_split='m' gives each consumer 2 * tile_n columns, at most 256 "
+                    f"(one wgmma), got tile_n={self.tile_n}"
+                )
         if self.cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n!r}")
         if self.num_sms is not None and self.num_sms % self.cluster_n:
@@ -187,6 +208,14 @@ class GroupedMatmulConfig:
         """For the kernels without block scales: options only block FP8 has must be off."""
         if self.stagger_consumers:
             raise ValueError("config: stagger_consumers applies to the block-FP8 kernel only")
+
+    def check_consumers_split_columns(self, kernel: str) -> None:
+        """For the kernels whose K steps are written for consumers that own columns."""
+        if self.consumer_split != "n":
+            raise ValueError(
+                f"config: {kernel} needs consumer_split='n' (consumer_split='m' is implemented "
+                "by grouped_matmul, 16-bit and FP8 rowwise, only)"
+            )
 
     def padded_cols(self, num_cols: int, multiple: int = 8) -> int:
         """Output columns the kernel computes: at least one CTA tile, a multiple of
@@ -213,6 +242,7 @@ class GroupedMatmulConfig:
             persistent_pipeline=self.persistent_pipeline,
             cluster_n=self.cluster_n,
             profile_dir=self.profile_dir,
+            consumer_split=self.consumer_split,
         )
 
 
@@ -238,10 +268,12 @@ DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
 def _smem_bytes(
     config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> int:
+    # Each consumer's staging buffers hold epi_tile_n columns of its rows.
+    consumer_rows = config.tile_m // 2 if config.consumer_split == "m" else config.tile_m
     epilogue = (
         2
         * config.epilogue_buffers
-        * config.tile_m
+        * consumer_rows
         * config.epi_tile_n
         * jnp.dtype(out_dtype).itemsize
     )
@@ -445,12 +477,13 @@ def grouped_matmul(
 
     def step(refs, ctx, smem_refs, acc_ref):
         lhs_smem, rhs_smem = smem_refs
-        cols = pl.ds(ctx.consumer * tile_n, tile_n)
+        # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
+        lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
         if rhs_layout == "nk":
-            rhs_operand = rhs_smem.at[cols].transpose((1, 0))
+            rhs_operand = rhs_smem.at[ctx.col_slice].transpose((1, 0))
         else:
-            rhs_operand = rhs_smem.at[:, cols]
-        plgpu.wgmma(acc_ref, lhs_smem, rhs_operand)
+            rhs_operand = rhs_smem.at[:, ctx.col_slice]
+        plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         # The stage read by the wgmma still in flight is released one step later.
         plgpu.wgmma_wait(in_flight)
         return acc_ref
@@ -466,7 +499,9 @@ def grouped_matmul(
             run_pipeline(acc_ref)
             return acc_ref[...]
 
-        values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        schedule = config.schedule()
+        part_shape = (schedule.consumer_rows, schedule.consumer_cols)
+        values = pl.run_scoped(with_acc, plgpu.ACC(part_shape, jnp.float32))
         next_prefetch = 0
         if lhs_scale_kind == "tensor":
             values = values * refs[lhs_scale_index][0]
@@ -537,7 +572,9 @@ def _block_scale_bytes(config: GroupedMatmulConfig, k: int) -> int:
 
 
 def _vector_bytes(config: GroupedMatmulConfig) -> int:
-    # Per-consumer SMEM copies of a row-scale and a column-scale vector (f32).
+    # Per-consumer SMEM copies of a row-scale and a column-scale vector (f32) of its part.
+    if config.consumer_split == "m":
+        return 2 * 4 * (config.tile_m // 2 + 2 * config.tile_n)
     return 2 * 4 * (config.tile_m + config.tile_n)
 
 
@@ -641,6 +678,7 @@ def grouped_matmul_fp8_block(
             f"config: block FP8 needs tile_k=128 and tile_n=128 or 64, got "
             f"tile_k={config.tile_k}, tile_n={config.tile_n}"
         )
+    config.check_consumers_split_columns("grouped_matmul_fp8_block")
     live_tiles = 2 + config.wgmma_in_flight  # main, current (and previous) partial products
     if live_tiles * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
         raise ValueError(

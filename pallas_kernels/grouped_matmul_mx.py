@@ -206,6 +206,7 @@ def grouped_matmul_mxfp8(
         raise ValueError(f"config: MXFP8 needs tile_k={STEP_K}, got tile_k={config.tile_k}")
     config.check_out_dtype(out_dtype)
     config.check_not_block_fp8_only()
+    config.check_consumers_split_columns("grouped_matmul_mxfp8")
     if not isinstance(lhs_in_registers, bool):
         raise TypeError(f"lhs_in_registers must be a bool, got {lhs_in_registers!r}")
     if lhs_in_registers and config.wgmma_in_flight:

@@ -121,6 +121,25 @@ def test_grouped_ab_wide_tile_variants_fit_shared_memory():
             assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
 
 
+def test_grouped_ab_consumer_split_variants_fit_shared_memory():
+    # The consumer_split set (timed on the H200 only): every variant of the bf16 and FP8
+    # rowwise defaults splits the rows and fits in shared memory with bf16 output.
+    import jax.numpy as jnp
+
+    from benchmarks import grouped_ab
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    for default, itemsize in ((fwd.DEFAULT_BF16_CONFIG, 2), (fwd.DEFAULT_FP8_CONFIG, 1)):
+        variants = grouped_ab.consumer_split_variants(default)
+        assert variants["default"] == default and default.consumer_split == "n"
+        assert len(variants) == 5
+        for name, config in list(variants.items())[1:]:
+            assert config.consumer_split == "m", name
+            stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * itemsize
+            scales = fwd._vector_bytes(config) if itemsize == 1 else 0
+            assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
+
+
 @pytest.mark.slow
 def test_grouped_ab_wgrad_runs_small(tmp_path):
     # The token-major wgrad configs and the K-major default in the interpreter, each checked

@@ -22,6 +22,8 @@ from jax._src import mesh as mesh_lib
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
+    DEFAULT_BF16_CONFIG,
+    DEFAULT_FP8_CONFIG,
     GroupedMatmulConfig,
     grouped_matmul,
     grouped_matmul_fp8_block,
@@ -490,6 +492,107 @@ def test_block_fp8_schedules_match_reference(schedule):
     assert_close(out, ref, rel=1e-5)
 
 
+# consumer_split="m": each consumer owns 64 of the tile's 128 rows and all 2 x 64 columns.
+# Over 160 rows the visits cover rows of one consumer only (37 rows of group 0: consumer 0),
+# of both, and of neither (the tail), so every branch of the per-consumer row store runs.
+TINY_ROWS_SPLIT = dataclasses.replace(TINY_FWD, tile_m=128, consumer_split="m")
+ROWS_SPLIT_CASES = {
+    "bf16_uneven_with_tail": dict(sizes=[37, 0, 90]),
+    "bf16_many_small": dict(sizes=[1, 2, 3, 64, 65]),
+    "bf16_kn_bf16_out": dict(sizes=[37, 0, 90], rhs_layout="kn", out_dtype=BF16),
+    "fp8_row_and_column_scales": dict(sizes=[37, 0, 90], fp8=True),
+    "fp8_persistent_cluster": dict(
+        sizes=[37, 0, 90], fp8=True, schedule=dict(persistent_pipeline=True, cluster_n=2)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWS_SPLIT_CASES))
+def test_consumers_splitting_rows_match_reference(case):
+    spec = ROWS_SPLIT_CASES[case]
+    sizes = jnp.asarray(spec["sizes"], jnp.int32)
+    out_dtype = spec.get("out_dtype", jnp.float32)
+    config = dataclasses.replace(
+        TINY_ROWS_SPLIT,
+        epi_tile_n=64 if out_dtype == BF16 else 32,
+        tile_k=128 if spec.get("fp8") else 64,
+        **spec.get("schedule", {}),
+    )
+    k = keys(4, seed=31)
+    num_cols = 200
+    if spec.get("fp8"):
+        lhs = random_fp8(k[0], (160, 256), E4M3)
+        rhs = random_fp8(k[1], (sizes.shape[0], num_cols, 256), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (160,), jnp.float32, 0.5, 2.0)
+        rhs_scale = jax.random.uniform(k[3], (sizes.shape[0], num_cols), jnp.float32, 0.5, 2.0)
+        out = grouped_matmul(
+            lhs,
+            rhs,
+            sizes,
+            lhs_scale=lhs_scale,
+            rhs_scale=rhs_scale,
+            out_dtype=out_dtype,
+            config=config,
+            interpret=True,
+        )
+        ref = ref_ragged_rows(
+            f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[..., None], sizes
+        )
+    else:
+        lhs = jax.random.normal(k[0], (160, 128), jnp.float32).astype(BF16)
+        rhs_nk = jax.random.normal(k[1], (sizes.shape[0], num_cols, 128), jnp.float32)
+        rhs_nk = rhs_nk.astype(BF16)
+        layout = spec.get("rhs_layout", "nk")
+        rhs = rhs_nk if layout == "nk" else jnp.swapaxes(rhs_nk, 1, 2)
+        out = grouped_matmul(
+            lhs, rhs, sizes, rhs_layout=layout, out_dtype=out_dtype, config=config, interpret=True
+        )
+        ref = ref_ragged_rows(f64(lhs), f64(rhs_nk), sizes)
+    assert_close(out, ref, rel=2**-8 if out_dtype == BF16 else 1e-5)
+
+
+@pytest.mark.parametrize("case", ["aligned_layout", "gaps_and_whole_tiles"])
+def test_consumers_splitting_rows_write_a_packed_output(case):
+    # Output rows of a visit that start in the second consumer's half, or are not multiples
+    # of 8 there, take the plain staging path; whole halves the swizzled one.
+    sizes, starts, rows, out_rows = PACKED_CASES[case]
+    k_lhs, k_rhs = keys(2, seed=32)
+    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
+    in_groups = np.zeros(rows, bool)
+    for start, size in zip(starts, sizes, strict=True):
+        in_groups[start : start + size] = True
+    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+    rhs = jax.random.normal(k_rhs, (len(sizes), 64, 128), jnp.float32).astype(BF16)
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+        config=TINY_ROWS_SPLIT,
+        interpret=True,
+    )
+    assert_close(out, ref_packed_rows(f64(lhs), f64(rhs), sizes, starts, out_rows), rel=1e-5)
+
+
+def test_consumer_split_m_is_refused_where_not_implemented():
+    k = keys(4, seed=33)
+    lhs = random_fp8(k[0], (128, 128), E4M3)
+    rhs = random_fp8(k[1], (1, 128, 128), E4M3)
+    split = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64, consumer_split="m")
+    with pytest.raises(ValueError, match="grouped_matmul_fp8_block needs consumer_split='n'"):
+        grouped_matmul_fp8_block(
+            lhs,
+            jnp.ones((128, 1), jnp.float32),
+            rhs,
+            jnp.ones((1, 1, 1), jnp.float32),
+            jnp.asarray([128], jnp.int32),
+            config=split,
+            interpret=True,
+        )
+
+
 def test_persistent_pipeline_needs_whole_rounds_of_stages_and_no_wgmma_in_flight():
     lhs = jnp.zeros((64, 192), BF16)  # 3 K steps of 64
     rhs = jnp.zeros((1, 128, 192), BF16)
@@ -921,6 +1024,15 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             lambda: GroupedMatmulConfig(stagger_consumers=True, wgmma_in_flight=1),
             "stagger_consumers needs wgmma_in_flight=0",
         ),
+        (lambda: GroupedMatmulConfig(consumer_split="k"), "consumer_split must be 'n' or 'm'"),
+        (
+            lambda: GroupedMatmulConfig(tile_m=64, consumer_split="m"),
+            "consumer_split='m' needs tile_m to be a multiple of 128",
+        ),
+        (
+            lambda: GroupedMatmulConfig(tile_m=128, tile_n=192, consumer_split="m"),
+            "at most 256",
+        ),
     ],
 )
 def test_bad_configs_raise(factory, needle):
@@ -1143,6 +1255,36 @@ CROSS_LOWERING_CASES = {
             a, sa, b, sb, g, config=dataclasses.replace(H200_BLOCK, tile_m=128, tile_n=64)
         ),
         BLOCK_AVALS,
+    ),
+    # Consumers that split the rows (one m64n256 wgmma each per K slice), with the defaults'
+    # other settings, a packed output and the lhs multicast to a cluster.
+    "bf16_fwd_consumers_split_rows": (
+        lambda a, b, g: grouped_matmul(
+            a, b, g, config=dataclasses.replace(DEFAULT_BF16_CONFIG, consumer_split="m")
+        ),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "fp8_fwd_rowwise_consumers_split_rows": (
+        lambda a, b, g, sa, sb: grouped_matmul(
+            a,
+            b,
+            g,
+            lhs_scale=sa,
+            rhs_scale=sb,
+            config=dataclasses.replace(DEFAULT_FP8_CONFIG, consumer_split="m"),
+        ),
+        (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
+    ),
+    "bf16_fwd_consumers_split_rows_packed_cluster": (
+        lambda a, b, g, starts: grouped_matmul(
+            a,
+            b,
+            g,
+            group_starts=starts,
+            out_rows=M,
+            config=dataclasses.replace(DEFAULT_BF16_CONFIG, consumer_split="m", cluster_n=2),
+        ),
+        (S((M + G * 32, K), BF16), S((G, N, K), BF16), SIZES, SIZES),
     ),
     "small_experts_fwd": (
         lambda a, b, g: grouped_matmul(

@@ -403,6 +403,72 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
     assert_close(out, ref, rel=rel)
 
 
+# consumer_split="m" (each consumer owns 64 of the tile's 128 rows and all 256 columns, one
+# m64n256 wgmma per K slice): every output element sums the same products in the same K
+# order as the default split of the columns, so the bits must match the default's.
+ROWS_SPLIT_CASES = {
+    "bf16_nk": dict(operands="bf16"),
+    "bf16_kn_bf16_out": dict(operands="bf16", rhs_layout="kn", out_dtype=BF16),
+    "bf16_persistent_cluster": dict(
+        operands="bf16",
+        schedule=dict(
+            persistent_pipeline=True, cluster_n=2, max_concurrent_steps=4, epilogue_buffers=1
+        ),
+    ),
+    "fp8_row_col": dict(operands="fp8"),
+    "fp8_persistent_4_sms": dict(
+        operands="fp8",
+        schedule=dict(persistent_pipeline=True, wgmma_in_flight=0, num_sms=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWS_SPLIT_CASES))
+def test_gpu_consumers_splitting_rows_give_the_default_bits(case):
+    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
+
+    spec = ROWS_SPLIT_CASES[case]
+    out_dtype = spec.get("out_dtype", jnp.float32)
+    k = keys(4, seed=34)
+    kwargs = {}
+    if spec["operands"] == "bf16":
+        lhs = jax.random.normal(k[0], (ROWS, K_DIM), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), jnp.float32).astype(BF16)
+        ref, base = ref_ragged_rows(f64(lhs), f64(rhs), SIZES), DEFAULT_BF16_CONFIG
+        rel = 1e-5
+    else:
+        lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E5M2)
+        kwargs["lhs_scale"] = jax.random.uniform(k[2], (ROWS,), jnp.float32, 0.25, 4.0)
+        kwargs["rhs_scale"] = jax.random.uniform(k[3], (NUM_GROUPS, N_DIM), jnp.float32, 0.25, 4.0)
+        ref = ref_ragged_rows(
+            f64(lhs) * f64(kwargs["lhs_scale"])[:, None],
+            f64(rhs) * f64(kwargs["rhs_scale"])[:, :, None],
+            SIZES,
+        )
+        base, rel = DEFAULT_FP8_CONFIG, 2e-3
+    if out_dtype == BF16:
+        rel = 2**-8
+    layout = spec.get("rhs_layout", "nk")
+    rhs_arg = rhs if layout == "nk" else jnp.swapaxes(rhs, 1, 2)
+    base = dataclasses.replace(base, **spec.get("schedule", {}))
+    call = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config", "rhs_layout"))
+    outs = [
+        call(
+            lhs,
+            rhs_arg,
+            SIZES,
+            **kwargs,
+            rhs_layout=layout,
+            out_dtype=out_dtype,
+            config=dataclasses.replace(base, consumer_split=split),
+        )
+        for split in ("n", "m")
+    ]
+    assert_close(outs[1], ref, rel=rel)
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
+
+
 # MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products
 # exact in f32, so the bound is f32 summation (f32 out) or one bf16 rounding (bf16 out).
 @pytest.mark.parametrize("wgmma_in_flight, lhs_in_registers", [(0, False), (1, False), (0, True)])
