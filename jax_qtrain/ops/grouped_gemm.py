@@ -14,7 +14,9 @@ operands, as gemm.py does for dense: FP8 codes, MXFP8's e4m3Â·2^k, NVFP4's e2m1Â
 power-of-2 FP8-block values are exact in bfloat16 (FP8 block with float32 scales uses float32 and
 HIGHEST precision), so only the accumulation order differs from a native GEMM; the per-tensor
 factors (FP8 scale_inv, NVFP4's S_dec), one per group, multiply the output rows of their group
-(fprop, dgrad) or the group's output (wgrad), in gemm.py's order.
+(fprop, dgrad) or the group's output (wgrad), in gemm.py's order. Off the GPU the 16-bit values
+are widened to float32 before ragged_dot (`_widened_off_the_gpu`), so that a group's results do
+not depend on which other groups share the call.
 
 The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the same operands
 (lhs (M, K) rows sorted by group, rhs (G, N, K), group_sizes (G,) int32 on the device; wgrad lhs
