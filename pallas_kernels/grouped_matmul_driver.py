@@ -74,26 +74,17 @@ class TileSchedule:
     # the 128 x (2 x 128) tile, per 16-wide K slice of bf16, a consumer issues two m64n128
     # wgmmas (2 KB of lhs rows + its 4 KB of rhs columns each, 12 KB) under "n" and one
     # m64n256 (2 KB + all 8 KB of rhs, 10 KB) under "m", for the same 128 x 128 x 16 products.
-    consumer_split: str = "n"
-
-    def __post_init__(self):
-        if self.consumer_split not in ("n", "m"):
-            raise ValueError(f"consumer_split must be 'n' or 'm', got {self.consumer_split!r}")
-        if self.consumer_split == "m" and self.tile_m % (2 * 64):
-            raise ValueError(
-                f"consumer_split='m' needs tile_m to be a multiple of 128 (64 rows or more "
-                f"per consumer), got tile_m={self.tile_m}"
-            )
+    consumer_split: str = "n"  # validated by GroupedMatmulConfig, which builds the schedule
 
     @property
     def consumer_rows(self) -> int:
         """Rows of one consumer's part of the CTA tile."""
-        return self.tile_m // NUM_CONSUMERS if self.consumer_split == "m" else self.tile_m
+        return consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)[0]
 
     @property
     def consumer_cols(self) -> int:
         """Columns of one consumer's part of the CTA tile."""
-        return NUM_CONSUMERS * self.tile_n if self.consumer_split == "m" else self.tile_n
+        return consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)[1]
 
     def consumer_row_offset(self, consumer: jax.Array) -> jax.Array | int:
         """First row of a consumer's part, relative to the CTA tile's first row."""
@@ -106,6 +97,13 @@ class TileSchedule:
         if self.consumer_split == "n":
             return consumer * jnp.int32(self.tile_n)
         return 0  # a Python int, as in consumer_row_offset
+
+
+def consumer_part_shape(tile_m: int, tile_n: int, consumer_split: str) -> tuple[int, int]:
+    """(rows, columns) of one consumer's part of a tile_m x (2 * tile_n) CTA tile."""
+    if consumer_split == "m":
+        return tile_m // NUM_CONSUMERS, NUM_CONSUMERS * tile_n
+    return tile_m, tile_n
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,6 +226,10 @@ class GroupedMatmulConfig:
             cols = common.round_up(cols, cta_cols * self.cluster_n)
         return cols
 
+    def consumer_part_shape(self) -> tuple[int, int]:
+        """(rows, columns) of one consumer warpgroup's part of the CTA tile."""
+        return driver.consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)
+
     def schedule(self) -> driver.TileSchedule:
         num_sms = self.num_sms or common.num_sms_default()
         return driver.TileSchedule(
@@ -269,11 +273,10 @@ def _smem_bytes(
     config: GroupedMatmulConfig, stage_bytes: int, out_dtype: jnp.dtype, prefetch_bytes: int = 0
 ) -> int:
     # Each consumer's staging buffers hold epi_tile_n columns of its rows.
-    consumer_rows = config.tile_m // 2 if config.consumer_split == "m" else config.tile_m
     epilogue = (
         2
         * config.epilogue_buffers
-        * consumer_rows
+        * config.consumer_part_shape()[0]
         * config.epi_tile_n
         * jnp.dtype(out_dtype).itemsize
     )
@@ -499,9 +502,7 @@ def grouped_matmul(
             run_pipeline(acc_ref)
             return acc_ref[...]
 
-        schedule = config.schedule()
-        part_shape = (schedule.consumer_rows, schedule.consumer_cols)
-        values = pl.run_scoped(with_acc, plgpu.ACC(part_shape, jnp.float32))
+        values = pl.run_scoped(with_acc, plgpu.ACC(config.consumer_part_shape(), jnp.float32))
         next_prefetch = 0
         if lhs_scale_kind == "tensor":
             values = values * refs[lhs_scale_index][0]
@@ -573,9 +574,7 @@ def _block_scale_bytes(config: GroupedMatmulConfig, k: int) -> int:
 
 def _vector_bytes(config: GroupedMatmulConfig) -> int:
     # Per-consumer SMEM copies of a row-scale and a column-scale vector (f32) of its part.
-    if config.consumer_split == "m":
-        return 2 * 4 * (config.tile_m // 2 + 2 * config.tile_n)
-    return 2 * 4 * (config.tile_m + config.tile_n)
+    return 2 * 4 * sum(config.consumer_part_shape())
 
 
 def _block_stage_bytes(config: GroupedMatmulConfig) -> int:

@@ -15,7 +15,7 @@ power-of-2 FP8-block values are exact in bfloat16 (FP8 block with float32 scales
 HIGHEST precision), so only the accumulation order differs from a native GEMM; the per-tensor
 factors (FP8 scale_inv, NVFP4's S_dec), one per group, multiply the output rows of their group
 (fprop, dgrad) or the group's output (wgrad), in gemm.py's order. Off the GPU the 16-bit values
-are widened to float32 before ragged_dot (`_widened_off_the_gpu`), so that a group's results do
+are widened to float32 before ragged_dot (`_ragged_dot`), so that a group's results do
 not depend on which other groups share the call.
 
 The Pallas grouped-matmul kernels (pallas_kernels/grouped_matmul*.py) take the same operands
@@ -293,7 +293,7 @@ def _exact_values_gemm(lhs, rhs, group_sizes, dimension_numbers) -> jax.Array:
     bfloat16 values (every format but FP8 block with float32 scales) run on the Pallas 16-bit
     kernels where enabled: the same products (exact in bf16) accumulated in float32, only in
     another order, and ~7× faster than ragged_dot on Hopper; float32 values run ragged_dot at
-    HIGHEST precision (16-bit values too, off the GPU: `_widened_off_the_gpu`)."""
+    HIGHEST precision (16-bit values too, off the GPU: `_ragged_dot`)."""
     if lhs.dtype == jnp.bfloat16 and pallas_dispatch.gemm_kernels_enabled():
         if dimension_numbers is _NT_RAGGED_ROWS:
             out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="nk")
@@ -301,26 +301,29 @@ def _exact_values_gemm(lhs, rhs, group_sizes, dimension_numbers) -> jax.Array:
             out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes)
         if out is not None:
             return out
-    lhs, rhs = _widened_off_the_gpu(lhs, rhs)
+    return _ragged_dot(
+        lhs, rhs, group_sizes, dimension_numbers, float32_precision=lax.Precision.HIGHEST
+    )
+
+
+def _ragged_dot(lhs, rhs, group_sizes, dimension_numbers, *, float32_precision=None) -> jax.Array:
+    """`lax.ragged_dot_general` accumulating in float32; `float32_precision` applies when the
+    operands are float32.
+
+    Off the GPU, 16-bit operands are widened to float32 first (exact, and so are their
+    products): XLA:CPU's bfloat16 ragged_dot sums in an order that depends on the number of
+    groups (and on the host), so the same rows got other float32 bits when a device held only
+    some of the experts (expert parallelism, 2026-12-04); its float32 ragged_dot does not."""
+    if jnp.dtype(lhs.dtype).itemsize < 4 and not pallas_dispatch.on_gpu():
+        lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     return lax.ragged_dot_general(
         lhs,
         rhs,
         group_sizes,
         dimension_numbers,
-        precision=lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
+        precision=float32_precision if lhs.dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
-
-
-def _widened_off_the_gpu(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """16-bit operands as float32 (exact, and so are their products) unless on the GPU.
-
-    XLA:CPU's bfloat16 ragged_dot sums in an order that depends on the number of groups (and
-    on the host), so the same rows got other float32 bits when a device held only some of the
-    experts (expert parallelism, 2026-12-04); its float32 ragged_dot does not."""
-    if jnp.dtype(lhs.dtype).itemsize < 4 and not pallas_dispatch.on_gpu():
-        return lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-    return lhs, rhs
 
 
 # --- high-precision grouped GEMMs (no recipe, and the backward of the overrides) --------------
@@ -343,10 +346,7 @@ def _ragged_nn_forward(lhs, rhs, group_sizes):
         out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="kn")
         if out is not None:
             return out
-    lhs, rhs = _widened_off_the_gpu(lhs, rhs)
-    return lax.ragged_dot_general(
-        lhs, rhs, group_sizes, _NN_RAGGED_ROWS, preferred_element_type=jnp.float32
-    )
+    return _ragged_dot(lhs, rhs, group_sizes, _NN_RAGGED_ROWS)
 
 
 @jax.custom_vjp
@@ -377,10 +377,7 @@ def ragged_nt(dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.
         out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="nk")
         if out is not None:
             return out
-    lhs, rhs = _widened_off_the_gpu(lhs, rhs)
-    return lax.ragged_dot_general(
-        lhs, rhs, group_sizes, _NT_RAGGED_ROWS, preferred_element_type=jnp.float32
-    )
+    return _ragged_dot(lhs, rhs, group_sizes, _NT_RAGGED_ROWS)
 
 
 def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -392,10 +389,7 @@ def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
         out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes, token_major=True)
         if out is not None:
             return out
-    lhs, rhs = _widened_off_the_gpu(lhs, rhs)
-    return lax.ragged_dot_general(
-        lhs, rhs, group_sizes, _TN_RAGGED_CONTRACTION, preferred_element_type=jnp.float32
-    )
+    return _ragged_dot(lhs, rhs, group_sizes, _TN_RAGGED_CONTRACTION)
 
 
 # --- the public op ----------------------------------------------------------------------------

@@ -352,12 +352,10 @@ PACKED_CASES = {
 }
 
 
-@pytest.mark.parametrize("swizzled_epilogue", [True, False])
-@pytest.mark.parametrize("case", sorted(PACKED_CASES))
-def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
+def packed_case_output(case: str, config: GroupedMatmulConfig, seed: int):
+    """(kernel output, float64 reference) of a PACKED_CASES case in the interpreter."""
     sizes, starts, rows, out_rows = PACKED_CASES[case]
-    config = dataclasses.replace(TINY_FWD, swizzled_epilogue=swizzled_epilogue)
-    k_lhs, k_rhs = keys(2, seed=23)
+    k_lhs, k_rhs = keys(2, seed=seed)
     lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
     # Rows in the gaps between groups are huge: any read of them shows in the output.
     in_groups = np.zeros(rows, bool)
@@ -375,8 +373,16 @@ def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
         config=config,
         interpret=True,
     )
-    assert out.shape == (out_rows, 64)
-    assert_close(out, ref_packed_rows(f64(lhs), f64(rhs), sizes, starts, out_rows), rel=1e-5)
+    return out, ref_packed_rows(f64(lhs), f64(rhs), sizes, starts, out_rows)
+
+
+@pytest.mark.parametrize("swizzled_epilogue", [True, False])
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
+    config = dataclasses.replace(TINY_FWD, swizzled_epilogue=swizzled_epilogue)
+    out, ref = packed_case_output(case, config, seed=23)
+    assert out.shape == (PACKED_CASES[case][3], 64)
+    assert_close(out, ref, rel=1e-5)
 
 
 def test_packed_output_with_fp8_row_and_group_scales():
@@ -555,25 +561,8 @@ def test_consumers_splitting_rows_match_reference(case):
 def test_consumers_splitting_rows_write_a_packed_output(case):
     # Output rows of a visit that start in the second consumer's half, or are not multiples
     # of 8 there, take the plain staging path; whole halves the swizzled one.
-    sizes, starts, rows, out_rows = PACKED_CASES[case]
-    k_lhs, k_rhs = keys(2, seed=32)
-    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
-    in_groups = np.zeros(rows, bool)
-    for start, size in zip(starts, sizes, strict=True):
-        in_groups[start : start + size] = True
-    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
-    rhs = jax.random.normal(k_rhs, (len(sizes), 64, 128), jnp.float32).astype(BF16)
-    out = grouped_matmul(
-        lhs,
-        rhs,
-        jnp.asarray(sizes, jnp.int32),
-        group_starts=jnp.asarray(starts, jnp.int32),
-        out_rows=out_rows,
-        out_dtype=jnp.float32,
-        config=TINY_ROWS_SPLIT,
-        interpret=True,
-    )
-    assert_close(out, ref_packed_rows(f64(lhs), f64(rhs), sizes, starts, out_rows), rel=1e-5)
+    out, ref = packed_case_output(case, TINY_ROWS_SPLIT, seed=32)
+    assert_close(out, ref, rel=1e-5)
 
 
 def test_consumer_split_m_is_refused_where_not_implemented():
