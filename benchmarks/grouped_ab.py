@@ -44,6 +44,11 @@ for the run's clocks) are timed batch by batch in alternation
   the same L2 traffic and accumulator registers), alone and with a deeper pipeline (its
   epilogue buffers are half as tall), the persistent pipeline or 2-CTA clusters. Block FP8
   keeps its default (the yardstick only);
+* ``cluster_m``: the dense entry points (`dense_matmul` bf16 and FP8 rowwise,
+  `dense_matmul_fp8_block`) on 8192³, each default against the same config in 2-CTA clusters
+  along M (`cluster_m=2`: the rhs tile of every K step multicast to two row tiles, so a
+  64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
+  without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -52,7 +57,7 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|wgrad]
+                    consumer_split|cluster_m|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -273,6 +278,7 @@ VARIANT_SETS = {
     "stagger": stagger_variants,  # block FP8 only (takes k)
     "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
     "consumer_split": consumer_split_variants,  # bf16 and FP8 rowwise; block FP8 default
+    "cluster_m": None,  # dense entry points only: see cluster_m_cases
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -341,6 +347,75 @@ def grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret) -> None
             candidates,
             compare=[f"{kind} {name}" for name in tile_order_variants(config)],
         )
+
+
+def cluster_m_cases(run_case, size: int, interpret: bool, tiny: dict | None) -> None:
+    """The dense entry points' defaults against 2-CTA clusters along M (see the docstring)."""
+    replace = dataclasses.replace
+    keys = jax.random.split(jax.random.key(9), 2)
+    a16 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(BF16)
+    b16 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(BF16)
+    a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
+    xla = {
+        "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a16, b16)]),
+        "XLA dense fp8": (
+            jax.jit(
+                lambda a, b: jax.lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [(a8, b8)],
+        ),
+    }
+    flops = 2 * size**3
+
+    def with_clusters(config: GroupedMatmulConfig, persistent_ok: bool) -> dict:
+        config = replace(config, **(tiny or {}))
+        variants = {"default": config, "cluster_m 2": replace(config, cluster_m=2)}
+        if persistent_ok:  # the other pipeline schedule too, with and without clusters
+            other = replace(config, persistent_pipeline=not config.persistent_pipeline)
+            label = "persistent" if other.persistent_pipeline else "not persistent"
+            variants[f"default, {label}"] = other
+            variants[f"cluster_m 2, {label}"] = replace(other, cluster_m=2)
+        return variants
+
+    def dense_candidates(prefix: str, configs: dict, call, args) -> dict:
+        return {
+            f"{prefix} {name}": (
+                jax.jit(lambda *xs, c=c: call(*xs, config=c, interpret=interpret)),
+                [args],
+            )
+            for name, c in configs.items()
+        }
+
+    # bf16: the default has no wgmma in flight, so it may run persistent (8192 / 64 K steps).
+    bf16 = with_clusters(
+        replace(DEFAULT_BF16_CONFIG, max_concurrent_steps=4, epilogue_buffers=1), True
+    )
+    run_case(
+        f"dense {size}^3 bf16",
+        flops,
+        {**dense_candidates("bf16", bf16, dense_matmul, (a16, b16)), **xla},
+    )
+    fp8 = with_clusters(DEFAULT_FP8_CONFIG, False)  # a wgmma in flight: not persistent
+    run_case(
+        f"dense {size}^3 fp8 rowwise",
+        flops,
+        {**dense_candidates("fp8", fp8, dense_matmul, (a8, b8)), **xla},
+    )
+    a_scale = jnp.ones((size, size // 128), jnp.float32)
+    b_scale = jnp.ones((size // 128, size // 128), jnp.float32)
+    block = with_clusters(fp8_block_default_config(size, BF16, persistent_pipeline=True), True)
+    run_case(
+        f"dense {size}^3 fp8 block",
+        flops,
+        {
+            **dense_candidates(
+                "fp8 block", block, dense_matmul_fp8_block, (a8, a_scale, b8, b_scale)
+            ),
+            **xla,
+        },
+    )
 
 
 def wgrad_label(config: GroupedWgradConfig) -> str:
@@ -460,6 +535,10 @@ def main(
     if variants == "grouping":
         grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret)
         shapes, dense_size = {}, 0
+    if variants == "cluster_m":
+        tiny_dense = dict(num_sms=2, grid_tile_width=1) if small else None
+        cluster_m_cases(run_case, 256 if small else DENSE_SIZE, interpret, tiny_dense)
+        return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None
         if small:  # 128 x 128 CTA tiles, 2 per group: interpreter time grows with the grid

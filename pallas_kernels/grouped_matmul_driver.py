@@ -19,6 +19,11 @@ Two options change how the items run:
 * ``cluster_n=2``: CTAs run in clusters of two along N. Both CTAs of a cluster take the
   same row tile and adjacent column tiles, and the lhs tile of every K step is loaded
   once and multicast to both (TMA multicast), halving the lhs traffic from L2.
+* ``cluster_m=2`` (one group only: the dense entry points): CTAs run in clusters of two
+  along M. Both take the same column tile and consecutive row tiles, and the rhs tile of
+  every K step (the larger operand of a 64-row tile) is loaded once and multicast to both.
+  With an odd number of row tiles the last cluster's second CTA repeats its partner's tile
+  (it must take part in every multicast load) and stores nothing.
 * ``persistent_pipeline``: the TMA pipeline keeps running from one item to the next
   (``pipeline_state``): the producer loads the next item's first K steps while the
   consumers finish the current one and store its outputs, instead of starting each
@@ -67,6 +72,7 @@ class TileSchedule:
     num_sms: int
     persistent_pipeline: bool = False  # keep the TMA pipeline running across items
     cluster_n: int = 1  # CTAs per cluster along N (2: the lhs tile is multicast)
+    cluster_m: int = 1  # CTAs per cluster along M (2: the rhs tile is multicast; one group)
     profile_dir: str | None = None  # Mosaic GPU profiler trace of the consumers' ranges
     # "n": the consumers share the tile's rows and split its columns (each tile_m x tile_n);
     # "m": they split the rows and share the columns (each tile_m / 2 x 2 * tile_n). For
@@ -163,6 +169,9 @@ class RowKernelParts:
     prefetches: per-tile operand slices copied to SMEM at tile start (see TilePrefetch).
     scratch: SMEM buffers and barriers the format's steps use (plgpu.SMEM / plgpu.Barrier),
         allocated once per CTA and shared by both consumers (TileContext.scratch).
+    column_specs: indices of the in_specs whose tiles depend on the column tile and K step
+        only (the rhs streams), which clusters along M multicast; None: the kernel does not
+        run with ``cluster_m=2``.
     """
 
     in_specs: Sequence[Any]
@@ -173,6 +182,7 @@ class RowKernelParts:
     num_k_steps: int
     prefetches: tuple[TilePrefetch, ...] = ()
     scratch: tuple = ()
+    column_specs: tuple[int, ...] | None = None
 
 
 def ragged_rows_call(
@@ -204,7 +214,8 @@ def ragged_rows_call(
         )
     num_epi_chunks = part_cols // epi_tile_n
     num_buffers = schedule.epilogue_buffers
-    cluster_n = schedule.cluster_n
+    cluster_n, cluster_m = schedule.cluster_n, schedule.cluster_m
+    cluster_size = cluster_n * cluster_m
     # With two buffers that alternate, a chunk only waits for the store before last;
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
@@ -222,6 +233,24 @@ def ragged_rows_call(
     if cluster_n > 1:
         # Both CTAs of a cluster read the same lhs rows: one multicast load feeds both.
         in_specs = (dataclasses.replace(in_specs[0], collective_axes=("cluster",)), *in_specs[1:])
+    if cluster_m > 1:
+        if cluster_n > 1:
+            raise ValueError("config: cluster_m=2 and cluster_n=2 cannot be combined")
+        if num_groups != 1:
+            raise ValueError(
+                f"config: cluster_m=2 needs a single group (the dense entry points), got "
+                f"{num_groups} groups: the two CTAs of a cluster share every rhs tile, and "
+                "consecutive row tiles may belong to different groups"
+            )
+        if parts.column_specs is None:
+            raise ValueError(f"config: {name} does not support cluster_m=2")
+        # Both CTAs of a cluster read the same rhs columns: one multicast load feeds both.
+        in_specs = tuple(
+            dataclasses.replace(spec, collective_axes=("cluster",))
+            if i in parts.column_specs
+            else spec
+            for i, spec in enumerate(in_specs)
+        )
     pipeline_depth = min(schedule.max_concurrent_steps, parts.num_k_steps)
     if schedule.persistent_pipeline:
         if parts.num_k_steps % pipeline_depth:
@@ -247,7 +276,14 @@ def ragged_rows_call(
     def body(visit_table_gmem, *refs):
         operand_refs, out_gmem = refs[:-1], refs[-1]
         num_group_visits, num_tail_visits = common.visit_counts(visit_table_gmem)
-        cta = lax.axis_index("cluster") if cluster_n > 1 else jnp.int32(0)
+        cta = lax.axis_index("cluster") if cluster_size > 1 else jnp.int32(0)
+        cta_n = cta if cluster_n > 1 else jnp.int32(0)  # this CTA's column tile in its cluster
+        if cluster_m > 1:
+            # A cluster takes two row visits at once (rounded up: see the module docstring).
+            num_row_items = lax.div(num_group_visits + 1, jnp.int32(2))
+            num_tail_items = lax.div(num_tail_visits + 1, jnp.int32(2))
+        else:
+            num_row_items, num_tail_items = num_group_visits, num_tail_visits
 
         def make_pipeline(step_fn, compute_context, pipeline_state=None):
             return plgpu.emit_pipeline_warp_specialized(
@@ -404,17 +440,25 @@ def ragged_rows_call(
                 )
 
             # Items: (visit of a real group, column item); every such visit has rows.
-            @plgpu.nd_loop((num_group_visits * num_col_items,), collective_axes="sm")
+            @plgpu.nd_loop((num_row_items * num_col_items,), collective_axes="sm")
             def _item_loop(loop_info: plgpu.NDLoopInfo):
                 (linear,) = loop_info.index
-                visit, col_item = plgpu.planar_snake(
+                row_item, col_item = plgpu.planar_snake(
                     linear,
-                    (num_group_visits, num_col_items),
+                    (num_row_items, num_col_items),
                     schedule.grid_minor_dim,
                     schedule.grid_tile_width,
                 )
+                owns_tile = None  # every CTA stores its own tile
+                if cluster_m > 1:
+                    own_visit = row_item * cluster_m + cta
+                    # Past the last visit: repeat the partner's tile for the multicast loads.
+                    visit = jnp.minimum(own_visit, num_group_visits - 1)
+                    owns_tile = own_visit < num_group_visits
+                else:
+                    visit = row_item
                 row_tile = common.row_tile_for_visit(visit_table_gmem, visit, tile_m)
-                col_tile = col_item * cluster_n + cta
+                col_tile = col_item * cluster_n + cta_n
                 slices = prefetch_slices(row_tile, col_tile, wg)
                 ctx = TileContext(
                     row_tile=row_tile,
@@ -435,7 +479,10 @@ def ragged_rows_call(
                     with jax.named_scope(PROFILE_K_LOOP):
                         values = parts.run_tile(operand_refs, ctx, run_pipeline)
                     with jax.named_scope(PROFILE_EPILOGUE):
-                        store_tile(values, ctx)
+                        if owns_tile is None:
+                            store_tile(values, ctx)
+                        else:
+                            pl.when(owns_tile)(lambda: store_tile(values, ctx))
 
                 def step_fn(idxs, *smem_and_carry):
                     *smem_refs, carry = smem_and_carry
@@ -449,18 +496,21 @@ def ragged_rows_call(
                 )
 
             # The rows past the last group: zeros, stored by the consumers alone.
-            @plgpu.nd_loop((num_tail_visits * num_col_items,), collective_axes="sm")
+            @plgpu.nd_loop((num_tail_items * num_col_items,), collective_axes="sm")
             def _tail_loop(loop_info: plgpu.NDLoopInfo):
                 (linear,) = loop_info.index
-                visit = num_group_visits + lax.div(linear, jnp.int32(num_col_items))
-                col_tile = lax.rem(linear, jnp.int32(num_col_items)) * cluster_n + cta
+                tail_visit = lax.div(linear, jnp.int32(num_col_items))
+                if cluster_m > 1:
+                    tail_visit = tail_visit * cluster_m + cta
+                visit = num_group_visits + jnp.minimum(tail_visit, num_tail_visits - 1)
+                col_tile = lax.rem(linear, jnp.int32(num_col_items)) * cluster_n + cta_n
                 ctx = TileContext(
                     row_tile=common.row_tile_for_visit(visit_table_gmem, visit, tile_m),
                     col_tile=col_tile,
                     consumer=wg,
                 )
 
-                @pl.when(wg < NUM_CONSUMERS)
+                @pl.when((wg < NUM_CONSUMERS) & (tail_visit < num_tail_visits))
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
                         jnp.zeros((part_rows, part_cols), jnp.float32), plgpu.Layout.WGMMA
@@ -471,14 +521,14 @@ def ragged_rows_call(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     cluster_args = {}
-    if cluster_n > 1:
-        cluster_args = dict(cluster=(cluster_n,), cluster_names=("cluster",))
+    if cluster_size > 1:
+        cluster_args = dict(cluster=(cluster_size,), cluster_names=("cluster",))
     profile_args = {}
     if schedule.profile_dir:
         # Ranges per consumer trace: two per item and one per tail tile, for the most items
         # one CTA can get, with room to spare; past that the trace is cut, not corrupted.
         max_items = common.max_visits(num_rows, num_groups, tile_m, num_out_rows) * num_col_items
-        ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_n) + 8
+        ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_size) + 8
         profile_args = dict(
             profile_space=ranges,
             profile_dir=schedule.profile_dir,
@@ -487,7 +537,7 @@ def ragged_rows_call(
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_out_rows if packed else num_rows, num_cols), out_dtype),
-        grid=(schedule.num_sms // cluster_n,),
+        grid=(schedule.num_sms // cluster_size,),
         grid_names=("sm",),
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",

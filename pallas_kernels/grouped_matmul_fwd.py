@@ -72,6 +72,10 @@ class GroupedMatmulConfig:
     cluster_n: 1, or 2 for clusters of two CTAs along N that share each lhs tile (one TMA
       multicast load feeds both); the columns are padded to an even number of CTA tiles
       (an rhs copy when they are not) and num_sms must be even.
+    cluster_m: 1, or 2 for clusters of two CTAs along M that share each rhs tile (one TMA
+      multicast load feeds both CTAs' consecutive row tiles). One group only: the dense
+      entry points (`dense_matmul`, `dense_matmul_fp8_block`); the grouped calls reject it
+      for G > 1. Not with cluster_n=2; num_sms must be even.
     early_block_scales: block FP8 only: load each K step's scales (the rhs block's from
       global memory, the tile's lhs row scales from shared memory) right after its wgmma is
       issued, so their latency runs under the MMA (True, the default since stop 35), instead
@@ -117,6 +121,7 @@ class GroupedMatmulConfig:
     swizzled_epilogue: bool = True
     persistent_pipeline: bool = False
     cluster_n: int = 1
+    cluster_m: int = 1
     early_block_scales: bool = True
     stagger_consumers: bool = False
     consumer_split: str = "n"
@@ -191,10 +196,20 @@ class GroupedMatmulConfig:
                 )
         if self.cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n!r}")
-        if self.num_sms is not None and self.num_sms % self.cluster_n:
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m!r}")
+        if self.cluster_m > 1 and self.cluster_n > 1:
+            raise ValueError("cluster_m=2 and cluster_n=2 cannot be combined (clusters of 2 CTAs)")
+        if self.num_sms is not None and self.num_sms % self.cluster_size:
             raise ValueError(
-                f"num_sms={self.num_sms} must be a multiple of cluster_n={self.cluster_n}"
+                f"num_sms={self.num_sms} must be a multiple of the cluster size "
+                f"(cluster_n={self.cluster_n}, cluster_m={self.cluster_m})"
             )
+
+    @property
+    def cluster_size(self) -> int:
+        """CTAs per cluster."""
+        return self.cluster_n * self.cluster_m
 
     def check_out_dtype(self, out_dtype: jnp.dtype) -> None:
         row_bytes = self.epi_tile_n * jnp.dtype(out_dtype).itemsize
@@ -242,9 +257,10 @@ class GroupedMatmulConfig:
             grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width,
             # Whole clusters: an odd SM count leaves one SM idle.
-            num_sms=num_sms - num_sms % self.cluster_n,
+            num_sms=num_sms - num_sms % self.cluster_size,
             persistent_pipeline=self.persistent_pipeline,
             cluster_n=self.cluster_n,
+            cluster_m=self.cluster_m,
             profile_dir=self.profile_dir,
             consumer_split=self.consumer_split,
         )
@@ -525,6 +541,7 @@ def grouped_matmul(
         step=step,
         num_k_steps=pl.cdiv(k_p, tile_k),
         prefetches=tuple(prefetches),
+        column_specs=(1,),
     )
     out = driver.ragged_rows_call(
         group_sizes,
@@ -801,6 +818,7 @@ def grouped_matmul_fp8_block(
         prefetches=(driver.TilePrefetch(2, "rows"),),
         # stagger_consumers: the first consumer's first K block done, once per tile.
         scratch=(plgpu.Barrier(num_arrivals=1),) if stagger else (),
+        column_specs=(1,),
     )
     out = driver.ragged_rows_call(
         group_sizes,

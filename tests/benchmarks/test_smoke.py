@@ -79,6 +79,21 @@ def test_grouped_ab_runs_small(tmp_path):
         grouped_ab.main(str(tmp_path), small=True, variants="tiles")
 
 
+@pytest.mark.slow
+def test_grouped_ab_cluster_m_runs_small(tmp_path):
+    # The dense entry points with and without 2-CTA clusters along M, in the interpreter.
+    from benchmarks import grouped_ab
+
+    grouped_ab.main(str(tmp_path), small=True, variants="cluster_m")
+    rows = json.loads((tmp_path / "grouped_ab_cluster_m.json").read_text())
+    variants = {(r["case"], r["variant"]) for r in rows}
+    assert ("dense 256^3 fp8 block", "fp8 block cluster_m 2, not persistent") in variants
+    assert ("dense 256^3 bf16", "bf16 cluster_m 2, persistent") in variants
+    assert ("dense 256^3 fp8 rowwise", "fp8 cluster_m 2") in variants
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["same_bits"] for r in rows if not r["variant"].startswith("XLA"))
+
+
 def test_grouped_ab_block_tile_variants_fit_shared_memory():
     # The block_tiles set (timed on the H200 only: each interpreted variant costs CI minutes).
     import jax.numpy as jnp

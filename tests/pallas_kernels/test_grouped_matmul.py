@@ -498,6 +498,109 @@ def test_block_fp8_schedules_match_reference(schedule):
     assert_close(out, ref, rel=1e-5)
 
 
+# cluster_m=2 (one group): a cluster's two CTAs take consecutive row tiles and share each
+# rhs tile by multicast. The cases give an even and an odd number of the group's row tiles
+# (the last cluster's second CTA repeats its partner's tile and stores nothing), a tail of
+# rows past the group (zeros, split over the cluster's CTAs), and the persistent pipeline.
+CLUSTER_M_CASES = {
+    "bf16_even_tiles": dict(operands="bf16", rows=256, size=256),
+    "bf16_odd_tiles_and_tail": dict(operands="bf16", rows=320, size=150),
+    "fp8_rowwise_odd_tiles": dict(operands="fp8", rows=192, size=192),
+    "fp8_block_odd_tiles_and_tail": dict(operands="fp8_block", rows=320, size=150),
+    "fp8_block_persistent": dict(
+        operands="fp8_block", rows=256, size=256, schedule=dict(persistent_pipeline=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLUSTER_M_CASES))
+def test_clusters_along_m_match_reference(case):
+    spec = CLUSTER_M_CASES[case]
+    rows, num_cols, sizes = spec["rows"], 200, jnp.asarray([spec["size"]], jnp.int32)
+    k = keys(4, seed=41)
+    schedule = dict(cluster_m=2, **spec.get("schedule", {}))
+    if spec["operands"] == "fp8_block":
+        lhs = random_fp8(k[0], (rows, 256), E4M3)
+        lhs_scale = jax.random.uniform(k[1], (rows, 2), jnp.float32, 0.5, 2.0)
+        rhs = random_fp8(k[2], (1, num_cols, 256), E4M3)
+        rhs_scale = jax.random.uniform(k[3], (1, 2, 2), jnp.float32, 0.5, 2.0)
+        out = grouped_matmul_fp8_block(
+            lhs,
+            lhs_scale,
+            rhs,
+            rhs_scale,
+            sizes,
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_BLOCK, **schedule),
+            interpret=True,
+        )
+        lhs_ref = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+        rhs_ref = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+    elif spec["operands"] == "fp8":
+        lhs = random_fp8(k[0], (rows, 256), E4M3)
+        rhs = random_fp8(k[1], (1, num_cols, 256), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (rows,), jnp.float32, 0.5, 2.0)
+        rhs_scale = jax.random.uniform(k[3], (1, num_cols), jnp.float32, 0.5, 2.0)
+        out = grouped_matmul(
+            lhs,
+            rhs,
+            sizes,
+            lhs_scale=lhs_scale,
+            rhs_scale=rhs_scale,
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_FWD_FP8, **schedule),
+            interpret=True,
+        )
+        lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
+        rhs_ref = f64(rhs) * f64(rhs_scale)[..., None]
+    else:
+        lhs = jax.random.normal(k[0], (rows, 128), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (1, num_cols, 128), jnp.float32).astype(BF16)
+        out = grouped_matmul(
+            lhs,
+            rhs,
+            sizes,
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_FWD, **schedule),
+            interpret=True,
+        )
+        lhs_ref, rhs_ref = f64(lhs), f64(rhs)
+    assert_close(out, ref_ragged_rows(lhs_ref, rhs_ref, sizes), rel=1e-5)
+
+
+def test_dense_entry_points_take_clusters_along_m():
+    k = keys(4, seed=42)
+    lhs = random_fp8(k[0], (192, 256), E4M3)
+    rhs = random_fp8(k[1], (200, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (192, 2), jnp.float32, 0.5, 2.0)
+    rhs_scale = jax.random.uniform(k[3], (2, 2), jnp.float32, 0.5, 2.0)
+    out = dense_matmul_fp8_block(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        out_dtype=jnp.float32,
+        config=dataclasses.replace(TINY_BLOCK, cluster_m=2),
+        interpret=True,
+    )
+    want = dequant_fp8_block(lhs, lhs_scale, 1, 128) @ dequant_fp8_block(rhs, rhs_scale, 128, 128).T
+    assert_close(out, want, rel=1e-5)
+
+
+def test_clusters_along_m_reject_several_groups():
+    lhs = jnp.zeros((128, 128), BF16)
+    rhs = jnp.zeros((2, 128, 128), BF16)
+    with pytest.raises(ValueError, match="cluster_m=2 needs a single group"):
+        grouped_matmul(
+            lhs,
+            rhs,
+            jnp.asarray([64, 64], jnp.int32),
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_FWD, cluster_m=2),
+            interpret=True,
+        )
+
+
 # consumer_split="m": each consumer owns 64 of the tile's 128 rows and all 2 x 64 columns.
 # Over 160 rows the visits cover rows of one consumer only (37 rows of group 0: consumer 0),
 # of both, and of neither (the tail), so every branch of the per-consumer row store runs.
@@ -1009,6 +1112,9 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         (lambda: GroupedMatmulConfig(cluster_n=4), "cluster_n"),
         (lambda: GroupedMatmulConfig(profile_dir=""), "profile_dir"),
         (lambda: GroupedMatmulConfig(cluster_n=2, num_sms=131), "num_sms"),
+        (lambda: GroupedMatmulConfig(cluster_m=3), "cluster_m must be 1 or 2"),
+        (lambda: GroupedMatmulConfig(cluster_m=2, cluster_n=2), "cannot be combined"),
+        (lambda: GroupedMatmulConfig(cluster_m=2, num_sms=131), "num_sms"),
         (
             lambda: GroupedMatmulConfig(stagger_consumers=True, wgmma_in_flight=1),
             "stagger_consumers needs wgmma_in_flight=0",
@@ -1145,6 +1251,17 @@ CROSS_LOWERING_CASES = {
     ),
     "bf16_dense": (
         lambda a, b: dense_matmul(a, b),
+        (S((8192, 8192), BF16), S((8192, 8192), BF16)),
+    ),
+    # Clusters along M (rhs multicast): the dense entry points only.
+    "fp8_block_dense_cluster_m": (
+        lambda a, sa, b, sb: dense_matmul_fp8_block(
+            a, sa, b, sb, config=dataclasses.replace(H200_BLOCK, wgmma_in_flight=0, cluster_m=2)
+        ),
+        (S((8192, 8192), E4M3), S((8192, 64), F32), S((8192, 8192), E4M3), S((64, 64), F32)),
+    ),
+    "bf16_dense_cluster_m": (
+        lambda a, b: dense_matmul(a, b, config=dataclasses.replace(H200_BF16, cluster_m=2)),
         (S((8192, 8192), BF16), S((8192, 8192), BF16)),
     ),
     "bf16_wgrad": (

@@ -403,6 +403,65 @@ def test_gpu_schedules_give_the_same_bits(schedule, operands):
     assert_close(out, ref, rel=rel)
 
 
+# cluster_m=2 on the dense entry points: a cluster's CTAs take consecutive row tiles and
+# share each rhs tile by TMA multicast. Loads only: the bits must equal the default's. 1088
+# rows are 17 tiles of 64 (block FP8) and 9 of 128 (bf16 / FP8 rowwise), so the last
+# cluster's second CTA repeats its partner's tile without storing it; 4 SMs make every CTA
+# run several tiles (with the persistent pipeline: START, STEADY and STOP).
+CLUSTER_M_ROWS = 1088
+CLUSTER_M_CASES = {
+    "bf16": dict(operands="bf16"),
+    "bf16_persistent_4_sms": dict(
+        operands="bf16",
+        schedule=dict(persistent_pipeline=True, max_concurrent_steps=4, num_sms=4),
+    ),
+    "fp8_rowwise": dict(operands="fp8"),
+    "fp8_block": dict(operands="fp8_block"),
+    "fp8_block_not_persistent_4_sms": dict(
+        operands="fp8_block", schedule=dict(persistent_pipeline=False, num_sms=4)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLUSTER_M_CASES))
+def test_gpu_clusters_along_m_give_the_default_bits(case):
+    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
+
+    spec = CLUSTER_M_CASES[case]
+    k = keys(4, seed=43)
+    rows = CLUSTER_M_ROWS
+    if spec["operands"] == "fp8_block":
+        lhs = random_fp8(k[0], (rows, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (N_DIM, K_DIM), E4M3)
+        lhs_scale = jax.random.uniform(k[2], (rows, K_DIM // 128), jnp.float32, 0.5, 2.0)
+        rhs_scale = jax.random.uniform(k[3], (N_DIM // 128, K_DIM // 128), jnp.float32, 0.5, 2.0)
+        args, run = (lhs, lhs_scale, rhs, rhs_scale), dense_matmul_fp8_block
+        base = fp8_block_default_config(K_DIM, jnp.float32, persistent_pipeline=True)
+        ref = (
+            dequant_fp8_block(lhs, lhs_scale, 1, 128)
+            @ dequant_fp8_block(rhs, rhs_scale, 128, 128).T
+        )
+        rel = 1e-3
+    elif spec["operands"] == "fp8":
+        lhs = random_fp8(k[0], (rows, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (N_DIM, K_DIM), E4M3)
+        args, run = (lhs, rhs), dense_matmul
+        base = dataclasses.replace(DEFAULT_FP8_CONFIG, max_concurrent_steps=3)
+        ref, rel = f64(lhs) @ f64(rhs).T, 2e-3
+    else:
+        lhs = jax.random.normal(k[0], (rows, K_DIM), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (N_DIM, K_DIM), jnp.float32).astype(BF16)
+        args, run = (lhs, rhs), dense_matmul
+        base = dataclasses.replace(DEFAULT_BF16_CONFIG, epi_tile_n=32, epilogue_buffers=1)
+        ref, rel = f64(lhs) @ f64(rhs).T, 1e-5
+    base = dataclasses.replace(base, **spec.get("schedule", {}))
+    call = jax.jit(run, static_argnames=("out_dtype", "config"))
+    default = call(*args, out_dtype=jnp.float32, config=base)
+    out = call(*args, out_dtype=jnp.float32, config=dataclasses.replace(base, cluster_m=2))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
+    assert_close(out, ref, rel=rel)
+
+
 # consumer_split="m" (each consumer owns 64 of the tile's 128 rows and all 256 columns, one
 # m64n256 wgmma per K slice): every output element sums the same products in the same K
 # order as the default split of the columns, so the bits must match the default's.
