@@ -30,9 +30,6 @@ for the run's clocks) are timed batch by batch in alternation
   loads, alone and with `stagger_consumers` (the second consumer one K block behind the
   first), and with the persistent pipeline: block_tiles' questions that are still open, with
   fewer variants so that each gets more rounds;
-* ``split_promotion``: block FP8 only, the same two shapes: the default against
-  `split_promotion` (each K block as two half-width wgmma groups, the first half promoted
-  while the second half's MMA runs), each with and without the persistent pipeline;
 * ``wide_tiles``: the bf16 and FP8 rowwise defaults (CTA tile 128 x (2 x 128): each consumer
   issues two m64n128 wgmmas per K slice, re-reading the rhs slice) against 64 x (2 x 256),
   whose consumers issue one m64n256 wgmma each: a sixth less shared-memory traffic per
@@ -60,7 +57,7 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|cluster_m|split_promotion|wgrad]
+                    consumer_split|cluster_m|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -222,22 +219,6 @@ def stagger_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMa
     return {name: every[name] for name in names}
 
 
-def split_promotion_variants(config: GroupedMatmulConfig, k: int) -> dict[str, GroupedMatmulConfig]:
-    """Block FP8's default with and without `split_promotion`, each with and without the
-    persistent pipeline (see the docstring), fitted to shared memory for k (bf16 output)."""
-    replace = dataclasses.replace
-    base = replace(config, persistent_pipeline=False)
-    variants = {
-        "default": base,
-        "split promotion": replace(base, split_promotion=True),
-        "default, persistent": replace(base, persistent_pipeline=True),
-        "split promotion, persistent": replace(
-            base, split_promotion=True, persistent_pipeline=True
-        ),
-    }
-    return {name: fit_fp8_block_config(c, k, BF16) for name, c in variants.items()}
-
-
 def wide_tile_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
     """The default, then 64 x (2 x 256) CTA tiles at K steps and depths that fit in shared
     memory (bf16 when the default's K step is 64, FP8 when it is 128; see the docstring)."""
@@ -295,7 +276,6 @@ VARIANT_SETS = {
     "defaults": default_variants,
     "block_tiles": block_tile_variants,  # block FP8 only (takes k)
     "stagger": stagger_variants,  # block FP8 only (takes k)
-    "split_promotion": split_promotion_variants,  # block FP8 only (takes k)
     "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
     "consumer_split": consumer_split_variants,  # bf16 and FP8 rowwise; block FP8 default
     "cluster_m": None,  # dense entry points only: see cluster_m_cases
@@ -566,19 +546,12 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants in (
-        "defaults",
-        "block_tiles",
-        "stagger",
-        "split_promotion",
-        "wide_tiles",
-        "consumer_split",
-    ):
+    if variants in ("defaults", "block_tiles", "stagger", "wide_tiles", "consumer_split"):
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
             block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
-    block_only = variants in ("block_tiles", "stagger", "split_promotion")
+    block_only = variants in ("block_tiles", "stagger")
 
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:

@@ -88,7 +88,6 @@ def kernel_cases():
         ("block fp8 gemm 128x(2x64)", block(tile_m=128, tile_n=64)),
         ("block fp8 gemm 128x(2x64) 1 in flight", block(tile_m=128, tile_n=64, wgmma_in_flight=1)),
         ("block fp8 gemm cluster_m 2", block(cluster_m=2)),
-        ("block fp8 gemm split promotion", block(split_promotion=True)),
     ]
     grouped_cases = [(f"grouped wgrad bf16 G={g}", wgrad(g)) for g in (1, 8, 64)] + [
         (f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G={g}", grouped(g, fp8))

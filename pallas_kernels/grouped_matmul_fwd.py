@@ -92,13 +92,6 @@ class GroupedMatmulConfig:
       each one's promotion runs under the other's MMA (an ordering change only: the same bits).
       Measured and not adopted (stop 37, H200, `grouped_ab --variants stagger`): 4% slower
       for G8 balanced and 6-7% for the dense 8192³ GEMM, in every combination tried.
-    split_promotion: block FP8 with wgmma_in_flight=0 only: each consumer multiplies a K block
-      into two half-width accumulators (two m64n(tile_n / 2) wgmma groups) and promotes the
-      first half while the second half's wgmma still runs (`wgmma_accumulator_load(wait_n=1)`),
-      so half of every promotion overlaps the consumer's own MMA whatever the other consumer
-      does, for the same registers as the default (main plus one chunk). Each product is
-      summed in the same order (a column's chunk still covers the whole K block), so the bits
-      are the default's; the lhs tile is read from shared memory twice per K block.
     consumer_split: "n" (default): the two consumer warpgroups share the tile's tile_m rows and
       own tile_n columns each; "m": each owns tile_m / 2 rows and all 2 * tile_n columns, so
       that its wgmma is one m64n(2 * tile_n) instruction per K slice where "n" issues two
@@ -131,7 +124,6 @@ class GroupedMatmulConfig:
     cluster_m: int = 1
     early_block_scales: bool = True
     stagger_consumers: bool = False
-    split_promotion: bool = False
     consumer_split: str = "n"
     profile_dir: str | None = None
 
@@ -183,13 +175,6 @@ class GroupedMatmulConfig:
                 "stagger_consumers needs wgmma_in_flight=0 (with a wgmma in flight the "
                 "promotion already runs under the next MMA)"
             )
-        if not isinstance(self.split_promotion, bool):
-            raise TypeError(f"split_promotion must be a bool, got {self.split_promotion!r}")
-        if self.split_promotion and (self.wgmma_in_flight or self.stagger_consumers):
-            raise ValueError(
-                "split_promotion needs wgmma_in_flight=0 and stagger_consumers=False (it is "
-                "another way to overlap the promotion with the MMA)"
-            )
         if self.profile_dir is not None and (
             not isinstance(self.profile_dir, str) or not self.profile_dir
         ):
@@ -238,8 +223,6 @@ class GroupedMatmulConfig:
         """For the kernels without block scales: options only block FP8 has must be off."""
         if self.stagger_consumers:
             raise ValueError("config: stagger_consumers applies to the block-FP8 kernel only")
-        if self.split_promotion:
-            raise ValueError("config: split_promotion applies to the block-FP8 kernel only")
 
     def check_consumers_split_columns(self, kernel: str) -> None:
         """For the kernels whose K steps are written for consumers that own columns."""
@@ -772,41 +755,6 @@ def grouped_matmul_fp8_block(
 
     stagger = config.stagger_consumers
 
-    half_n = tile_n // 2
-
-    def split_step(refs, ctx, smem_refs, carry):
-        """One K block as two half-width wgmma groups (config.split_promotion): the first
-        half is promoted while the second half's wgmma runs."""
-        lhs_smem, rhs_smem = smem_refs
-        k_step, main_halves = carry
-
-        def rhs_half(h: int):
-            first = ctx.consumer * tile_n + h * half_n
-            return rhs_smem.at[pl.ds(first, half_n)].transpose((1, 0))
-
-        def chunk_products(first_ref, second_ref):
-            # Freshly scoped accumulators: every K block starts from zero, as in `step`.
-            plgpu.wgmma(first_ref, lhs_smem, rhs_half(0))
-            plgpu.wgmma(second_ref, lhs_smem, rhs_half(1))
-
-            @pl.when(k_step == 0)
-            def _wait_scales():
-                ctx.wait_prefetched(0)
-
-            scale = block_scale(refs, ctx, k_step)
-            # At most one wgmma group (the second half's) still in flight.
-            first = plgpu.wgmma_accumulator_load(first_ref, wait_n=1)
-            promoted_first = promote(main_halves[0], first, scale)
-            second = plgpu.wgmma_accumulator_load(second_ref, wait_n=0)
-            return promoted_first, promote(main_halves[1], second, scale)
-
-        halves = pl.run_scoped(
-            chunk_products,
-            plgpu.ACC((tile_m, half_n), jnp.float32),
-            plgpu.ACC((tile_m, half_n), jnp.float32),
-        )
-        return k_step + 1, halves
-
     def step(refs, ctx, smem_refs, carry):
         lhs_smem, rhs_smem = smem_refs
         rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
@@ -853,10 +801,6 @@ def grouped_matmul_fp8_block(
         return k_step + 1, result
 
     def run_tile(refs, ctx, run_pipeline):
-        if config.split_promotion:
-            zeros = driver.wgmma_zeros((tile_m, half_n))
-            _, (first, second) = run_pipeline((jnp.int32(0), (zeros, zeros)))
-            return jnp.concatenate([first, second], axis=1)
         zeros = driver.wgmma_zeros((tile_m, tile_n))
         if not overlap:
             _, main = run_pipeline((jnp.int32(0), zeros))
@@ -869,7 +813,7 @@ def grouped_matmul_fp8_block(
         pipeline_refs=pipeline_refs,
         allocation_refs=allocation_refs,
         run_tile=run_tile,
-        step=split_step if config.split_promotion else step,
+        step=step,
         num_k_steps=num_k_blocks,
         prefetches=(driver.TilePrefetch(2, "rows"),),
         # stagger_consumers: the first consumer's first K block done, once per tile.

@@ -498,30 +498,6 @@ def test_block_fp8_schedules_match_reference(schedule):
     assert_close(out, ref, rel=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["default", "persistent", "cluster_m"])
-def test_block_fp8_split_promotion_matches_reference(schedule):
-    # Two half-width chunks per K block, the first promoted under the second's wgmma: the
-    # same sums as the default (uneven groups with a tail, partial column tiles).
-    extra = {"default": {}, "persistent": SCHEDULES["persistent"], "cluster_m": {}}[schedule]
-    config = dataclasses.replace(TINY_BLOCK, split_promotion=True, **extra)
-    sizes = [37, 0, 90] if schedule != "cluster_m" else [150]
-    if schedule == "cluster_m":
-        config = dataclasses.replace(config, cluster_m=2)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    k = keys(4, seed=44)
-    num_groups = sizes.shape[0]
-    lhs = random_fp8(k[0], (160, 256), E4M3)
-    lhs_scale = jax.random.uniform(k[1], (160, 2), jnp.float32, 0.5, 2.0)
-    rhs = random_fp8(k[2], (num_groups, 200, 256), E4M3)
-    rhs_scale = jax.random.uniform(k[3], (num_groups, 2, 2), jnp.float32, 0.5, 2.0)
-    out = grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
-    )
-    lhs_dq = dequant_fp8_block(lhs, lhs_scale, 1, 128)
-    ref = ref_ragged_rows(lhs_dq, dequant_fp8_block(rhs, rhs_scale, 128, 128), sizes)
-    assert_close(out, ref, rel=1e-5)
-
-
 # cluster_m=2 (one group): a cluster's two CTAs take consecutive row tiles and share each
 # rhs tile by multicast. The cases give an even and an odd number of the group's row tiles
 # (the last cluster's second CTA repeats its partner's tile and stores nothing), a tail of
@@ -1137,10 +1113,6 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
         (lambda: GroupedMatmulConfig(profile_dir=""), "profile_dir"),
         (lambda: GroupedMatmulConfig(cluster_n=2, num_sms=131), "num_sms"),
         (lambda: GroupedMatmulConfig(cluster_m=3), "cluster_m must be 1 or 2"),
-        (
-            lambda: GroupedMatmulConfig(split_promotion=True, wgmma_in_flight=1),
-            "split_promotion needs wgmma_in_flight=0",
-        ),
         (lambda: GroupedMatmulConfig(cluster_m=2, cluster_n=2), "cannot be combined"),
         (lambda: GroupedMatmulConfig(cluster_m=2, num_sms=131), "num_sms"),
         (
@@ -1166,21 +1138,6 @@ def test_bad_configs_raise(factory, needle):
 def test_early_block_scales_must_be_a_bool():
     with pytest.raises(TypeError, match="early_block_scales must be a bool, got 1"):
         GroupedMatmulConfig(early_block_scales=1)
-
-
-def test_split_promotion_is_a_bool_for_block_fp8_only():
-    with pytest.raises(TypeError, match="split_promotion must be a bool, got 1"):
-        GroupedMatmulConfig(split_promotion=1)
-    split = dataclasses.replace(TINY_FWD_BF16_OUT, split_promotion=True)
-    with pytest.raises(ValueError, match="split_promotion applies to the block-FP8 kernel"):
-        grouped_matmul(
-            _bf16((128, 64)),
-            _bf16((2, 256, 64)),
-            jnp.zeros((2,), jnp.int32),
-            out_dtype=BF16,
-            config=split,
-            interpret=True,
-        )
 
 
 def test_stagger_consumers_is_a_bool_for_block_fp8_only():
@@ -1295,17 +1252,6 @@ CROSS_LOWERING_CASES = {
     "bf16_dense": (
         lambda a, b: dense_matmul(a, b),
         (S((8192, 8192), BF16), S((8192, 8192), BF16)),
-    ),
-    "fp8_block_split_promotion": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=dataclasses.replace(H200_BLOCK, wgmma_in_flight=0, split_promotion=True),
-        ),
-        BLOCK_AVALS,
     ),
     # Clusters along M (rhs multicast): the dense entry points only.
     "fp8_block_dense_cluster_m": (

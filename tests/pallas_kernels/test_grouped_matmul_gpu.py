@@ -149,35 +149,6 @@ def test_gpu_fp8_block_forward():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_gpu_fp8_block_split_promotion_gives_the_default_bits(persistent):
-    # Two half-width wgmma groups per K block, the first promoted under the second: each
-    # output column sums the same products in the same K order as one full-width wgmma.
-    k = keys(4, seed=45)
-    lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
-    rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E4M3)
-    lhs_scale = jax.random.uniform(k[2], (ROWS, K_DIM // 128), jnp.float32, 2.0**-6, 2.0**6)
-    rhs_scale = jax.random.uniform(
-        k[3], (NUM_GROUPS, N_DIM // 128, K_DIM // 128), jnp.float32, 2.0**-6, 2.0**6
-    )
-    base = dataclasses.replace(
-        fp8_block_default_config(K_DIM, jnp.float32), persistent_pipeline=persistent
-    )
-    call = jax.jit(grouped_matmul_fp8_block, static_argnames=("out_dtype", "config"))
-    args = (lhs, lhs_scale, rhs, rhs_scale, SIZES)
-    default = call(*args, out_dtype=jnp.float32, config=base)
-    split = call(
-        *args, out_dtype=jnp.float32, config=dataclasses.replace(base, split_promotion=True)
-    )
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(default))
-    ref = ref_ragged_rows(
-        dequant_fp8_block(lhs, lhs_scale, 1, 128),
-        dequant_fp8_block(rhs, rhs_scale, 128, 128),
-        SIZES,
-    )
-    assert_close(split, ref, rel=1e-3)
-
-
 @pytest.mark.parametrize("epilogue_buffers", [1, 2])
 def test_gpu_one_wgmma_in_flight(epilogue_buffers):
     config = GroupedMatmulConfig(
