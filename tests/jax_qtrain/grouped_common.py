@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import jax_qtrain as jq
 from jax_qtrain.formats import common
@@ -48,6 +49,21 @@ def assert_equal_up_to_summation_order(got, want, what: str = "") -> None:
     excess = np.abs(g - w) - (eps * np.abs(w) + slack)
     assert np.all(excess <= 0), (what, float(np.max(excess)))
     assert np.mean(bits(got) == bits(want)) >= (0.9 if ON_GPU else 0.99), what
+
+
+def reference_ragged_dot(lhs, rhs, group_sizes, dimension_numbers=None):
+    """What the grouped GEMM reference computes (ops/grouped_gemm.py), written out for the
+    tests: ragged_dot with float32 accumulation, 16-bit operands widened to float32 first off
+    the GPU (XLA:CPU's bfloat16 ragged_dot sums in a group-count-dependent order on some
+    hosts), as they are on it (widening does not make XLA:GPU's ragged_dot group-count
+    independent either, stop 42; the GPU's kernels are)."""
+    if jnp.dtype(lhs.dtype).itemsize < 4 and not ON_GPU:
+        lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    if dimension_numbers is None:
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return lax.ragged_dot_general(
+        lhs, rhs, group_sizes, dimension_numbers, preferred_element_type=jnp.float32
+    )
 
 
 def group_slices(sizes) -> list[slice]:
