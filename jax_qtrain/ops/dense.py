@@ -147,7 +147,7 @@ def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, 
         "input",
         rowwise=True,
         columnwise=keep_x_columnwise,
-        scale_layout=lhs_scale_layout(recipe, "input", x2d.shape),
+        scale_layout=lhs_scale_layout(recipe, "input", x2d.shape, x2d.dtype),
     )
     if quantized_kernel is None:
         qw = quantize(kernel, recipe, "weight", rowwise=mode is None, columnwise=True)
@@ -197,7 +197,7 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
             key=stochastic_rounding_key(key, dy)
             if recipe.spec("grad").stochastic_rounding
             else None,
-            scale_layout=lhs_scale_layout(recipe, "grad", dy.shape),
+            scale_layout=lhs_scale_layout(recipe, "grad", dy.shape, dy.dtype),
         )
         dx = matmul_nt(qdy, "rowwise", saved_kernel, "rowwise", rows=rows, cols=in_features)
         dw = None

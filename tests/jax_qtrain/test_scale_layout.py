@@ -206,19 +206,61 @@ def test_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch):
     _check_dense_layouts(monkeypatch, (128, 128, 128))
 
 
-def test_lhs_scale_layout_picks_tiles_only_where_the_kernel_reads_them():
-    block = jq.Float8BlockScaling()
+def test_lhs_scale_layout_picks_tiles_only_where_the_kernel_reads_them(monkeypatch):
+    block, bf16 = jq.Float8BlockScaling(), jnp.bfloat16
+    mxfp8 = jq.MXFP8BlockScaling()
     with kernels.gemm_backend("pallas"):
-        assert gemm.lhs_scale_layout(block, "input", (256, 128)) == "tiles"
-        assert gemm.lhs_scale_layout(block, "grad", (256, 384)) == "tiles"
-        assert gemm.lhs_scale_layout(block, "input", (200, 128)) == "lines"  # not whole tiles
+        assert gemm.lhs_scale_layout(block, "input", (256, 128), bf16) == "tiles"
+        assert gemm.lhs_scale_layout(block, "grad", (256, 384), bf16) == "tiles"
+        assert gemm.lhs_scale_layout(block, "input", (200, 128), bf16) == "lines"  # partial tiles
         assert (
-            gemm.lhs_scale_layout(jq.Float8BlockScaling(w_block_scaling_dim=1), "input", (256, 128))
+            gemm.lhs_scale_layout(
+                jq.Float8BlockScaling(w_block_scaling_dim=1), "input", (256, 128), bf16
+            )
             == "lines"
         )  # no kernel for 1×128 weights
-        assert gemm.lhs_scale_layout(jq.MXFP8BlockScaling(), "input", (256, 128)) == "lines"
     with kernels.gemm_backend("reference"):
-        assert gemm.lhs_scale_layout(block, "input", (256, 128)) == "lines"
+        assert gemm.lhs_scale_layout(block, "input", (256, 128), bf16) == "lines"
+    # MXFP8: tiles where the quantize kernel writes them (on the GPU), whatever the GEMMs run.
+    assert gemm.lhs_scale_layout(mxfp8, "input", (256, 128), bf16) == (
+        "tiles" if kernels.on_gpu() else "lines"
+    )
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)  # the kernel's other conditions hold
+    assert gemm.lhs_scale_layout(mxfp8, "input", (256, 128), bf16) == "tiles"
+    assert gemm.lhs_scale_layout(mxfp8, "grad", (128, 384), jnp.float32) == "tiles"
+    assert gemm.lhs_scale_layout(mxfp8, "input", (256, 96), bf16) == "lines"  # partial tiles
+    assert gemm.lhs_scale_layout(mxfp8, "input", (256, 128), jnp.float16) == "lines"  # no kernel
+    assert gemm.lhs_scale_layout(jq.NVFP4BlockScaling(), "input", (256, 128), bf16) == "lines"
+
+
+def _check_mxfp8_dense_layouts(monkeypatch, shape):
+    """The MXFP8 dense layer's outputs and gradients with x and dy quantized in each layout
+    (forced): the same codes and scale values reach the dequantizing GEMMs, so the same bits."""
+    m, k, n = shape
+    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (m, n), jnp.float32).astype(jnp.bfloat16)
+    recipe = jq.MXFP8BlockScaling()
+    runs = {}
+    for layout in ("tiles", "lines"):
+        with monkeypatch.context() as patch:
+            patch.setattr(dense_ops, "lhs_scale_layout", lambda *args, layout=layout: layout)
+            seen = {}
+
+            def logged(value, recipe, role, *args, seen=seen, quantize=dense_ops.quantize, **kw):
+                seen[role] = kw.get("scale_layout", "lines")
+                return quantize(value, recipe, role, *args, **kw)
+
+            patch.setattr(dense_ops, "quantize", logged)
+            runs[layout] = jax.jit(lambda *args: dense_fwd_bwd(*args, recipe))(x, w, dy)
+        assert seen == {"input": layout, "weight": "lines", "grad": layout}, seen
+    for got, want in zip(runs["tiles"], runs["lines"], strict=True):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_mxfp8_dense_layer_gives_the_same_bits_in_either_layout(monkeypatch):
+    _check_mxfp8_dense_layouts(monkeypatch, (128, 256, 128))
 
 
 @pytest.mark.gpu
@@ -241,3 +283,13 @@ def test_gpu_kernels_write_the_tiles_layout(name):
 @pytest.mark.gpu
 def test_gpu_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch):
     _check_dense_layouts(monkeypatch, (1024, 1024, 768))
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_dense_layer_gives_the_same_bits_in_either_layout(monkeypatch):
+    # On the GPU the layer quantizes x and dy in tiles by default (the kernel writes them).
+    assert (
+        dense_ops.lhs_scale_layout(jq.MXFP8BlockScaling(), "input", (1024, 1024), jnp.bfloat16)
+        == "tiles"
+    )
+    _check_mxfp8_dense_layouts(monkeypatch, (1024, 1024, 768))
