@@ -498,17 +498,23 @@ def ragged_rows_call(
             def _tail_loop(loop_info: plgpu.NDLoopInfo):
                 (linear,) = loop_info.index
                 tail_visit = lax.div(linear, jnp.int32(num_col_items))
-                if cluster_m > 1:
+                in_range = None  # every tail visit exists without clusters along M
+                if cluster_m > 1:  # a pair of tail visits; the second may be past the last
                     tail_visit = tail_visit * cluster_m + cta
-                visit = num_group_visits + jnp.minimum(tail_visit, num_tail_visits - 1)
+                    in_range = tail_visit < num_tail_visits
+                    tail_visit = jnp.minimum(tail_visit, num_tail_visits - 1)
+                visit = num_group_visits + tail_visit
                 col_tile = lax.rem(linear, jnp.int32(num_col_items)) * cluster_n + cta_n
                 ctx = TileContext(
                     row_tile=common.row_tile_for_visit(visit_table_gmem, visit, tile_m),
                     col_tile=col_tile,
                     consumer=wg,
                 )
+                stores = wg < NUM_CONSUMERS
+                if in_range is not None:
+                    stores = stores & in_range
 
-                @pl.when((wg < NUM_CONSUMERS) & (tail_visit < num_tail_visits))
+                @pl.when(stores)
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
                         jnp.zeros((part_rows, part_cols), jnp.float32), plgpu.Layout.WGMMA

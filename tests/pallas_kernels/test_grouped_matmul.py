@@ -568,25 +568,6 @@ def test_clusters_along_m_match_reference(case):
     assert_close(out, ref_ragged_rows(lhs_ref, rhs_ref, sizes), rel=1e-5)
 
 
-def test_dense_entry_points_take_clusters_along_m():
-    k = keys(4, seed=42)
-    lhs = random_fp8(k[0], (192, 256), E4M3)
-    rhs = random_fp8(k[1], (200, 256), E4M3)
-    lhs_scale = jax.random.uniform(k[2], (192, 2), jnp.float32, 0.5, 2.0)
-    rhs_scale = jax.random.uniform(k[3], (2, 2), jnp.float32, 0.5, 2.0)
-    out = dense_matmul_fp8_block(
-        lhs,
-        lhs_scale,
-        rhs,
-        rhs_scale,
-        out_dtype=jnp.float32,
-        config=dataclasses.replace(TINY_BLOCK, cluster_m=2),
-        interpret=True,
-    )
-    want = dequant_fp8_block(lhs, lhs_scale, 1, 128) @ dequant_fp8_block(rhs, rhs_scale, 128, 128).T
-    assert_close(out, want, rel=1e-5)
-
-
 def test_clusters_along_m_reject_several_groups():
     lhs = jnp.zeros((128, 128), BF16)
     rhs = jnp.zeros((2, 128, 128), BF16)
@@ -699,16 +680,21 @@ def test_persistent_pipeline_needs_whole_rounds_of_stages_and_no_wgmma_in_flight
         grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float32, config=config, interpret=True)
 
 
-def test_dense_entry_points():
+# cluster_m=2 runs the dense entry points in 2-CTA clusters along M; 192 rows are 3 row tiles
+# of 64, so the last cluster's second CTA repeats its partner's tile.
+@pytest.mark.parametrize("schedule", [{}, dict(cluster_m=2)], ids=["default", "cluster_m"])
+def test_dense_entry_points(schedule):
     k = keys(6, seed=5)
-    lhs = jax.random.normal(k[0], (96, 128), jnp.float32).astype(BF16)
+    rows = 192 if schedule else 96
+    lhs = jax.random.normal(k[0], (rows, 128), jnp.float32).astype(BF16)
     rhs = jax.random.normal(k[1], (64, 128), jnp.float32).astype(BF16)
-    out = dense_matmul(lhs, rhs, out_dtype=jnp.float32, config=TINY_FWD, interpret=True)
+    config = dataclasses.replace(TINY_FWD, **schedule)
+    out = dense_matmul(lhs, rhs, out_dtype=jnp.float32, config=config, interpret=True)
     assert_close(out, f64(lhs) @ f64(rhs).T, rel=1e-5)
 
-    lhs8 = random_fp8(k[2], (96, 256), E4M3)
+    lhs8 = random_fp8(k[2], (rows, 256), E4M3)
     rhs8 = random_fp8(k[3], (256, 256), E4M3)
-    lhs_scale = jax.random.uniform(k[4], (96, 2), jnp.float32, 0.5, 2.0)
+    lhs_scale = jax.random.uniform(k[4], (rows, 2), jnp.float32, 0.5, 2.0)
     rhs_scale = jax.random.uniform(k[5], (2, 2), jnp.float32, 0.5, 2.0)
     out = dense_matmul_fp8_block(
         lhs8,
@@ -716,7 +702,7 @@ def test_dense_entry_points():
         rhs8,
         rhs_scale,
         out_dtype=jnp.float32,
-        config=TINY_BLOCK,
+        config=dataclasses.replace(TINY_BLOCK, **schedule),
         interpret=True,
     )
     lhs_dq = dequant_fp8_block(lhs8, lhs_scale, 1, 128)
