@@ -183,6 +183,23 @@ def test_mxfp8_bad_inputs_raise_naming_the_argument(change, error, needle):
         grouped_matmul_mxfp8(*(args[name] for name in names), interpret=True, config=TINY_MX)
 
 
+def test_mxfp8_kernel_refuses_clusters_along_m():
+    # Its scale streams are not declared multicastable (RowKernelParts.column_specs), even
+    # for one group.
+    lhs, lhs_scale, rhs, rhs_scale, _ = _operands()
+    with pytest.raises(ValueError, match="does not support cluster_m=2"):
+        grouped_matmul_mxfp8(
+            lhs,
+            lhs_scale,
+            rhs[:1],
+            rhs_scale[:1],
+            jnp.asarray([64], jnp.int32),
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_MX, cluster_m=2),
+            interpret=True,
+        )
+
+
 def test_mxfp8_k_must_be_whole_blocks_and_config_checked():
     lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
     with pytest.raises(ValueError, match="multiple of 32"):
