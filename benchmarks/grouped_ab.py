@@ -49,6 +49,16 @@ for the run's clocks) are timed batch by batch in alternation
   along M (`cluster_m=2`: the rhs tile of every K step multicast to two row tiles, so a
   64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
   without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
+* ``three_consumers``: block FP8 with three consumer warpgroups of 64 x 128 (`num_consumers=3`,
+  `consumer_split="m"`, 192 x (2 x 64) CTA tiles: the default since stop 43), whose main +
+  chunk accumulators leave no room for a 128-row tile with two consumers (40 KB of lhs + rhs
+  per K step for 3 M products where stop 42's 64 x (2 x 128) reads 40 KB for 2 M), against
+  that two-consumer tile, with late scale loads, the persistent pipeline, 2-CTA clusters along
+  N (the lhs tile multicast), the column tiles walked fastest, and two consumers splitting
+  128 x (2 x 64) tiles' rows (DeepGEMM's 128 x 128 with 64-row parts). G8 balanced and the
+  dense 8192³ GEMM, with XLA's dense bf16 and FP8 GEMMs as yardsticks. (Stop 43's first run
+  also tried bf16 and FP8 rowwise in 192 x (2 x 128) tiles: ptxas could not compile their
+  64 x 256 accumulators within four warpgroups' 128 registers a thread);
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -57,7 +67,7 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|cluster_m|wgrad]
+                    consumer_split|cluster_m|three_consumers|wgrad]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -83,6 +93,7 @@ from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
+    DEFAULT_FP8_BLOCK_CONFIG,
     DEFAULT_FP8_CONFIG,
     GroupedMatmulConfig,
     fit_fp8_block_config,
@@ -269,6 +280,100 @@ def consumer_split_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMat
     }
 
 
+def three_consumer_variants(kind: str, k: int) -> dict[str, GroupedMatmulConfig]:
+    """Block FP8 ("block" grouped, "block dense") for contraction size k: the two-consumer
+    default of stop 42, then three consumers (the default since stop 43) and its neighbours,
+    each within shared memory for bf16 output."""
+    if kind not in ("block", "block dense"):
+        raise ValueError(f"kind must be 'block' or 'block dense', got {kind!r}")
+    replace = dataclasses.replace
+    dense = kind == "block dense"
+    two = fp8_block_default_config(k, BF16, persistent_pipeline=dense, num_consumers=2)
+    three = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, BF16)
+    # Persistent needs whole rounds of stages: the deepest depth that divides the K steps.
+    depth = max(d for d in range(2, three.max_concurrent_steps + 1) if (k // 128) % d == 0)
+    return {
+        "2 consumers (stop 42)": two,
+        "3 consumers": three,
+        "3 consumers, late scale loads": replace(three, early_block_scales=False),
+        f"3 consumers, persistent, {depth} stages": replace(
+            three, persistent_pipeline=True, max_concurrent_steps=depth
+        ),
+        # The 192-row lhs tile is now the larger operand: multicast it to a pair along N.
+        "3 consumers, cluster 2": replace(three, cluster_n=2),
+        "3 consumers, columns minor": replace(three, grid_minor_dim=1),
+        f"3 consumers, columns minor, persistent, {depth} stages": replace(
+            three, grid_minor_dim=1, persistent_pipeline=True, max_concurrent_steps=depth
+        ),
+        "2 consumers split rows, 128x(2x64)": fit_fp8_block_config(
+            replace(two, tile_m=128, tile_n=64, consumer_split="m", persistent_pipeline=False),
+            k,
+            BF16,
+        ),
+    }
+
+
+def three_consumer_cases(run_case, shapes: dict, size: int) -> None:
+    """Block FP8's variants of `three_consumer_variants` on G8 balanced (grouped kernel) and
+    the dense size³ GEMM, with XLA's dense bf16 and FP8 GEMMs of the same flops (the first
+    expert's weight for G8) as yardsticks."""
+
+    def xla_yardsticks(a16, b16) -> dict:
+        a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
+        return {
+            "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a16, b16)]),
+            "XLA dense fp8": (
+                jax.jit(
+                    lambda a, b: jax.lax.dot_general(
+                        a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                    )
+                ),
+                [(a8, b8)],
+            ),
+        }
+
+    def candidates(configs: dict, call, args) -> dict:
+        return {
+            f"fp8 block {name}": (jax.jit(lambda *xs, c=c: call(*xs, config=c)), [args])
+            for name, c in configs.items()
+        }
+
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        x = random_operands(jax.random.key(7), g, m, k, n, sizes)[0]
+        args = (
+            x["lhs8"],
+            jnp.ones((m, k // 128), jnp.float32),
+            x["rhs8"],
+            jnp.ones((g, n // 128, k // 128), jnp.float32),
+            x["sizes"],
+        )
+        configs = three_consumer_variants("block", k)
+        run_case(
+            f"{shape} fwd fp8 block",
+            2 * m * k * n,
+            {
+                **candidates(configs, grouped_matmul_fp8_block, args),
+                **xla_yardsticks(x["lhs"], x["rhs"][0]),
+            },
+        )
+        del x, args
+    keys = jax.random.split(jax.random.key(9), 2)
+    a16 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(BF16)
+    b16 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(BF16)
+    a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
+    a_scale = jnp.ones((size, size // 128), jnp.float32)
+    b_scale = jnp.ones((size // 128, size // 128), jnp.float32)
+    configs = three_consumer_variants("block dense", size)
+    run_case(
+        f"dense {size}^3 fp8 block",
+        2 * size**3,
+        {
+            **candidates(configs, dense_matmul_fp8_block, (a8, a_scale, b8, b_scale)),
+            **xla_yardsticks(a16, b16),
+        },
+    )
+
+
 VARIANT_SETS = {
     "epilogue": epilogue_variants,
     "schedule": schedule_variants,
@@ -279,6 +384,7 @@ VARIANT_SETS = {
     "wide_tiles": wide_tile_variants,  # bf16 and FP8 rowwise; block FP8 at its default
     "consumer_split": consumer_split_variants,  # bf16 and FP8 rowwise; block FP8 default
     "cluster_m": None,  # dense entry points only: see cluster_m_cases
+    "three_consumers": None,  # per format and shape: see three_consumer_cases
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -405,7 +511,9 @@ def cluster_m_cases(run_case, size: int, interpret: bool, tiny: dict | None) -> 
     )
     a_scale = jnp.ones((size, size // 128), jnp.float32)
     b_scale = jnp.ones((size // 128, size // 128), jnp.float32)
-    block = with_clusters(fp8_block_default_config(size, BF16, persistent_pipeline=True), True)
+    # The two-consumer tile that stop 42 timed this way (the default until stop 43).
+    block = fp8_block_default_config(size, BF16, persistent_pipeline=True, num_consumers=2)
+    block = with_clusters(block, True)
     run_case(
         f"dense {size}^3 fp8 block",
         flops,
@@ -539,6 +647,14 @@ def main(
         tiny_dense = dict(num_sms=2, grid_tile_width=1) if small else None
         cluster_m_cases(run_case, 256 if small else DENSE_SIZE, interpret, tiny_dense)
         return _report(out_dir, variants, rows, rounds)
+    if variants == "three_consumers":
+        if small:
+            raise ValueError(
+                "variants='three_consumers' runs on the GPU only (192-row tiles; the kernel "
+                "tests cover them in the interpreter)"
+            )
+        three_consumer_cases(run_case, {"G8 balanced": shapes["G8 balanced"]}, DENSE_SIZE)
+        return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None
         if small:  # 128 x 128 CTA tiles, 2 per group: interpreter time grows with the grid
@@ -550,7 +666,11 @@ def main(
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
-            block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
+            # block_tiles and stagger vary the two-consumer tile (the default until stop 43).
+            consumers = 2 if variants in ("block_tiles", "stagger") else 3
+            block_config = fp8_block_default_config(
+                DENSE_SIZE, jnp.bfloat16, num_consumers=consumers
+            )
     block_only = variants in ("block_tiles", "stagger")
 
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:

@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+# Three consumer warpgroups, each 64 x 128 of a 192 x (2 x 64) CTA tile (GroupedMatmulConfig).
+THREE_CONSUMERS = dict(tile_m=192, tile_n=64, consumer_split="m", num_consumers=3)
 PTXAS_LINE = re.compile(r"Used (\d+) registers")
 SPILL_LINE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -48,17 +50,18 @@ def kernel_cases():
     x8 = lhs.astype(jnp.float8_e4m3fn)
     row_scale = jnp.ones((1024,), jnp.float32)
 
-    def grouped(g: int, fp8: bool):
+    def grouped(g: int, fp8: bool, config=None):
         rhs = jnp.ones((g, 512, 512), jnp.bfloat16)
         sizes = jnp.full((g,), 1024 // g, jnp.int32)
         if not fp8:
-            return lambda: pk.grouped_matmul(lhs, rhs, sizes)
+            return lambda: pk.grouped_matmul(lhs, rhs, sizes, config=config)
         return lambda: pk.grouped_matmul(
             x8,
             rhs.astype(jnp.float8_e4m3fn),
             sizes,
             lhs_scale=row_scale,
             rhs_scale=jnp.ones((g, 512), jnp.float32),
+            config=config,
         )
 
     def wgrad(g: int):
@@ -88,11 +91,23 @@ def kernel_cases():
         ("block fp8 gemm 128x(2x64)", block(tile_m=128, tile_n=64)),
         ("block fp8 gemm 128x(2x64) 1 in flight", block(tile_m=128, tile_n=64, wgmma_in_flight=1)),
         ("block fp8 gemm cluster_m 2", block(cluster_m=2)),
+        # Three consumers of 64 rows (192 x (2 x 64) tiles): 512 threads, 128 registers each.
+        ("block fp8 gemm 3 consumers", block(**THREE_CONSUMERS)),
     ]
+    three_consumers = dataclasses.replace(
+        pk.GroupedMatmulConfig(), **THREE_CONSUMERS, max_concurrent_steps=3, epilogue_buffers=1
+    )
     grouped_cases = [(f"grouped wgrad bf16 G={g}", wgrad(g)) for g in (1, 8, 64)] + [
         (f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G={g}", grouped(g, fp8))
         for fp8 in (False, True)
         for g in (1, 8, 64)
+    ]
+    grouped_cases += [
+        (
+            f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G=8 3 consumers",
+            grouped(8, fp8, dataclasses.replace(three_consumers, tile_k=128 if fp8 else 64)),
+        )
+        for fp8 in (False, True)
     ]
     return [
         *block_cases,

@@ -36,7 +36,9 @@ def _fp8_block_gemm(x: jax.Array, stagger_consumers: bool = False) -> jax.Array:
     rhs_scale = jnp.full((x.shape[0] // 128, k // 128), 2.0**-3, jnp.float32)
     config = None
     if stagger_consumers:
-        default = fp8_block_default_config(k, jnp.bfloat16, persistent_pipeline=True)
+        default = fp8_block_default_config(
+            k, jnp.bfloat16, persistent_pipeline=True, num_consumers=2
+        )
         config = dataclasses.replace(default, stagger_consumers=True)
     return pk.dense_matmul_fp8_block(codes, lhs_scale, codes, rhs_scale, config=config)
 

@@ -1,18 +1,18 @@
 """Persistent, warp-specialized driver shared by the ragged-row (forward/dgrad) kernels.
 
-One CTA per SM runs three warpgroups: a TMA producer and two wgmma consumers. The
+One CTA per SM runs a TMA producer warpgroup and two (or three) wgmma consumers. The
 CTA tile is ``tile_m x (2 * tile_n)``. By default (``consumer_split="n"``) both consumers
 share the ``tile_m`` lhs rows and each owns ``tile_n`` output columns; with
-``consumer_split="m"`` each owns ``tile_m / 2`` of the rows and all ``2 * tile_n``
-columns, so a consumer's wgmma is one m64n256 instruction per K slice instead of two
-m64n128 ones that both read the rhs slice (see TileSchedule). Either way both consumers
-work on the same visit (one group's rhs), and each stores only the rows of its part that
-belong to the visit's group. Each CTA loops over *work items*, (row-tile visit, column
-item) pairs, in a planar-snake order (for L2 reuse of the rhs tile of a group). Only visits
-of real groups are items (their count and each visit's rows come from the visit table that
-XLA computes from ``group_sizes`` before the launch, see grouped_matmul_common); the tail
-rows past the last group are zero-filled by the consumers in a second loop, without the
-producer.
+``consumer_split="m"`` each of the ``num_consumers`` owns ``tile_m / num_consumers`` of the
+rows and all ``2 * tile_n`` columns, so a consumer's wgmma is one m64n256 instruction per K
+slice instead of two m64n128 ones that both read the rhs slice (see TileSchedule); three
+consumers make 192-row tiles with 64-row parts. All consumers work on the same visit (one
+group's rhs), and each stores only the rows of its part that belong to the visit's group.
+Each CTA loops over *work items*, (row-tile visit, column item) pairs, in a planar-snake
+order (for L2 reuse of the rhs tile of a group). Only visits of real groups are items (their
+count and each visit's rows come from the visit table that XLA computes from
+``group_sizes`` before the launch, see grouped_matmul_common); the tail rows past the last
+group are zero-filled by the consumers in a second loop, without the producer.
 
 Two options change how the items run:
 
@@ -52,9 +52,15 @@ from pallas_kernels.manual_axes import varying_like
 # Names of the consumers' profiler ranges (see TileSchedule.profile_dir).
 PROFILE_K_LOOP, PROFILE_EPILOGUE, PROFILE_ZERO_TAIL = "k_loop", "epilogue", "zero_tail"
 
-# Registers kept by the TMA warpgroup; the two consumers share the rest.
-_PRODUCER_REGISTERS = 40
+# Consumer warpgroups of the default schedule (the MXFP8 kernel sizes its buffers for them).
 NUM_CONSUMERS = 2
+# Registers a thread kept by the TMA warpgroup, by consumer count; the consumers share the
+# rest at run time (`setmaxnreg`): 232 each for two, 160 each for three (the PTX minimum of
+# 24 for the producer, as FlashAttention-3 gives its three-consumer kernels). ptxas itself
+# allocates within the launch bound, 65536 / threads: 168 a thread for three warpgroups, 128
+# for four (what `benchmarks/kernel_resources.py` reports, and the limit its C7602 error
+# names), so that is the budget a consumer's code must fit.
+_PRODUCER_REGISTERS = {2: 40, 3: 24}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +87,24 @@ class TileSchedule:
     # wgmmas (2 KB of lhs rows + its 4 KB of rhs columns each, 12 KB) under "n" and one
     # m64n256 (2 KB + all 8 KB of rhs, 10 KB) under "m", for the same 128 x 128 x 16 products.
     consumer_split: str = "n"  # validated by GroupedMatmulConfig, which builds the schedule
+    # Consumer warpgroups: 2, or 3 with consumer_split="m" (each a third of the rows).
+    num_consumers: int = NUM_CONSUMERS
 
     @property
     def consumer_rows(self) -> int:
         """Rows of one consumer's part of the CTA tile."""
-        return consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)[0]
+        return self.part_shape[0]
 
     @property
     def consumer_cols(self) -> int:
         """Columns of one consumer's part of the CTA tile."""
-        return consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)[1]
+        return self.part_shape[1]
+
+    @property
+    def part_shape(self) -> tuple[int, int]:
+        return consumer_part_shape(
+            self.tile_m, self.tile_n, self.consumer_split, self.num_consumers
+        )
 
     def consumer_row_offset(self, consumer: jax.Array) -> jax.Array | int:
         """First row of a consumer's part, relative to the CTA tile's first row."""
@@ -105,10 +119,12 @@ class TileSchedule:
         return 0  # a Python int, as in consumer_row_offset
 
 
-def consumer_part_shape(tile_m: int, tile_n: int, consumer_split: str) -> tuple[int, int]:
+def consumer_part_shape(
+    tile_m: int, tile_n: int, consumer_split: str, num_consumers: int = NUM_CONSUMERS
+) -> tuple[int, int]:
     """(rows, columns) of one consumer's part of a tile_m x (2 * tile_n) CTA tile."""
     if consumer_split == "m":
-        return tile_m // NUM_CONSUMERS, NUM_CONSUMERS * tile_n
+        return tile_m // num_consumers, 2 * tile_n
     return tile_m, tile_n
 
 
@@ -137,13 +153,13 @@ class TileContext:
 
     row_tile: common.RowTile
     col_tile: jax.Array  # index of the CTA column tile (2 * tile_n columns)
-    consumer: jax.Array  # 0 or 1 inside a consumer warpgroup
+    consumer: jax.Array  # 0 .. num_consumers - 1 inside a consumer warpgroup
     # This consumer's part of the CTA tile, relative to its first row / column (see
     # TileSchedule.consumer_split): the lhs rows and rhs columns its wgmma reads.
     row_slice: Any = None
     col_slice: Any = None
     prefetched: tuple = ()  # (smem ref, barrier ref) of this consumer, per TilePrefetch
-    scratch: tuple = ()  # the refs of RowKernelParts.scratch (shared by both consumers)
+    scratch: tuple = ()  # the refs of RowKernelParts.scratch (shared by the consumers)
     k_step: jax.Array | None = None  # inside `step`: the K step of this tile (from 0)
 
     def wait_prefetched(self, index: int):
@@ -168,7 +184,7 @@ class RowKernelParts:
     step(refs, ctx, smem_refs, carry) -> carry: one K step of one consumer.
     prefetches: per-tile operand slices copied to SMEM at tile start (see TilePrefetch).
     scratch: SMEM buffers and barriers the format's steps use (plgpu.SMEM / plgpu.Barrier),
-        allocated once per CTA and shared by both consumers (TileContext.scratch).
+        allocated once per CTA and shared by the consumers (TileContext.scratch).
     column_specs: indices of the in_specs whose tiles depend on the column tile and K step
         only (the rhs streams), which clusters along M multicast; None: the kernel does not
         run with ``cluster_m=2``.
@@ -206,6 +222,11 @@ def ragged_rows_call(
     grouped_matmul_common's module docstring)."""
     packed = group_starts is not None
     tile_m, tile_n = schedule.tile_m, schedule.tile_n
+    num_consumers = schedule.num_consumers
+    if num_consumers not in _PRODUCER_REGISTERS or (
+        num_consumers != 2 and schedule.consumer_split != "m"
+    ):
+        raise ValueError(f"config: num_consumers={num_consumers}: 2, or 3 with consumer_split='m'")
     part_rows, part_cols = schedule.consumer_rows, schedule.consumer_cols
     epi_tile_n = schedule.epi_tile_n
     if part_cols % epi_tile_n:
@@ -220,7 +241,7 @@ def ragged_rows_call(
     # an odd chunk count breaks the parity across tiles, so then (or with one buffer)
     # each chunk waits until the previous store has read its buffer.
     stores_in_flight = 1 if num_buffers == 2 and num_epi_chunks % 2 == 0 else 0
-    epilogue_shape = (NUM_CONSUMERS, num_buffers, part_rows, epi_tile_n)
+    epilogue_shape = (num_consumers, num_buffers, part_rows, epi_tile_n)
     swizzled_transforms = common.smem_transforms(epi_tile_n, out_dtype)
     num_col_tiles = pl.cdiv(num_cols, 2 * tile_n)
     if num_col_tiles % cluster_n:
@@ -287,10 +308,10 @@ def ragged_rows_call(
             return plgpu.emit_pipeline_warp_specialized(
                 step_fn,
                 grid=(parts.num_k_steps,),
-                memory_registers=_PRODUCER_REGISTERS,
+                memory_registers=_PRODUCER_REGISTERS[num_consumers],
                 in_specs=in_specs,
                 wg_axis="wg",
-                num_compute_wgs=NUM_CONSUMERS,
+                num_compute_wgs=num_consumers,
                 max_concurrent_steps=schedule.max_concurrent_steps,
                 compute_context=compute_context,
                 pipeline_state=pipeline_state,
@@ -311,9 +332,9 @@ def ragged_rows_call(
                 plgpu.SMEM(epilogue_shape, out_dtype, transforms=swizzled_transforms),
             ),
             prefetch_smem=[
-                plgpu.SMEM((NUM_CONSUMERS, *shape), dtype) for shape, dtype in prefetch_types
+                plgpu.SMEM((num_consumers, *shape), dtype) for shape, dtype in prefetch_types
             ],
-            prefetch_barriers=plgpu.Barrier(num_barriers=NUM_CONSUMERS * max(1, num_prefetches)),
+            prefetch_barriers=plgpu.Barrier(num_barriers=num_consumers * max(1, num_prefetches)),
             scratch=list(parts.scratch),
             collective_axes="wg",
         )
@@ -332,7 +353,7 @@ def ragged_rows_call(
                     else:
                         col0 = col_tile * (2 * tile_n) + schedule.consumer_col_offset(consumer)
                         window = gmem.at[row_tile.group].at[..., pl.ds(col0, part_cols)]
-                    barrier = prefetch_barriers.at[i * NUM_CONSUMERS + consumer]
+                    barrier = prefetch_barriers.at[i * num_consumers + consumer]
                     slices.append((window, prefetch_smem[i].at[consumer], barrier))
                 return slices
 
@@ -510,7 +531,7 @@ def ragged_rows_call(
                     col_tile=col_tile,
                     consumer=wg,
                 )
-                stores = wg < NUM_CONSUMERS
+                stores = wg < num_consumers
                 if in_range is not None:
                     stores = stores & in_range
 
@@ -543,7 +564,7 @@ def ragged_rows_call(
         out_type=jax.ShapeDtypeStruct((num_out_rows if packed else num_rows, num_cols), out_dtype),
         grid=(schedule.num_sms // cluster_size,),
         grid_names=("sm",),
-        num_threads=NUM_CONSUMERS + 1,
+        num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile_args

@@ -40,8 +40,15 @@ from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 
 SMEM_BYTES = common.SMEM_BYTES
-# Per-thread f32 accumulator registers a consumer warpgroup may hold (of ~232).
-_MAX_ACC_ELEMS_PER_WG = 128 * 192
+# f32 accumulator elements a consumer warpgroup may hold in registers, by consumer count
+# (192 or 128 a thread); the rest is for addresses, scales and the wgmma descriptors.
+_MAX_ACC_ELEMS_PER_WG = {2: 128 * 192, 3: 128 * 128}
+# Columns of one consumer's part with three consumers. ptxas compiles a four-warpgroup
+# kernel within 128 registers a thread (the driver's `_PRODUCER_REGISTERS`): on the H200
+# (2026-12-04) an m64n256 f32 wgmma (64 x 256 parts) failed to compile there (ptxas C7602,
+# "try a register target of 154"), while block FP8's two 64 x 128 accumulators compiled
+# without spills.
+_MAX_COLS_THREE_CONSUMERS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +105,17 @@ class GroupedMatmulConfig:
       m64n(tile_n) ones that both read the consumer's rhs columns (a sixth less shared memory
       read per product at 128 x (2 x 128), the same accumulator registers; CUTLASS's
       "cooperative" Hopper kernels split the rows the same way). Needs tile_m a multiple of
-      128 and 2 * tile_n <= 256 (one wgmma); `grouped_matmul` (16-bit and FP8 rowwise) only.
+      64 * num_consumers and 2 * tile_n <= 256 (one wgmma); `grouped_matmul` (16-bit and
+      FP8 rowwise), and the block-FP8 kernels with tile_n=64 (each consumer's 128 columns
+      one rhs scale block).
+    num_consumers: consumer warpgroups per CTA: 2, or 3 with consumer_split="m" and
+      tile_n=64, for a taller tile (each consumer 64 rows: tile_m=192, CTA tile 192 x 128).
+      ptxas compiles the kernel within 128 registers a thread then (4 warpgroups), so a
+      consumer's part is at most 64 x 128 (a 64 x 256 m64n256 accumulator did not compile).
+      Made for block FP8, whose two live 64 x 128 accumulators (main and chunk) leave no
+      room for a 128-row tile with two consumers: 192 x (2 x 64) reads 40 KB of lhs + rhs
+      per K step for 3 M products where 64 x (2 x 128) reads 40 KB for 2 M; its default
+      since stop 43 (H200: dense 8192³ 947 -> 1101 TFLOP/s, G8 894 -> 1000, the same bits).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -125,6 +142,7 @@ class GroupedMatmulConfig:
     early_block_scales: bool = True
     stagger_consumers: bool = False
     consumer_split: str = "n"
+    num_consumers: int = 2
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -151,11 +169,6 @@ class GroupedMatmulConfig:
             raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
         if self.num_sms is not None and self.num_sms < 1:
             raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
-        if self.tile_m * self.tile_n > _MAX_ACC_ELEMS_PER_WG:
-            raise ValueError(
-                f"tile_m * tile_n = {self.tile_m * self.tile_n} exceeds the register budget of "
-                f"one consumer warpgroup ({_MAX_ACC_ELEMS_PER_WG} f32 accumulators)"
-            )
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1, got {self.wgmma_in_flight}")
         if self.wgmma_in_flight >= self.max_concurrent_steps:
@@ -183,17 +196,41 @@ class GroupedMatmulConfig:
             )
         if self.consumer_split not in ("n", "m"):
             raise ValueError(f"consumer_split must be 'n' or 'm', got {self.consumer_split!r}")
+        if self.num_consumers not in (2, 3):
+            raise ValueError(f"num_consumers must be 2 or 3, got {self.num_consumers!r}")
+        if self.num_consumers == 3 and self.consumer_split != "m":
+            raise ValueError(
+                "num_consumers=3 needs consumer_split='m' (the CTA tile is tile_m x 2 * tile_n; "
+                "three consumers split its rows)"
+            )
+        if self.num_consumers == 3 and 2 * self.tile_n > _MAX_COLS_THREE_CONSUMERS:
+            raise ValueError(
+                f"num_consumers=3 needs tile_n=64 (each consumer's 2 * tile_n columns at most "
+                f"{_MAX_COLS_THREE_CONSUMERS}: ptxas compiles four warpgroups within 128 "
+                f"registers a thread), got tile_n={self.tile_n}"
+            )
+        if self.num_consumers == 3 and self.stagger_consumers:
+            raise ValueError("stagger_consumers needs num_consumers=2 (it orders a pair)")
         if self.consumer_split == "m":
-            if self.tile_m % 128:
+            if self.tile_m % (64 * self.num_consumers):
                 raise ValueError(
-                    f"consumer_split='m' needs tile_m to be a multiple of 128 (at least 64 rows "
-                    f"per consumer), got tile_m={self.tile_m}"
+                    f"consumer_split='m' needs tile_m to be a multiple of "
+                    f"{64 * self.num_consumers} (at least 64 rows per consumer, "
+                    f"num_consumers={self.num_consumers}), got tile_m={self.tile_m}"
                 )
             if 2 * self.tile_n > 256:
                 raise ValueError(
                     f"consumer_split='m' gives each consumer 2 * tile_n columns, at most 256 "
                     f"(one wgmma), got tile_n={self.tile_n}"
                 )
+        part_rows, part_cols = self.consumer_part_shape()
+        max_acc = _MAX_ACC_ELEMS_PER_WG[self.num_consumers]
+        if part_rows * part_cols > max_acc:
+            raise ValueError(
+                f"a consumer's {part_rows} x {part_cols} part of the tile exceeds the register "
+                f"budget of one of {self.num_consumers} consumer warpgroups ({max_acc} f32 "
+                "accumulators)"
+            )
         if self.cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n!r}")
         if self.cluster_m not in (1, 2):
@@ -243,7 +280,9 @@ class GroupedMatmulConfig:
 
     def consumer_part_shape(self) -> tuple[int, int]:
         """(rows, columns) of one consumer warpgroup's part of the CTA tile."""
-        return driver.consumer_part_shape(self.tile_m, self.tile_n, self.consumer_split)
+        return driver.consumer_part_shape(
+            self.tile_m, self.tile_n, self.consumer_split, self.num_consumers
+        )
 
     def schedule(self) -> driver.TileSchedule:
         num_sms = self.num_sms or common.num_sms_default()
@@ -263,6 +302,7 @@ class GroupedMatmulConfig:
             cluster_m=self.cluster_m,
             profile_dir=self.profile_dir,
             consumer_split=self.consumer_split,
+            num_consumers=self.num_consumers,
         )
 
 
@@ -280,7 +320,20 @@ DEFAULT_FP8_CONFIG = GroupedMatmulConfig(
     wgmma_in_flight=1,
     epilogue_buffers=1,
 )
+# Block FP8: three consumers of 64 x 128 in 192 x (2 x 64) CTA tiles (stop 43: on the H200
+# in alternation, dense 8192³ 947 -> 1101 TFLOP/s and G8 balanced 894 -> 1000, the same
+# bits); the stop-42 default of two consumers in 64 x (2 x 128) tiles where the three's
+# per-consumer lhs scales do not fit in shared memory (K past ~20 K).
 DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
+    tile_m=192,
+    tile_n=64,
+    tile_k=128,
+    max_concurrent_steps=4,
+    epi_tile_n=64,
+    consumer_split="m",
+    num_consumers=3,
+)
+TWO_CONSUMER_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64
 )
 
@@ -290,7 +343,7 @@ def _smem_bytes(
 ) -> int:
     # Each consumer's staging buffers hold epi_tile_n columns of its rows.
     epilogue = (
-        2
+        config.num_consumers
         * config.epilogue_buffers
         * config.consumer_part_shape()[0]
         * config.epi_tile_n
@@ -585,13 +638,13 @@ def _stage_bytes(config: GroupedMatmulConfig, lhs: jax.Array, rhs: jax.Array) ->
 
 
 def _block_scale_bytes(config: GroupedMatmulConfig, k: int) -> int:
-    # Per-consumer SMEM copy of the tile's (K/128, tile_m) f32 lhs block scales.
-    return 2 * 4 * (k // 128) * config.tile_m
+    # Per-consumer SMEM copy of the (K/128, rows of its part) f32 lhs block scales.
+    return config.num_consumers * 4 * (k // 128) * config.consumer_part_shape()[0]
 
 
 def _vector_bytes(config: GroupedMatmulConfig) -> int:
     # Per-consumer SMEM copies of a row-scale and a column-scale vector (f32) of its part.
-    return 2 * 4 * sum(config.consumer_part_shape())
+    return config.num_consumers * 4 * sum(config.consumer_part_shape())
 
 
 def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
@@ -616,16 +669,30 @@ def fit_fp8_block_config(
 
 
 def fp8_block_default_config(
-    k: int, out_dtype: jnp.dtype, *, persistent_pipeline: bool = False
+    k: int, out_dtype: jnp.dtype, *, persistent_pipeline: bool = False, num_consumers: int = 3
 ) -> GroupedMatmulConfig:
     """The block-FP8 kernel's default config for contraction size ``k``, fitted to SMEM.
 
     ``persistent_pipeline=True`` keeps the pipeline running across tiles where the K steps
     allow it (a whole number of rounds of stages); the dense entry point asks for it: on the
-    H200 it made the 8192³ GEMM 3–4% faster in two runs (2026-11-30, interleaved and
-    sequential), while the grouped 8-expert GEMM was 1–2% slower with it.
+    H200 it made the two-consumer 8192³ GEMM 3–4% faster in two runs (2026-11-30, interleaved
+    and sequential), while the grouped 8-expert GEMM was 1–2% slower with it.
+    ``num_consumers=2`` gives the stop-42 default (64 x (2 x 128) tiles), which is also what
+    three consumers fall back to where fewer than three stages fit beside their lhs scales
+    (K past 12 K: with two stages the three-consumer dense 8192³ GEMM ran at 878 TFLOP/s,
+    below the two consumers' 947, stop 43).
     """
-    config = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, out_dtype)
+    if num_consumers not in (2, 3):
+        raise ValueError(f"num_consumers must be 2 or 3, got {num_consumers!r}")
+    config = None
+    if num_consumers == 3:
+        config = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, out_dtype)
+        stage, scales = _block_stage_bytes(config), _block_scale_bytes(config, k)
+        fits = _smem_bytes(config, stage, out_dtype, scales) <= SMEM_BYTES
+        if not fits or config.max_concurrent_steps < 3:
+            config = None
+    if config is None:
+        config = fit_fp8_block_config(TWO_CONSUMER_FP8_BLOCK_CONFIG, k, out_dtype)
     num_k_steps = k // 128
     depth = min(config.max_concurrent_steps, num_k_steps)
     if persistent_pipeline and num_k_steps % depth == 0:
@@ -662,10 +729,13 @@ def grouped_matmul_fp8_block(
       out_dtype: bfloat16 or float32.
       group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s (lhs_scale
         stays per lhs row).
-      config: tiling; tile_k must be 128 and tile_n 128 or 64, so that each consumer's
-        columns lie in one 128-column rhs scale block (one rhs scale per consumer and K
-        step). tile_m=128 with tile_n=64 gives 128x128 CTA tiles (a fifth less operand
-        traffic per product than the default 64x256, the same accumulator registers): on
+      config: tiling; tile_k must be 128 and tile_n 128 or 64 (64 with consumer_split="m"),
+        so that each consumer's columns lie in one 128-column rhs scale block (one rhs scale
+        per consumer and K step). tile_m=192 with three consumers (`num_consumers=3`,
+        consumer_split="m", tile_n=64) gives 192x128 CTA tiles of 64x128 parts, each with
+        its main and chunk accumulators. tile_m=128 with tile_n=64 gives 128x128 CTA tiles
+        (a fifth less operand traffic per product than the default 64x256, the same
+        accumulator registers): on
         the H200 (stop 26, `grouped_ab --variants block_tiles`) 0.79x the default grouped
         and 0.77x dense, 0.90x with the persistent pipeline; kept as an option.
       interpret: run the Pallas interpreter.
@@ -694,12 +764,20 @@ def grouped_matmul_fp8_block(
             f"config: block FP8 needs tile_k=128 and tile_n=128 or 64, got "
             f"tile_k={config.tile_k}, tile_n={config.tile_n}"
         )
-    config.check_consumers_split_columns("grouped_matmul_fp8_block")
-    live_tiles = 2 + config.wgmma_in_flight  # main, current (and previous) partial products
-    if live_tiles * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
+    if config.consumer_split == "m" and config.tile_n != 64:
         raise ValueError(
-            f"config: tile_m={config.tile_m} is too large for block FP8 ({live_tiles} f32 "
-            "tiles must stay in registers); use tile_m=64"
+            "config: block FP8 with consumer_split='m' needs tile_n=64 (each consumer's "
+            f"2 * tile_n columns in one 128-column rhs scale block), got tile_n={config.tile_n}"
+        )
+    part_rows, part_cols = config.consumer_part_shape()
+    live_tiles = 2 + config.wgmma_in_flight  # main, current (and previous) partial products
+    max_acc = _MAX_ACC_ELEMS_PER_WG[config.num_consumers]
+    if live_tiles * part_rows * part_cols > max_acc:
+        raise ValueError(
+            f"config: a consumer's {part_rows} x {part_cols} part is too large for block FP8 "
+            f"with {config.num_consumers} consumers ({live_tiles} f32 tiles of it must stay "
+            f"in registers, at most {max_acc} elements); use 64-row parts (tile_m=64, or "
+            "tile_m=192 with three consumers) and no wgmma in flight with three"
         )
     config.check_out_dtype(out_dtype)
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -743,7 +821,7 @@ def grouped_matmul_fp8_block(
     def block_scale(refs, ctx, k_block):
         """lhs_scale[rows, k_block] * rhs_scale[g, the 128-column block of this consumer's
         columns, k_block]."""
-        first_col = ctx.col_tile * (2 * tile_n) + ctx.consumer * tile_n
+        first_col = ctx.col_tile * (2 * tile_n) + ctx.col_slice.start
         col_block = jnp.minimum(first_col // 128, num_col_blocks - 1)
         rhs_block_scale = refs[3][ctx.row_tile.group, col_block, k_block]
         # The tile's (K/128, tile_m) lhs block scales were prefetched at tile start.
@@ -757,7 +835,9 @@ def grouped_matmul_fp8_block(
 
     def step(refs, ctx, smem_refs, carry):
         lhs_smem, rhs_smem = smem_refs
-        rhs_operand = rhs_smem.at[pl.ds(ctx.consumer * tile_n, tile_n)].transpose((1, 0))
+        # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
+        lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
+        rhs_operand = rhs_smem.at[ctx.col_slice].transpose((1, 0))
         if overlap:
             k_step, main, previous = carry
         else:
@@ -769,7 +849,7 @@ def grouped_matmul_fp8_block(
         def chunk_product(chunk_ref):
             # A freshly scoped accumulator starts at zero: this K block's products
             # never share the tensor core's adder with earlier blocks.
-            plgpu.wgmma(chunk_ref, lhs_smem, rhs_operand)
+            plgpu.wgmma(chunk_ref, lhs_operand, rhs_operand)
 
             @pl.when(k_step == 0)
             def _wait_scales():
@@ -794,14 +874,14 @@ def grouped_matmul_fp8_block(
                 pl.when(first_step_of(0))(lambda: plgpu.barrier_arrive(ctx.scratch[0]))
             return promote(main, chunk, scale)
 
-        result = pl.run_scoped(chunk_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        result = pl.run_scoped(chunk_product, plgpu.ACC((part_rows, part_cols), jnp.float32))
         if overlap:
             main, chunk = result
             return k_step + 1, main, chunk
         return k_step + 1, result
 
     def run_tile(refs, ctx, run_pipeline):
-        zeros = driver.wgmma_zeros((tile_m, tile_n))
+        zeros = driver.wgmma_zeros((part_rows, part_cols))
         if not overlap:
             _, main = run_pipeline((jnp.int32(0), zeros))
             return main

@@ -102,7 +102,8 @@ def test_grouped_ab_block_tile_variants_fit_shared_memory():
     from pallas_kernels import grouped_matmul_fwd as fwd
 
     for k in (4096, 8192):
-        variants = grouped_ab.block_tile_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
+        two_consumers = fwd.fp8_block_default_config(k, jnp.bfloat16, num_consumers=2)
+        variants = grouped_ab.block_tile_variants(two_consumers, k)
         assert list(variants)[:2] == ["default", "default, persistent"]
         assert variants["default"].early_block_scales
         assert not variants["default, late scale loads"].early_block_scales
@@ -110,11 +111,38 @@ def test_grouped_ab_block_tile_variants_fit_shared_memory():
             assert (config.tile_m, config.tile_n) == ((128, 64) if "128x" in name else (64, 128))
             stage, scales = fwd._block_stage_bytes(config), fwd._block_scale_bytes(config, k)
             assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
-        staggered = grouped_ab.stagger_variants(fwd.fp8_block_default_config(k, jnp.bfloat16), k)
+        staggered = grouped_ab.stagger_variants(two_consumers, k)
         assert [c.stagger_consumers for c in staggered.values()] == [
             "staggered" in name for name in staggered
         ]
         assert staggered["default, staggered, persistent"].persistent_pipeline
+
+
+def test_grouped_ab_three_consumer_variants_fit_shared_memory():
+    # The three_consumers set (timed on the H200 only; `--small` refuses it by name).
+    import jax.numpy as jnp
+
+    from benchmarks import grouped_ab
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    for kind in ("block", "block dense"):
+        for k in (4096, 8192):
+            variants = grouped_ab.three_consumer_variants(kind, k)
+            assert variants["2 consumers (stop 42)"].num_consumers == 2
+            assert variants["3 consumers"] == fwd.fp8_block_default_config(k, jnp.bfloat16)
+            for name, config in variants.items():
+                if name.startswith("3 consumers"):
+                    assert (config.tile_m, config.num_consumers) == (192, 3), name
+                if config.persistent_pipeline:
+                    assert (k // 128) % config.max_concurrent_steps == 0, name
+                stage = fwd._block_stage_bytes(config)
+                prefetch = fwd._block_scale_bytes(config, k)
+                smem = fwd._smem_bytes(config, stage, jnp.bfloat16, prefetch)
+                assert smem <= fwd.SMEM_BYTES, (kind, k, name)
+    with pytest.raises(ValueError, match="kind must be 'block' or 'block dense'"):
+        grouped_ab.three_consumer_variants("bf16", 4096)
+    with pytest.raises(ValueError, match="three_consumers' runs on the GPU only"):
+        grouped_ab.main(None, small=True, variants="three_consumers")
 
 
 def test_grouped_ab_wide_tile_variants_fit_shared_memory():

@@ -262,6 +262,70 @@ def test_fp8_block_forward_matches_dequantized_reference(
     assert_close(out, ref, rel=1e-5)
 
 
+# Consumers that split the CTA tile's rows: each owns 64 rows and the tile's 128 columns
+# (one rhs scale block), two of them in 128-row tiles or three in 192-row tiles. 300 rows in
+# 192-row tiles give visits whose rows lie in one, two or all three consumers' parts, and
+# parts with no rows of the visit (which store nothing).
+TWO_CONSUMER_ROWS_BLOCK = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64, consumer_split="m")
+THREE_CONSUMER_BLOCK = dataclasses.replace(TWO_CONSUMER_ROWS_BLOCK, tile_m=192, num_consumers=3)
+ROWS_SPLIT_BLOCK_CASES = {
+    "two consumers": TWO_CONSUMER_ROWS_BLOCK,
+    "three consumers": THREE_CONSUMER_BLOCK,
+    "three consumers, persistent, late scale loads": dataclasses.replace(
+        THREE_CONSUMER_BLOCK, persistent_pipeline=True, early_block_scales=False
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_SPLIT_BLOCK_CASES))
+def test_fp8_block_consumers_splitting_rows_match_dequantized_reference(case):
+    sizes = jnp.asarray([37, 0, 150, 60], jnp.int32)
+    k = keys(4, seed=43)
+    lhs = random_fp8(k[0], (300, 256), E4M3)
+    rhs = random_fp8(k[1], (4, 320, 256), E4M3)
+    # Scales far apart per block, so a consumer reading another's rows or block fails.
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (300, 2), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (4, 3, 2), -6, 7).astype(jnp.float32)
+    out = grouped_matmul_fp8_block(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        sizes,
+        out_dtype=jnp.float32,
+        config=ROWS_SPLIT_BLOCK_CASES[case],
+        interpret=True,
+    )
+    ref = ref_ragged_rows(
+        dequant_fp8_block(lhs, lhs_scale, 1, 128),
+        dequant_fp8_block(rhs, rhs_scale, 128, 128),
+        sizes,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_block_dense_three_consumers():
+    # The dense entry point with 192-row tiles: 200 rows are one whole tile and a tail tile.
+    k = keys(4, seed=44)
+    lhs8 = random_fp8(k[0], (200, 256), E4M3)
+    rhs8 = random_fp8(k[1], (192, 256), E4M3)
+    lhs_scale = jax.random.uniform(k[2], (200, 2), jnp.float32, 0.5, 2.0)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (2, 2), -6, 7).astype(jnp.float32)
+    out = dense_matmul_fp8_block(
+        lhs8,
+        lhs_scale,
+        rhs8,
+        rhs_scale,
+        out_dtype=BF16,
+        config=THREE_CONSUMER_BLOCK,
+        interpret=True,
+    )
+    ref = (
+        dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
+    )
+    assert_close(out, ref, rel=2**-8)
+
+
 # 128-row tiles, 64 columns per consumer: both consumers of a CTA share one 128-column rhs
 # scale block; N = 320 ends in a half block (cols 256..319) and a padded consumer.
 TALL_BLOCK = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64)
@@ -594,6 +658,14 @@ ROWS_SPLIT_CASES = {
     "fp8_persistent_cluster": dict(
         sizes=[37, 0, 90], fp8=True, schedule=dict(persistent_pipeline=True, cluster_n=2)
     ),
+    # Three consumers of 64 rows each in 192-row tiles: 160 rows are one tile, whose third
+    # part holds rows of group 2 only or none.
+    "bf16_three_consumers": dict(sizes=[37, 0, 90], schedule=dict(tile_m=192, num_consumers=3)),
+    "fp8_three_consumers_persistent": dict(
+        sizes=[37, 0, 123],
+        fp8=True,
+        schedule=dict(tile_m=192, num_consumers=3, persistent_pipeline=True),
+    ),
 }
 
 
@@ -649,19 +721,32 @@ def test_consumers_splitting_rows_write_a_packed_output(case):
     assert_close(out, ref, rel=1e-5)
 
 
-def test_consumer_split_m_is_refused_where_not_implemented():
+def test_block_fp8_consumers_splitting_rows_need_one_scale_block_of_columns():
     k = keys(4, seed=33)
     lhs = random_fp8(k[0], (128, 128), E4M3)
-    rhs = random_fp8(k[1], (1, 128, 128), E4M3)
-    split = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64, consumer_split="m")
-    with pytest.raises(ValueError, match="grouped_matmul_fp8_block needs consumer_split='n'"):
+    rhs = random_fp8(k[1], (1, 256, 128), E4M3)
+    # Each consumer would own 2 x 128 columns: two rhs scale blocks.
+    split = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=128, consumer_split="m")
+    with pytest.raises(ValueError, match="consumer_split='m' needs tile_n=64"):
         grouped_matmul_fp8_block(
             lhs,
             jnp.ones((128, 1), jnp.float32),
             rhs,
-            jnp.ones((1, 1, 1), jnp.float32),
+            jnp.ones((1, 2, 1), jnp.float32),
             jnp.asarray([128], jnp.int32),
             config=split,
+            interpret=True,
+        )
+    # Three consumers hold 160 registers a thread: no room for a third live 64 x 128 tile.
+    three = dataclasses.replace(THREE_CONSUMER_BLOCK, wgmma_in_flight=1)
+    with pytest.raises(ValueError, match=r"with 3 consumers \(3 f32 tiles of it"):
+        grouped_matmul_fp8_block(
+            lhs,
+            jnp.ones((128, 1), jnp.float32),
+            rhs,
+            jnp.ones((1, 2, 1), jnp.float32),
+            jnp.asarray([128], jnp.int32),
+            config=three,
             interpret=True,
         )
 
@@ -1114,6 +1199,23 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             lambda: GroupedMatmulConfig(tile_m=128, tile_n=192, consumer_split="m"),
             "at most 256",
         ),
+        (lambda: GroupedMatmulConfig(num_consumers=4), "num_consumers must be 2 or 3, got 4"),
+        (lambda: GroupedMatmulConfig(num_consumers=3), "num_consumers=3 needs consumer_split='m'"),
+        (
+            lambda: GroupedMatmulConfig(
+                tile_m=192, tile_n=64, consumer_split="m", num_consumers=3, stagger_consumers=True
+            ),
+            "stagger_consumers needs num_consumers=2",
+        ),
+        (
+            lambda: GroupedMatmulConfig(tile_m=128, tile_n=64, consumer_split="m", num_consumers=3),
+            "multiple of 192",
+        ),
+        (
+            # A 64 x 256 accumulator did not compile within four warpgroups' 128 registers.
+            lambda: GroupedMatmulConfig(tile_m=192, consumer_split="m", num_consumers=3),
+            "num_consumers=3 needs tile_n=64",
+        ),
     ],
 )
 def test_bad_configs_raise(factory, needle):
@@ -1201,6 +1303,9 @@ H200_BF16 = GroupedMatmulConfig(
 )
 H200_BLOCK = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64, wgmma_in_flight=1
+)
+THREE_CONSUMER_H200_BLOCK = dataclasses.replace(
+    H200_BLOCK, tile_m=192, tile_n=64, consumer_split="m", num_consumers=3, wgmma_in_flight=0
 )
 BLOCK_AVALS = (
     S((M, K), E4M3),
@@ -1378,6 +1483,55 @@ CROSS_LOWERING_CASES = {
         ),
         (S((M + G * 32, K), BF16), S((G, N, K), BF16), SIZES, SIZES),
     ),
+    # Three consumers of 64 rows each (192 x (2 x 64) CTA tiles): block FP8's main + chunk
+    # 64 x 128 accumulators, and one 64 x 128 accumulator for bf16 and FP8 rowwise.
+    "fp8_block_fwd_three_consumers_persistent": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            config=dataclasses.replace(
+                THREE_CONSUMER_H200_BLOCK, epilogue_buffers=1, persistent_pipeline=True
+            ),
+        ),
+        BLOCK_AVALS,
+    ),
+    "bf16_fwd_three_consumers": (
+        lambda a, b, g: grouped_matmul(
+            a,
+            b,
+            g,
+            config=dataclasses.replace(
+                DEFAULT_BF16_CONFIG,
+                tile_m=192,
+                tile_n=64,
+                consumer_split="m",
+                num_consumers=3,
+                epilogue_buffers=1,
+            ),
+        ),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "fp8_fwd_rowwise_three_consumers": (
+        lambda a, b, g, sa, sb: grouped_matmul(
+            a,
+            b,
+            g,
+            lhs_scale=sa,
+            rhs_scale=sb,
+            config=dataclasses.replace(
+                DEFAULT_FP8_CONFIG,
+                tile_m=192,
+                tile_n=64,
+                consumer_split="m",
+                num_consumers=3,
+                max_concurrent_steps=3,
+            ),
+        ),
+        (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
+    ),
     "small_experts_fwd": (
         lambda a, b, g: grouped_matmul(
             a,
@@ -1418,15 +1572,56 @@ def test_fp8_operand_that_is_not_k_major_is_refused():
 def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
     from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
 
-    # 64 K steps (4 stages: whole rounds) for the dense entry point; never for grouped calls.
-    assert fp8_block_default_config(8192, BF16, persistent_pipeline=True).persistent_pipeline
-    assert not fp8_block_default_config(8192, BF16).persistent_pipeline
+    # 32 K steps (4 stages: whole rounds) for the dense entry point; never for grouped calls.
+    assert fp8_block_default_config(4096, BF16, persistent_pipeline=True).persistent_pipeline
+    assert not fp8_block_default_config(4096, BF16).persistent_pipeline
+    # Three consumers' lhs scales leave 3 stages at K = 8192: 64 K steps are not whole rounds.
+    # Two consumers keep 4 stages there.
+    assert not fp8_block_default_config(8192, BF16, persistent_pipeline=True).persistent_pipeline
+    two = fp8_block_default_config(8192, BF16, persistent_pipeline=True, num_consumers=2)
+    assert (two.tile_m, two.num_consumers, two.persistent_pipeline) == (64, 2, True)
     # 5 K steps are not whole rounds of 4 stages; 3 steps shrink the pipeline to 3 stages.
     assert not fp8_block_default_config(640, BF16, persistent_pipeline=True).persistent_pipeline
     assert fp8_block_default_config(384, BF16, persistent_pipeline=True).persistent_pipeline
     for bad_k in (0, 200, 256.0):
         with pytest.raises(ValueError, match="k must be a positive multiple of 128"):
             fp8_block_default_config(bad_k, BF16)
+    with pytest.raises(ValueError, match="num_consumers must be 2 or 3, got 4"):
+        fp8_block_default_config(4096, BF16, num_consumers=4)
+
+
+@pytest.mark.parametrize("k, minor_dim", [(4096, 1), (16384, 0)])
+def test_dense_block_fp8_default_walks_columns_fastest_with_three_consumers(
+    monkeypatch, k, minor_dim
+):
+    # The dense entry point's own default (measured at 8192³, stop 43); the two-consumer
+    # fallback of large K keeps the rows fastest.
+    from pallas_kernels import grouped_matmul_dense
+
+    seen = {}
+
+    def record(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, config, **kwargs):
+        seen["config"] = config
+        return jnp.zeros((lhs.shape[0], rhs.shape[1]), BF16)
+
+    monkeypatch.setattr(grouped_matmul_dense, "grouped_matmul_fp8_block", record)
+    lhs = jnp.zeros((256, k), E4M3)
+    dense_matmul_fp8_block(lhs, jnp.ones((256, k // 128), F32), lhs, jnp.ones((2, k // 128), F32))
+    assert seen["config"].grid_minor_dim == minor_dim
+    assert seen["config"].num_consumers == (3 if minor_dim else 2)
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_block_fp8_default_is_three_consumers_while_three_stages_fit(out_dtype):
+    from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
+
+    # Per-consumer lhs scales grow with K (3 x 4 B x K/128 x 64 rows): up to 12 K three
+    # stages fit beside them, past that the two-consumer tile takes over (two stages of
+    # three consumers ran slower than it on the H200, stop 43).
+    for k, consumers, rows in ((128, 3, 192), (4096, 3, 192), (12288, 3, 192), (16384, 2, 64)):
+        config = fp8_block_default_config(k, out_dtype)
+        assert (config.num_consumers, config.tile_m) == (consumers, rows), k
+        assert config.max_concurrent_steps >= 3, k
 
 
 def test_fit_fp8_block_config_shrinks_to_shared_memory_and_rejects_bad_inputs():

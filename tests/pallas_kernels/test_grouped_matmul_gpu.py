@@ -46,6 +46,7 @@ from tests.pallas_kernels.test_grouped_matmul import (
 )
 
 pytestmark = pytest.mark.gpu
+F32 = jnp.float32
 
 ROWS, K_DIM, N_DIM = 1000, 512, 384
 SIZES = jnp.asarray([0, 300, 1, 0, 550], jnp.int32)  # 149 tail rows
@@ -136,7 +137,7 @@ def test_gpu_fp8_block_forward():
     # The second consumer's first wgmma of each tile held behind the first's (with early and
     # late scale loads, and with the persistent pipeline): an order only, the same bits.
     staggered = dataclasses.replace(
-        fp8_block_default_config(K_DIM, jnp.float32), stagger_consumers=True
+        fp8_block_default_config(K_DIM, jnp.float32, num_consumers=2), stagger_consumers=True
     )
     for config in (
         staggered,
@@ -436,7 +437,9 @@ def test_gpu_clusters_along_m_give_the_default_bits(case):
         lhs_scale = jax.random.uniform(k[2], (rows, K_DIM // 128), jnp.float32, 0.5, 2.0)
         rhs_scale = jax.random.uniform(k[3], (N_DIM // 128, K_DIM // 128), jnp.float32, 0.5, 2.0)
         args, run = (lhs, lhs_scale, rhs, rhs_scale), dense_matmul_fp8_block
-        base = fp8_block_default_config(K_DIM, jnp.float32, persistent_pipeline=True)
+        base = fp8_block_default_config(
+            K_DIM, jnp.float32, persistent_pipeline=True, num_consumers=2
+        )
         ref = (
             dequant_fp8_block(lhs, lhs_scale, 1, 128)
             @ dequant_fp8_block(rhs, rhs_scale, 128, 128).T
@@ -528,6 +531,92 @@ def test_gpu_consumers_splitting_rows_give_the_default_bits(case):
     ]
     assert_close(outs[1], ref, rel=rel)
     np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
+
+
+# Three consumer warpgroups of 64 rows each (192 x (2 x 64) CTA tiles, compiled within 128
+# registers a thread): every output element sums the same products in the same K order (for
+# block FP8: the same 128-wide chunks promoted in the same order) as under two consumers'
+# tiles, so the bits must match theirs. 1000 rows in 5 uneven groups give tiles whose visits
+# cover one, two or three consumers' parts; 4 SMs make each CTA run several tiles
+# (persistent: START, STEADY, STOP).
+THREE_CONSUMERS = dict(tile_m=192, tile_n=64, consumer_split="m", num_consumers=3)
+THREE_CONSUMER_CASES = {
+    "bf16": dict(operands="bf16", schedule=dict(max_concurrent_steps=3)),
+    "fp8_rowwise": dict(operands="fp8", schedule=dict(max_concurrent_steps=3)),
+    "fp8_rowwise_persistent_4_sms": dict(
+        operands="fp8",
+        schedule=dict(
+            max_concurrent_steps=2, wgmma_in_flight=0, persistent_pipeline=True, num_sms=4
+        ),
+    ),
+    "fp8_block": dict(operands="fp8_block", schedule=dict(max_concurrent_steps=2)),
+    "fp8_block_dense_persistent_4_sms": dict(
+        operands="fp8_block_dense",
+        schedule=dict(max_concurrent_steps=2, persistent_pipeline=True, num_sms=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(THREE_CONSUMER_CASES))
+def test_gpu_three_consumers_give_the_default_bits(case):
+    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
+
+    spec = THREE_CONSUMER_CASES[case]
+    k = keys(4, seed=45)
+    operands = spec["operands"]
+    if operands.startswith("fp8_block"):
+        dense = operands == "fp8_block_dense"
+        groups = () if dense else (NUM_GROUPS,)
+        lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (*groups, N_DIM, K_DIM), E4M3)
+        lhs_scale = 2.0 ** jax.random.randint(k[2], (ROWS, K_DIM // 128), -6, 7).astype(F32)
+        rhs_scale = 2.0 ** jax.random.randint(
+            k[3], (*groups, N_DIM // 128, K_DIM // 128), -6, 7
+        ).astype(F32)
+        lhs_dq = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+        rhs_dq = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+        if dense:
+            args, run = (lhs, lhs_scale, rhs, rhs_scale), dense_matmul_fp8_block
+            ref = lhs_dq @ rhs_dq.T
+        else:
+            args, run = (lhs, lhs_scale, rhs, rhs_scale, SIZES), grouped_matmul_fp8_block
+            ref = ref_ragged_rows(lhs_dq, rhs_dq, SIZES)
+        # Two consumers in 64 x (2 x 128) tiles (the default until stop 43) against three.
+        base = fp8_block_default_config(K_DIM, F32, persistent_pipeline=dense, num_consumers=2)
+        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        rel = 1e-3
+    elif operands == "fp8":
+        lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
+        rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (ROWS,), F32, 0.25, 4.0)
+        rhs_scale = jax.random.uniform(k[3], (NUM_GROUPS, N_DIM), F32, 0.25, 4.0)
+
+        def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
+            return grouped_matmul(
+                lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
+            )
+
+        args = (lhs, rhs, SIZES, lhs_scale, rhs_scale)
+        ref = ref_ragged_rows(
+            f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[:, :, None], SIZES
+        )
+        # 128-byte rows of float32 output: 32 columns.
+        base = dataclasses.replace(DEFAULT_FP8_CONFIG, epi_tile_n=32)
+        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        rel = 2e-3
+    else:
+        lhs = jax.random.normal(k[0], (ROWS, K_DIM), F32).astype(BF16)
+        rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), F32).astype(BF16)
+        args, run = (lhs, rhs, SIZES), grouped_matmul
+        ref = ref_ragged_rows(f64(lhs), f64(rhs), SIZES)
+        base = dataclasses.replace(DEFAULT_BF16_CONFIG, epi_tile_n=32)
+        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        rel = 1e-5
+    call = jax.jit(run, static_argnames=("out_dtype", "config"))
+    default = call(*args, out_dtype=F32, config=base)
+    out = call(*args, out_dtype=F32, config=three)
+    assert_close(out, ref, rel=rel)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
 # MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products

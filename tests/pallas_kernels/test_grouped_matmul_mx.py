@@ -200,6 +200,23 @@ def test_mxfp8_kernel_refuses_clusters_along_m():
         )
 
 
+def test_mxfp8_kernel_refuses_consumers_that_split_rows():
+    # Its K steps convert each consumer's rhs columns for the whole tile's rows.
+    lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
+    three = dataclasses.replace(TINY_MX, tile_m=192, consumer_split="m", num_consumers=3)
+    with pytest.raises(ValueError, match="grouped_matmul_mxfp8 needs consumer_split='n'"):
+        grouped_matmul_mxfp8(
+            lhs,
+            lhs_scale,
+            rhs,
+            rhs_scale,
+            sizes,
+            out_dtype=jnp.float32,
+            config=three,
+            interpret=True,
+        )
+
+
 def test_mxfp8_k_must_be_whole_blocks_and_config_checked():
     lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
     with pytest.raises(ValueError, match="multiple of 32"):
