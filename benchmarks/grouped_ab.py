@@ -53,7 +53,8 @@ for the run's clocks) are timed batch by batch in alternation
   `consumer_split="m"`, 192 x (2 x 64) CTA tiles: the default since stop 43), whose main +
   chunk accumulators leave no room for a 128-row tile with two consumers (40 KB of lhs + rhs
   per K step for 3 M products where stop 42's 64 x (2 x 128) reads 40 KB for 2 M), against
-  that two-consumer tile, with late scale loads, the persistent pipeline, 2-CTA clusters along
+  that two-consumer tile, with late scale loads, the persistent pipeline, the lhs scales
+  streamed with the K steps (`stream_lhs_scales`: four stages fit), 2-CTA clusters along
   N (the lhs tile multicast), the column tiles walked fastest, and two consumers splitting
   128 x (2 x 64) tiles' rows (DeepGEMM's 128 x 128 with 64-row parts). G8 balanced and the
   dense 8192³ GEMM, with XLA's dense bf16 and FP8 GEMMs as yardsticks. (Stop 43's first run
@@ -67,7 +68,7 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|cluster_m|three_consumers|wgrad]
+                    consumer_split|cluster_m|three_consumers|wgrad] [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -292,12 +293,20 @@ def three_consumer_variants(kind: str, k: int) -> dict[str, GroupedMatmulConfig]
     three = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, BF16)
     # Persistent needs whole rounds of stages: the deepest depth that divides the K steps.
     depth = max(d for d in range(2, three.max_concurrent_steps + 1) if (k // 128) % d == 0)
+    streamed = fit_fp8_block_config(replace(three, stream_lhs_scales=True), k, BF16)
+    streamed = replace(streamed, max_concurrent_steps=4)  # as deep as two consumers' default
     return {
         "2 consumers (stop 42)": two,
         "3 consumers": three,
         "3 consumers, late scale loads": replace(three, early_block_scales=False),
         f"3 consumers, persistent, {depth} stages": replace(
             three, persistent_pipeline=True, max_concurrent_steps=depth
+        ),
+        # The lhs scales through the pipeline: no per-tile table, room for a fourth stage.
+        "3 consumers, streamed scales": streamed,
+        "3 consumers, streamed scales, persistent": replace(streamed, persistent_pipeline=True),
+        "3 consumers, streamed scales, columns minor, persistent": replace(
+            streamed, persistent_pipeline=True, grid_minor_dim=1
         ),
         # The 192-row lhs tile is now the larger operand: multicast it to a pair along N.
         "3 consumers, cluster 2": replace(three, cluster_n=2),
@@ -579,9 +588,12 @@ def main(
     small: bool = False,
     rounds: int = 15,
     variants: str = "epilogue",
+    dense_only: bool = False,
 ) -> str:
     if variants not in VARIANT_SETS:
         raise ValueError(f"variants must be one of {sorted(VARIANT_SETS)}, got {variants!r}")
+    if dense_only and variants != "three_consumers":
+        raise ValueError(f"dense_only applies to variants='three_consumers', got {variants!r}")
     variant_configs = VARIANT_SETS[variants]  # None for grouping and wgrad: cases of their own
     shapes, dense_size, interpret = SHAPES, DENSE_SIZE, False
     bf16_config, fp8_config, block_config = BF16_CONFIG, FP8_CONFIG, BLOCK_CONFIG
@@ -653,7 +665,8 @@ def main(
                 "variants='three_consumers' runs on the GPU only (192-row tiles; the kernel "
                 "tests cover them in the interpreter)"
             )
-        three_consumer_cases(run_case, {"G8 balanced": shapes["G8 balanced"]}, DENSE_SIZE)
+        grouped = {} if dense_only else {"G8 balanced": shapes["G8 balanced"]}
+        three_consumer_cases(run_case, grouped, DENSE_SIZE)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None
@@ -791,5 +804,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--variants", default="epilogue", choices=sorted(VARIANT_SETS))
+    parser.add_argument(
+        "--dense-only", action="store_true", help="three_consumers: the dense 8192³ case only"
+    )
     args = parser.parse_args()
-    main(args.out, small=args.small, variants=args.variants)
+    main(args.out, small=args.small, variants=args.variants, dense_only=args.dense_only)

@@ -4,13 +4,11 @@
 grouped kernels with ``G = 1`` and ``group_sizes = [M]`` (the kernels loop over the
 group's row tiles only), so there is no separate dense kernel to maintain.
 ``jax_qtrain.dense`` uses these on GPU. The block-FP8 GEMM's default config keeps its
-pipeline running across tiles (``persistent_pipeline``) where the K steps allow it, and with
-three consumers walks the column tiles fastest: both measured faster for dense shapes.
+pipeline running across tiles (``persistent_pipeline``) where the K steps allow it, measured
+faster for dense shapes.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +89,7 @@ def dense_matmul_fp8_block(
       rhs_scale: (ceil(N/128), K/128) f32.
       out_dtype: bfloat16 or float32.
       config: tiling (block FP8's rules: `grouped_matmul_fp8_block`); None: the block-FP8
-        default for K with the persistent pipeline where the K steps allow it and, with
-        three consumers, the column tiles walked fastest.
+        default for K with the persistent pipeline where the K steps allow it.
       interpret: run the Pallas interpreter.
     """
     common.check_rank("lhs", lhs, 2)
@@ -101,12 +98,9 @@ def dense_matmul_fp8_block(
     k = lhs.shape[1]
     if config is None and jnp.dtype(out_dtype) in common.OUT_DTYPES and k > 0 and k % 128 == 0:
         # Bad arguments fall through to the grouped wrapper's checks and messages.
+        # Not yet with stream_lhs_scales=True: faster in one H200 run (stop 43, 8192³ 1089
+        # -> 1206 TFLOP/s) but its GPU test with random scales has not run.
         config = fp8_block_default_config(k, out_dtype, persistent_pipeline=True)
-        if config.num_consumers == 3:
-            # Column tiles walked fastest: 8192³ on the H200 in two alternation runs (stop
-            # 43) 1113 -> 1158 and 1111 -> 1157 TFLOP/s, the same bits. (The grouped default
-            # keeps rows fastest: 1000 -> 998 for G8 balanced.) Measured at that shape only.
-            config = dataclasses.replace(config, grid_minor_dim=1)
     return grouped_matmul_fp8_block(
         lhs,
         lhs_scale,

@@ -99,6 +99,13 @@ class GroupedMatmulConfig:
       each one's promotion runs under the other's MMA (an ordering change only: the same bits).
       Measured and not adopted (stop 37, H200, `grouped_ab --variants stagger`): 4% slower
       for G8 balanced and 6-7% for the dense 8192³ GEMM, in every combination tried.
+    stream_lhs_scales: block FP8 only: each K step's 1x128 lhs scales of the tile's rows come
+      through the TMA pipeline with its operand tiles (tile_m f32 per stage) instead of each
+      consumer copying the tile's whole (K/128, rows) scale table to shared memory at tile
+      start. That table grows with K (48 KB for three consumers at K = 8192) and takes the
+      room of a pipeline stage; streamed, the dense 8192³ GEMM keeps four stages and may run
+      the persistent pipeline. Needs wgmma_in_flight=0 (the previous step's scales leave
+      with its stage).
     consumer_split: "n" (default): the two consumer warpgroups share the tile's tile_m rows and
       own tile_n columns each; "m": each owns tile_m / 2 rows and all 2 * tile_n columns, so
       that its wgmma is one m64n(2 * tile_n) instruction per K slice where "n" issues two
@@ -141,6 +148,7 @@ class GroupedMatmulConfig:
     cluster_m: int = 1
     early_block_scales: bool = True
     stagger_consumers: bool = False
+    stream_lhs_scales: bool = False
     consumer_split: str = "n"
     num_consumers: int = 2
     profile_dir: str | None = None
@@ -183,6 +191,13 @@ class GroupedMatmulConfig:
             raise TypeError(f"early_block_scales must be a bool, got {self.early_block_scales!r}")
         if not isinstance(self.stagger_consumers, bool):
             raise TypeError(f"stagger_consumers must be a bool, got {self.stagger_consumers!r}")
+        if not isinstance(self.stream_lhs_scales, bool):
+            raise TypeError(f"stream_lhs_scales must be a bool, got {self.stream_lhs_scales!r}")
+        if self.stream_lhs_scales and self.wgmma_in_flight:
+            raise ValueError(
+                "stream_lhs_scales needs wgmma_in_flight=0 (the promotion of the previous K "
+                "block would read scales whose stage is released)"
+            )
         if self.stagger_consumers and self.wgmma_in_flight:
             raise ValueError(
                 "stagger_consumers needs wgmma_in_flight=0 (with a wgmma in flight the "
@@ -260,6 +275,8 @@ class GroupedMatmulConfig:
         """For the kernels without block scales: options only block FP8 has must be off."""
         if self.stagger_consumers:
             raise ValueError("config: stagger_consumers applies to the block-FP8 kernel only")
+        if self.stream_lhs_scales:
+            raise ValueError("config: stream_lhs_scales applies to the block-FP8 kernel only")
 
     def check_consumers_split_columns(self, kernel: str) -> None:
         """For the kernels whose K steps are written for consumers that own columns."""
@@ -638,7 +655,10 @@ def _stage_bytes(config: GroupedMatmulConfig, lhs: jax.Array, rhs: jax.Array) ->
 
 
 def _block_scale_bytes(config: GroupedMatmulConfig, k: int) -> int:
-    # Per-consumer SMEM copy of the (K/128, rows of its part) f32 lhs block scales.
+    # Per-consumer SMEM copy of the (K/128, rows of its part) f32 lhs block scales (none when
+    # they are streamed with the K steps: then they are part of each stage).
+    if config.stream_lhs_scales:
+        return 0
     return config.num_consumers * 4 * (k // 128) * config.consumer_part_shape()[0]
 
 
@@ -648,8 +668,10 @@ def _vector_bytes(config: GroupedMatmulConfig) -> int:
 
 
 def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
-    # fp8 lhs and rhs tiles (the lhs block scales are prefetched per tile, not per step).
-    return config.tile_k * (config.tile_m + 2 * config.tile_n)
+    # fp8 lhs and rhs tiles, and the K block's f32 lhs scales of the tile's rows if streamed
+    # (else they are prefetched per tile, `_block_scale_bytes`).
+    scales = 4 * config.tile_m if config.stream_lhs_scales else 0
+    return config.tile_k * (config.tile_m + 2 * config.tile_n) + scales
 
 
 def fit_fp8_block_config(
@@ -669,7 +691,12 @@ def fit_fp8_block_config(
 
 
 def fp8_block_default_config(
-    k: int, out_dtype: jnp.dtype, *, persistent_pipeline: bool = False, num_consumers: int = 3
+    k: int,
+    out_dtype: jnp.dtype,
+    *,
+    persistent_pipeline: bool = False,
+    num_consumers: int = 3,
+    stream_lhs_scales: bool = False,
 ) -> GroupedMatmulConfig:
     """The block-FP8 kernel's default config for contraction size ``k``, fitted to SMEM.
 
@@ -680,19 +707,27 @@ def fp8_block_default_config(
     ``num_consumers=2`` gives the stop-42 default (64 x (2 x 128) tiles), which is also what
     three consumers fall back to where fewer than three stages fit beside their lhs scales
     (K past 12 K: with two stages the three-consumer dense 8192³ GEMM ran at 878 TFLOP/s,
-    below the two consumers' 947, stop 43).
+    below the two consumers' 947, stop 43). ``stream_lhs_scales=True`` moves those scales
+    into the pipeline's stages (see GroupedMatmulConfig), so three consumers keep four stages
+    at any K; the dense entry point asks for it.
     """
     if num_consumers not in (2, 3):
         raise ValueError(f"num_consumers must be 2 or 3, got {num_consumers!r}")
+    if not isinstance(stream_lhs_scales, bool):
+        raise TypeError(f"stream_lhs_scales must be a bool, got {stream_lhs_scales!r}")
     config = None
     if num_consumers == 3:
-        config = fit_fp8_block_config(DEFAULT_FP8_BLOCK_CONFIG, k, out_dtype)
+        config = dataclasses.replace(DEFAULT_FP8_BLOCK_CONFIG, stream_lhs_scales=stream_lhs_scales)
+        config = fit_fp8_block_config(config, k, out_dtype)
         stage, scales = _block_stage_bytes(config), _block_scale_bytes(config, k)
         fits = _smem_bytes(config, stage, out_dtype, scales) <= SMEM_BYTES
         if not fits or config.max_concurrent_steps < 3:
             config = None
     if config is None:
-        config = fit_fp8_block_config(TWO_CONSUMER_FP8_BLOCK_CONFIG, k, out_dtype)
+        config = dataclasses.replace(
+            TWO_CONSUMER_FP8_BLOCK_CONFIG, stream_lhs_scales=stream_lhs_scales
+        )
+        config = fit_fp8_block_config(config, k, out_dtype)
     num_k_steps = k // 128
     depth = min(config.max_concurrent_steps, num_k_steps)
     if persistent_pipeline and num_k_steps % depth == 0:
@@ -806,25 +841,33 @@ def grouped_matmul_fp8_block(
             transforms=common.smem_transforms(tile_k, rhs.dtype),
         ),
     )
+    streamed = config.stream_lhs_scales
+    if streamed:  # each K step's lhs scales of the tile's rows, with its operand tiles
+        in_specs += (plgpu.BlockSpec((1, tile_m), lambda kk: (kk, 0)),)
 
     def pipeline_refs(refs, ctx):
         lhs_ref, rhs_ref = refs[0], refs[1]
         rows = pl.ds(ctx.row_tile.block_start, tile_m)
         cols = pl.ds(ctx.col_tile * (2 * tile_n), 2 * tile_n)
-        return (lhs_ref.at[rows], rhs_ref.at[ctx.row_tile.group].at[cols])
+        windows = (lhs_ref.at[rows], rhs_ref.at[ctx.row_tile.group].at[cols])
+        return (*windows, refs[2].at[:, rows]) if streamed else windows
 
     def allocation_refs(refs):
-        return (refs[0], refs[1].at[0])
+        return (refs[0], refs[1].at[0], *refs[2:3]) if streamed else (refs[0], refs[1].at[0])
 
     overlap = config.wgmma_in_flight == 1
 
-    def block_scale(refs, ctx, k_block):
+    def block_scale(refs, ctx, k_block, streamed_scales=None):
         """lhs_scale[rows, k_block] * rhs_scale[g, the 128-column block of this consumer's
-        columns, k_block]."""
+        columns, k_block]; `streamed_scales` is the K step's (1, tile_m) SMEM stage of lhs
+        scales when they are streamed."""
         first_col = ctx.col_tile * (2 * tile_n) + ctx.col_slice.start
         col_block = jnp.minimum(first_col // 128, num_col_blocks - 1)
         rhs_block_scale = refs[3][ctx.row_tile.group, col_block, k_block]
-        # The tile's (K/128, tile_m) lhs block scales were prefetched at tile start.
+        if streamed_scales is not None:
+            rows = ctx.row_slice if config.consumer_split == "m" else slice(None)
+            return driver.row_vector(streamed_scales.at[0, rows]) * rhs_block_scale
+        # The tile's (K/128, rows of this consumer) lhs block scales, prefetched at tile start.
         lhs_scales_smem = ctx.prefetched[0][0]
         return driver.row_vector(lhs_scales_smem.at[k_block]) * rhs_block_scale
 
@@ -834,7 +877,8 @@ def grouped_matmul_fp8_block(
     stagger = config.stagger_consumers
 
     def step(refs, ctx, smem_refs, carry):
-        lhs_smem, rhs_smem = smem_refs
+        lhs_smem, rhs_smem, *streamed_scales = smem_refs
+        streamed_scales = streamed_scales[0] if streamed else None
         # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
         lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
         rhs_operand = rhs_smem.at[ctx.col_slice].transpose((1, 0))
@@ -851,9 +895,11 @@ def grouped_matmul_fp8_block(
             # never share the tensor core's adder with earlier blocks.
             plgpu.wgmma(chunk_ref, lhs_operand, rhs_operand)
 
-            @pl.when(k_step == 0)
-            def _wait_scales():
-                ctx.wait_prefetched(0)
+            if not streamed:
+
+                @pl.when(k_step == 0)
+                def _wait_scales():
+                    ctx.wait_prefetched(0)
 
             if overlap:
                 # Promote the previous K block while this block's wgmma runs (at
@@ -864,11 +910,11 @@ def grouped_matmul_fp8_block(
             if config.early_block_scales:
                 # Loaded before reading the accumulator (which waits for the wgmma): the
                 # loads' latency runs under the MMA instead of after it.
-                scale = block_scale(refs, ctx, k_step)
+                scale = block_scale(refs, ctx, k_step, streamed_scales)
                 chunk = chunk_ref[...]
             else:
                 chunk = chunk_ref[...]
-                scale = block_scale(refs, ctx, k_step)
+                scale = block_scale(refs, ctx, k_step, streamed_scales)
             if stagger:
                 # The first consumer's MMA is done: the second one's may start.
                 pl.when(first_step_of(0))(lambda: plgpu.barrier_arrive(ctx.scratch[0]))
@@ -895,7 +941,7 @@ def grouped_matmul_fp8_block(
         run_tile=run_tile,
         step=step,
         num_k_steps=num_k_blocks,
-        prefetches=(driver.TilePrefetch(2, "rows"),),
+        prefetches=() if streamed else (driver.TilePrefetch(2, "rows"),),
         # stagger_consumers: the first consumer's first K block done, once per tile.
         scratch=(plgpu.Barrier(num_arrivals=1),) if stagger else (),
         column_specs=(1,),

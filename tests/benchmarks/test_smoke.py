@@ -143,6 +143,8 @@ def test_grouped_ab_three_consumer_variants_fit_shared_memory():
         grouped_ab.three_consumer_variants("bf16", 4096)
     with pytest.raises(ValueError, match="three_consumers' runs on the GPU only"):
         grouped_ab.main(None, small=True, variants="three_consumers")
+    with pytest.raises(ValueError, match="dense_only applies to variants='three_consumers'"):
+        grouped_ab.main(None, small=True, variants="schedule", dense_only=True)
 
 
 def test_grouped_ab_wide_tile_variants_fit_shared_memory():

@@ -274,6 +274,14 @@ ROWS_SPLIT_BLOCK_CASES = {
     "three consumers, persistent, late scale loads": dataclasses.replace(
         THREE_CONSUMER_BLOCK, persistent_pipeline=True, early_block_scales=False
     ),
+    # The lhs scales streamed with the K steps: each consumer reads its rows of the stage's
+    # (1, tile_m) scales (consumers splitting rows), or all of them (splitting columns).
+    "three consumers, streamed scales, persistent": dataclasses.replace(
+        THREE_CONSUMER_BLOCK, persistent_pipeline=True, stream_lhs_scales=True
+    ),
+    "two consumers splitting columns, streamed scales": dataclasses.replace(
+        TINY_BLOCK, stream_lhs_scales=True
+    ),
 }
 
 
@@ -1208,6 +1216,10 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             "stagger_consumers needs num_consumers=2",
         ),
         (
+            lambda: GroupedMatmulConfig(stream_lhs_scales=True, wgmma_in_flight=1),
+            "stream_lhs_scales needs wgmma_in_flight=0",
+        ),
+        (
             lambda: GroupedMatmulConfig(tile_m=128, tile_n=64, consumer_split="m", num_consumers=3),
             "multiple of 192",
         ),
@@ -1226,6 +1238,21 @@ def test_bad_configs_raise(factory, needle):
 def test_early_block_scales_must_be_a_bool():
     with pytest.raises(TypeError, match="early_block_scales must be a bool, got 1"):
         GroupedMatmulConfig(early_block_scales=1)
+
+
+def test_stream_lhs_scales_is_a_bool_for_block_fp8_only():
+    with pytest.raises(TypeError, match="stream_lhs_scales must be a bool, got 1"):
+        GroupedMatmulConfig(stream_lhs_scales=1)
+    streamed = dataclasses.replace(TINY_FWD_BF16_OUT, stream_lhs_scales=True)
+    with pytest.raises(ValueError, match="stream_lhs_scales applies to the block-FP8 kernel"):
+        grouped_matmul(
+            _bf16((128, 64)),
+            _bf16((2, 256, 64)),
+            jnp.zeros((2,), jnp.int32),
+            out_dtype=BF16,
+            config=streamed,
+            interpret=True,
+        )
 
 
 def test_stagger_consumers_is_a_bool_for_block_fp8_only():
@@ -1498,6 +1525,35 @@ CROSS_LOWERING_CASES = {
         ),
         BLOCK_AVALS,
     ),
+    "fp8_block_fwd_three_consumers_streamed_scales_persistent": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            config=dataclasses.replace(
+                THREE_CONSUMER_H200_BLOCK,
+                persistent_pipeline=True,
+                stream_lhs_scales=True,
+                grid_minor_dim=1,
+            ),
+        ),
+        BLOCK_AVALS,
+    ),
+    "fp8_block_fwd_streamed_scales_cluster": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            config=dataclasses.replace(
+                H200_BLOCK, wgmma_in_flight=0, stream_lhs_scales=True, cluster_n=2
+            ),
+        ),
+        BLOCK_AVALS,
+    ),
     "bf16_fwd_three_consumers": (
         lambda a, b, g: grouped_matmul(
             a,
@@ -1590,25 +1646,24 @@ def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
         fp8_block_default_config(4096, BF16, num_consumers=4)
 
 
-@pytest.mark.parametrize("k, minor_dim", [(4096, 1), (16384, 0)])
-def test_dense_block_fp8_default_walks_columns_fastest_with_three_consumers(
-    monkeypatch, k, minor_dim
-):
-    # The dense entry point's own default (measured at 8192³, stop 43); the two-consumer
-    # fallback of large K keeps the rows fastest.
-    from pallas_kernels import grouped_matmul_dense
+@pytest.mark.parametrize("stream", [False, True])
+def test_block_fp8_default_config_with_streamed_scales_keeps_three_consumers(stream):
+    from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
 
-    seen = {}
-
-    def record(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, config, **kwargs):
-        seen["config"] = config
-        return jnp.zeros((lhs.shape[0], rhs.shape[1]), BF16)
-
-    monkeypatch.setattr(grouped_matmul_dense, "grouped_matmul_fp8_block", record)
-    lhs = jnp.zeros((256, k), E4M3)
-    dense_matmul_fp8_block(lhs, jnp.ones((256, k // 128), F32), lhs, jnp.ones((2, k // 128), F32))
-    assert seen["config"].grid_minor_dim == minor_dim
-    assert seen["config"].num_consumers == (3 if minor_dim else 2)
+    # Streamed lhs scales take no per-tile table: three consumers and four stages at any K,
+    # persistent where the K steps are whole rounds of them. Prefetched, K = 16384 falls back
+    # to two consumers.
+    for k, persistent in ((4096, True), (16384, True), (640, False)):
+        config = fp8_block_default_config(
+            k, BF16, persistent_pipeline=True, stream_lhs_scales=stream
+        )
+        assert config.stream_lhs_scales == stream
+        if stream:
+            assert (config.num_consumers, config.max_concurrent_steps) == (3, 4), k
+            assert config.persistent_pipeline == persistent, k
+    assert fp8_block_default_config(16384, BF16).num_consumers == 2
+    with pytest.raises(TypeError, match="stream_lhs_scales must be a bool, got 1"):
+        fp8_block_default_config(4096, BF16, stream_lhs_scales=1)
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])

@@ -554,6 +554,22 @@ THREE_CONSUMER_CASES = {
         operands="fp8_block_dense",
         schedule=dict(max_concurrent_steps=2, persistent_pipeline=True, num_sms=4),
     ),
+    # The lhs scales streamed with the K steps instead of prefetched per tile.
+    "fp8_block_streamed_scales": dict(
+        operands="fp8_block",
+        schedule=dict(max_concurrent_steps=4, epilogue_buffers=1, stream_lhs_scales=True),
+    ),
+    "fp8_block_dense_streamed_scales_persistent_4_sms": dict(
+        operands="fp8_block_dense",
+        schedule=dict(
+            max_concurrent_steps=4,
+            epilogue_buffers=1,
+            persistent_pipeline=True,
+            stream_lhs_scales=True,
+            grid_minor_dim=1,
+            num_sms=4,
+        ),
+    ),
 }
 
 
