@@ -16,10 +16,9 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: every NVFP4 gpu test of the quantize
-#                                      files and tests/jax_qtrain, stop 38's compact 16×16 block
-#                                      amaxes reaching the layers, then quantize_ab's NVFP4
-#                                      variants and bench_quantize "extra")
+#                                      and their timing (now: stop 43's three-consumer gpu tests,
+#                                      block FP8's streamed lhs scales among them, then grouped_ab
+#                                      three_consumers --dense-only)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -87,29 +86,29 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (stop 38: the compact 16×16 block amaxes and their preload, whose kernel tests passed but
-  # 13 long NVFP4 layer / training tests of tests/jax_qtrain were not reached): every NVFP4 gpu
-  # test of the quantize files and of tests/jax_qtrain, then quantize_ab's NVFP4 variants
-  # ($PENDING_AB), grouped_ab sets if any ($PENDING_GROUPED_AB, e.g. block_tiles) and
-  # bench_quantize's "extra" cases ($PENDING_BENCH, empty for none). Then run `gpu and slow`.
-  # Point PENDING_* at the next path.
+  # (stop 43: block FP8's `stream_lhs_scales`, 1206 TFLOP/s dense in one run, whose
+  # random-scale gpu tests have not run): the three-consumer gpu tests of the grouped kernels,
+  # then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
+  # ($PENDING_GROUPED_AB with $PENDING_GROUPED_AB_ARGS) and bench_quantize's case groups
+  # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-nvfp4}" ${PENDING_FILES:-\
-    tests/pallas_kernels/test_quantize.py tests/jax_qtrain} \
+    -rfE -k "${PENDING_TESTS:-three_consumers}" ${PENDING_FILES:-\
+    tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  for kernel in ${PENDING_AB:-nvfp4_weight}; do
+  for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for variants in ${PENDING_GROUPED_AB:-}; do
-    timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" --variants "$variants" 2>&1 | tail -14
+  for variants in ${PENDING_GROUPED_AB-three_consumers}; do
+    timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" \
+      --variants "$variants" ${PENDING_GROUPED_AB_ARGS---dense-only} 2>&1 | tail -18
   done
   # bench_quantize's case groups ($PENDING_BENCH; "extra" times the NVFP4 dequantize kernel
   # with and without the float16 decode, CUPTI), when set.
-  if [[ -n ${PENDING_BENCH-extra} ]]; then
+  if [[ -n ${PENDING_BENCH-} ]]; then
     BENCH_BUDGET_S=${BENCH_BUDGET_S:-90} timeout 120 python3 benchmarks/bench_quantize.py \
-      "$OUT/bq" --cases="${PENDING_BENCH-extra}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
+      "$OUT/bq" --cases="${PENDING_BENCH}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
   fi
 elif [[ $STAGE == ncu ]]; then
   # Nsight Compute on one launch of each case of benchmarks/ncu_cases.py ($NCU_CASES), the

@@ -93,6 +93,10 @@ def kernel_cases():
         ("block fp8 gemm cluster_m 2", block(cluster_m=2)),
         # Three consumers of 64 rows (192 x (2 x 64) tiles): 512 threads, 128 registers each.
         ("block fp8 gemm 3 consumers", block(**THREE_CONSUMERS)),
+        (
+            "block fp8 gemm 3 consumers streamed scales",
+            block(**THREE_CONSUMERS, stream_lhs_scales=True),
+        ),
     ]
     three_consumers = dataclasses.replace(
         pk.GroupedMatmulConfig(), **THREE_CONSUMERS, max_concurrent_steps=3, epilogue_buffers=1
