@@ -56,10 +56,10 @@ PROFILE_K_LOOP, PROFILE_EPILOGUE, PROFILE_ZERO_TAIL = "k_loop", "epilogue", "zer
 NUM_CONSUMERS = 2
 # Registers a thread kept by the TMA warpgroup, by consumer count; the consumers share the
 # rest at run time (`setmaxnreg`): 232 each for two, 160 each for three (the PTX minimum of
-# 24 for the producer, as FlashAttention-3 gives its three-consumer kernels). ptxas itself
-# allocates within the launch bound, 65536 / threads: 168 a thread for three warpgroups, 128
-# for four (what `benchmarks/kernel_resources.py` reports, and the limit its C7602 error
-# names), so that is the budget a consumer's code must fit.
+# 24 for the producer, as FlashAttention-3 gives its three-consumer kernels). ptxas reports
+# the launch bound, 65536 / threads: 168 a thread for three warpgroups, 128 for four
+# (`benchmarks/kernel_resources.py`); with four, 64 x 256 consumer parts failed to compile
+# naming that 128 (GroupedMatmulConfig refuses them; docs/kernels_grouped_matmul.md).
 _PRODUCER_REGISTERS = {2: 40, 3: 24}
 
 

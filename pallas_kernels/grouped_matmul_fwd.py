@@ -43,11 +43,11 @@ SMEM_BYTES = common.SMEM_BYTES
 # f32 accumulator elements a consumer warpgroup may hold in registers, by consumer count
 # (192 or 128 a thread); the rest is for addresses, scales and the wgmma descriptors.
 _MAX_ACC_ELEMS_PER_WG = {2: 128 * 192, 3: 128 * 128}
-# Columns of one consumer's part with three consumers. ptxas compiles a four-warpgroup
-# kernel within 128 registers a thread (the driver's `_PRODUCER_REGISTERS`): on the H200
-# (2026-12-04) an m64n256 f32 wgmma (64 x 256 parts) failed to compile there (ptxas C7602,
-# "try a register target of 154"), while block FP8's two 64 x 128 accumulators compiled
-# without spills.
+# Columns of one consumer's part with three consumers. On the H200 (2026-12-04) 64 x 256
+# parts (one m64n256 f32 accumulator) failed to compile: ptxas C7602, "Insufficient registers
+# (128)", the launch bound of four warpgroups, though `setmaxnreg` raises the consumers to
+# 160 (which code was over it is not established: docs/kernels_grouped_matmul.md "Next
+# steps"); block FP8's two 64 x 128 accumulators compiled without spills.
 _MAX_COLS_THREE_CONSUMERS = 128
 
 
@@ -117,8 +117,8 @@ class GroupedMatmulConfig:
       one rhs scale block).
     num_consumers: consumer warpgroups per CTA: 2, or 3 with consumer_split="m" and
       tile_n=64, for a taller tile (each consumer 64 rows: tile_m=192, CTA tile 192 x 128).
-      ptxas compiles the kernel within 128 registers a thread then (4 warpgroups), so a
-      consumer's part is at most 64 x 128 (a 64 x 256 m64n256 accumulator did not compile).
+      A consumer's part is at most 64 x 128: with 64 x 256 parts ptxas failed for want of
+      registers (it named 128, the launch bound of 4 warpgroups; see `_MAX_COLS_THREE_CONSUMERS`).
       Made for block FP8, whose two live 64 x 128 accumulators (main and chunk) leave no
       room for a 128-row tile with two consumers: 192 x (2 x 64) reads 40 KB of lhs + rhs
       per K step for 3 M products where 64 x (2 x 128) reads 40 KB for 2 M; its default
@@ -221,8 +221,8 @@ class GroupedMatmulConfig:
         if self.num_consumers == 3 and 2 * self.tile_n > _MAX_COLS_THREE_CONSUMERS:
             raise ValueError(
                 f"num_consumers=3 needs tile_n=64 (each consumer's 2 * tile_n columns at most "
-                f"{_MAX_COLS_THREE_CONSUMERS}: ptxas compiles four warpgroups within 128 "
-                f"registers a thread), got tile_n={self.tile_n}"
+                f"{_MAX_COLS_THREE_CONSUMERS}: wider parts did not compile, ptxas found 128 "
+                f"registers a thread too few), got tile_n={self.tile_n}"
             )
         if self.num_consumers == 3 and self.stagger_consumers:
             raise ValueError("stagger_consumers needs num_consumers=2 (it orders a pair)")
