@@ -97,6 +97,13 @@ elif [[ $STAGE == pending ]]; then
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
+  # ptxas's resources of the kernels named by $PENDING_RESOURCES (stop 43: the 64 x 256
+  # three-consumer parts ptxas refused; their ptxas_error.txt comes back in the archive).
+  if [[ -n ${PENDING_RESOURCES-64x256} ]]; then
+    res=$(mktemp -d)
+    timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES-64x256}" | tail -4
+    tar -czf "$OUT/pending_resources.tar.gz" -C "$res" .
+  fi
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done

@@ -8,21 +8,27 @@ script sets them before importing jax) and collects ptxas's "Used N registers" l
     PYTHONPATH=. python3 benchmarks/kernel_resources.py OUT_DIR [NAME_PART]
 
 writes OUT_DIR/kernel_resources.md (one row per kernel whose name contains NAME_PART, default
-all) and leaves the raw dumps in OUT_DIR/mosaic_dump/.
+all) and leaves the raw dumps in OUT_DIR/mosaic_dump/. A kernel that ptxas refuses gets the
+PTX lines around the instruction it names in its dump folder (ptxas_error.txt), the error
+text included (captured from stderr, where Mosaic GPU prints it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 # Three consumer warpgroups, each 64 x 128 of a 192 x (2 x 64) CTA tile (GroupedMatmulConfig).
 THREE_CONSUMERS = dict(tile_m=192, tile_n=64, consumer_split="m", num_consumers=3)
 PTXAS_LINE = re.compile(r"Used (\d+) registers")
+# "ptxas fatal   : (C7602) Insufficient registers (128) to compile instruction at line 660 …"
+PTXAS_ERROR_LINE = re.compile(r"ptxas fatal\s*:.*? at line (\d+)")
 SPILL_LINE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -32,6 +38,35 @@ def summarize(ptxas_text: str) -> tuple[str, str]:
     regs = ", ".join(PTXAS_LINE.findall(ptxas_text)) or "?"
     spills = "; ".join("/".join(pair) for pair in SPILL_LINE.findall(ptxas_text)) or "?"
     return regs, spills
+
+
+def ptx_excerpt(error_text: str, ptx_text: str, context: int = 12) -> str | None:
+    """The PTX lines around the one a ptxas error names (marked ">>"), or None if it names
+    none."""
+    match = PTXAS_ERROR_LINE.search(error_text)
+    if match is None:
+        return None
+    line = int(match.group(1))
+    lines = ptx_text.splitlines()
+    first, last = max(0, line - 1 - context), min(len(lines), line + context)
+    return "\n".join(
+        f"{'>>' if i + 1 == line else '  '} {i + 1:6d}  {lines[i]}" for i in range(first, last)
+    )
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """Redirects file descriptor 2 (where the compiler's diagnostics go) to `path`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def kernel_cases():
@@ -113,6 +148,22 @@ def kernel_cases():
         )
         for fp8 in (False, True)
     ]
+
+    def wide_three_consumers():
+        # Diagnosis of stop 43's C7602 (docs/kernels_grouped_matmul.md "Next steps"): 64 x 256
+        # parts, which GroupedMatmulConfig refuses for three consumers, with its limit lifted
+        # for this compile only.
+        from pallas_kernels import grouped_matmul_fwd
+
+        limit = grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS
+        grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS = 256
+        try:
+            config = dataclasses.replace(three_consumers, tile_n=128)
+        finally:
+            grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS = limit
+        return grouped(8, False, config)()
+
+    grouped_cases.append(("grouped bf16 G=8 3 consumers 64x256 parts", wide_three_consumers))
     return [
         *block_cases,
         *grouped_cases,
@@ -163,6 +214,24 @@ def kernel_cases():
     ]
 
 
+def record_ptxas_error(case_dir: Path, diagnostics: str) -> str:
+    """Writes case_dir/ptxas_error.txt (ptxas's lines of `diagnostics` and the PTX around the
+    line they name) when ptxas refused the kernel; returns a note for the table row."""
+    errors = [line for line in diagnostics.splitlines() if "ptxas" in line]
+    if not errors:
+        return ""
+    # The dump's file names are Mosaic GPU's (C++); its PTX is the file with a PTX header.
+    dumps = [p.read_text(errors="replace") for p in case_dir.rglob("*") if p.is_file()]
+    ptx = max((text for text in dumps if "\n.target sm_" in text), key=len, default=None)
+    excerpt = ptx_excerpt(diagnostics, ptx) if ptx is not None else None
+    (case_dir / "ptxas_error.txt").write_text(
+        "\n".join(errors) + "\n\n" + (excerpt or "(no PTX dump, or no line named)") + "\n"
+    )
+    match = PTXAS_ERROR_LINE.search(diagnostics)
+    where = f" at PTX line {match.group(1)}" if match else ""
+    return f"; ptxas refused it{where} (ptxas_error.txt)"
+
+
 def main(out_dir: str, only: str = "") -> str:
     """ptxas's registers and spills of every case whose name contains `only`."""
     out = Path(out_dir)
@@ -180,11 +249,18 @@ def main(out_dir: str, only: str = "") -> str:
         case_dir.mkdir(parents=True, exist_ok=True)
         os.environ["MOSAIC_GPU_DUMP_TO"] = str(case_dir)
         print(f"=== compiling {name}", file=sys.stderr, flush=True)
+        diagnostics = Path(tempfile.mkstemp(suffix=".log")[1])
         try:
-            jax.block_until_ready(thunk())
+            with stderr_to(diagnostics):
+                jax.block_until_ready(thunk())
         except Exception as e:  # record and go on
-            rows.append(f"| {name} | error {type(e).__name__}: {str(e)[:80]} | | |")
+            note = record_ptxas_error(case_dir, diagnostics.read_text(errors="replace"))
+            rows.append(f"| {name} | error {type(e).__name__}: {str(e)[:80]}{note} | | |")
+            print(rows[-1], flush=True)
             continue
+        finally:
+            sys.stderr.write(diagnostics.read_text(errors="replace"))
+            diagnostics.unlink()
         text = "\n".join(
             p.read_text(errors="replace") for p in sorted(case_dir.rglob("*")) if p.is_file()
         )

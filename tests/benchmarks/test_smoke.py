@@ -4,6 +4,7 @@ device call is spent on it."""
 
 import importlib
 import json
+import os
 
 import pytest
 
@@ -405,6 +406,48 @@ ptxas info    : Function properties for anonymous_mosaic_gpu_kernel
 ptxas info    : Used 168 registers, used 2 barriers, 1 bytes smem"""
     assert kernel_resources.summarize(report) == ("168", "200/292")
     assert kernel_resources.summarize("nothing here") == ("?", "?")
+
+
+def test_kernel_resources_shows_the_ptx_line_ptxas_refused(tmp_path):
+    from benchmarks import kernel_resources
+
+    error = (
+        "loc(x): error: 'gpu.binary' op ptxas fatal   : (C7602) Insufficient registers (128) "
+        "to compile instruction at line 5 in function k. Try to compile with register target "
+        "of 154 or higher."
+    )
+    ptx = "\n".join([".version 8.8", ".target sm_90a", *(f"op{i}" for i in range(3, 12))])
+    excerpt = kernel_resources.ptx_excerpt(error, ptx, context=1)
+    assert excerpt.splitlines() == ["        4  op4", ">>      5  op5", "        6  op6"]
+    assert kernel_resources.ptx_excerpt("no line named", ptx) is None
+    # A case folder as the dump leaves it: the PTX found by its header, whatever its name.
+    (tmp_path / "k.something").write_text(ptx)
+    (tmp_path / "k.mlir").write_text("module {}")
+    note = kernel_resources.record_ptxas_error(tmp_path, "noise\n" + error + "\nmore noise")
+    assert note == "; ptxas refused it at PTX line 5 (ptxas_error.txt)"
+    written = (tmp_path / "ptxas_error.txt").read_text()
+    assert "C7602" in written and ">>      5  op5" in written and "noise" not in written
+    assert kernel_resources.record_ptxas_error(tmp_path, "a compile error of another kind") == ""
+    # Diagnostics printed to file descriptor 2 by the compiler are captured.
+    log = tmp_path / "stderr.log"
+    with kernel_resources.stderr_to(log):
+        os.write(2, b"ptxas fatal : from C++\n")
+    assert log.read_text() == "ptxas fatal : from C++\n"
+
+
+def test_kernel_resources_lifts_the_three_consumer_limit_for_one_compile_only():
+    # The 64 x 256 diagnosis case builds its config past the validation, then restores it
+    # (on the CPU the kernel itself cannot run: Mosaic GPU needs the GPU or the interpreter).
+    from benchmarks import kernel_resources
+    from pallas_kernels import grouped_matmul_fwd
+
+    cases = dict(kernel_resources.kernel_cases())
+    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+        cases["grouped bf16 G=8 3 consumers 64x256 parts"]()
+    assert grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS == 128
+    wide = dict(tile_m=192, tile_n=128, consumer_split="m", num_consumers=3)
+    with pytest.raises(ValueError, match="num_consumers=3 needs tile_n=64"):
+        grouped_matmul_fwd.GroupedMatmulConfig(**wide)
 
 
 def test_profile_step_sums_device_kernels_by_kind():
