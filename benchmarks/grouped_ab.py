@@ -56,8 +56,10 @@ for the run's clocks) are timed batch by batch in alternation
   that two-consumer tile, with late scale loads, the persistent pipeline, the lhs scales
   streamed with the K steps (`stream_lhs_scales`: four stages fit), 2-CTA clusters along
   N (the lhs tile multicast), the column tiles walked fastest, and two consumers splitting
-  128 x (2 x 64) tiles' rows (DeepGEMM's 128 x 128 with 64-row parts). G8 balanced and the
-  dense 8192³ GEMM, with XLA's dense bf16 and FP8 GEMMs as yardsticks. (Stop 43's first run
+  128 x (2 x 64) tiles' rows (DeepGEMM's 128 x 128 with 64-row parts). G8 balanced, G64
+  small experts (512 rows a group: where the grouped default keeps two consumers) and the
+  dense 8192³ GEMM (`--dense-only`: that alone), with XLA's dense bf16 and FP8 GEMMs of the
+  same flops as yardsticks. (Stop 43's first run
   also tried bf16 and FP8 rowwise in 192 x (2 x 128) tiles: ptxas could not compile their
   64 x 256 accumulators within four warpgroups' 128 registers a thread);
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
@@ -83,6 +85,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import bench_grouped_matmul
 from benchmarks.bench_grouped_matmul import (
     BF16,
     BF16_WGRAD_CONFIGS,
@@ -665,7 +668,15 @@ def main(
                 "variants='three_consumers' runs on the GPU only (192-row tiles; the kernel "
                 "tests cover them in the interpreter)"
             )
-        grouped = {} if dense_only else {"G8 balanced": shapes["G8 balanced"]}
+        grouped = (
+            {}
+            if dense_only
+            else {
+                "G8 balanced": shapes["G8 balanced"],
+                # 512 rows a group: below MIN_ROWS_PER_GROUP_THREE_CONSUMERS (stop 43's model).
+                "G64 small experts": bench_grouped_matmul.SHAPES["G64 small experts"],
+            }
+        )
         three_consumer_cases(run_case, grouped, DENSE_SIZE)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":

@@ -353,6 +353,12 @@ DEFAULT_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
 TWO_CONSUMER_FP8_BLOCK_CONFIG = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64
 )
+# Grouped calls with fewer lhs rows than this per group on average keep the two-consumer
+# tile. A group whose rows start anywhere computes about one extra row tile of rows (192
+# instead of 64; with the FP8-block recipe's 128-token alignment ~128 more), and three
+# consumers were ~1.17x faster per computed row (dense 8192³, stop 43), so they pay off from
+# ~700-800 rows a group: measured at 2048 (G8 balanced, +12%), not below (G64's 512 pending).
+MIN_ROWS_PER_GROUP_THREE_CONSUMERS = 1024
 
 
 def _smem_bytes(
@@ -697,6 +703,7 @@ def fp8_block_default_config(
     persistent_pipeline: bool = False,
     num_consumers: int = 3,
     stream_lhs_scales: bool = False,
+    rows_per_group: float | None = None,
 ) -> GroupedMatmulConfig:
     """The block-FP8 kernel's default config for contraction size ``k``, fitted to SMEM.
 
@@ -709,12 +716,21 @@ def fp8_block_default_config(
     (K past 12 K: with two stages the three-consumer dense 8192³ GEMM ran at 878 TFLOP/s,
     below the two consumers' 947, stop 43). ``stream_lhs_scales=True`` moves those scales
     into the pipeline's stages (see GroupedMatmulConfig), so three consumers keep four stages
-    at any K; the dense entry point asks for it.
+    at any K. ``rows_per_group``: a grouped call's lhs rows over its groups; below
+    `MIN_ROWS_PER_GROUP_THREE_CONSUMERS` three consumers' taller tiles waste more rows at the
+    group boundaries than they gain, so two are used (None: one group, as the dense GEMM).
     """
     if num_consumers not in (2, 3):
         raise ValueError(f"num_consumers must be 2 or 3, got {num_consumers!r}")
     if not isinstance(stream_lhs_scales, bool):
         raise TypeError(f"stream_lhs_scales must be a bool, got {stream_lhs_scales!r}")
+    if rows_per_group is not None:
+        if isinstance(rows_per_group, bool) or not isinstance(rows_per_group, (int, float)):
+            raise TypeError(f"rows_per_group must be a number or None, got {rows_per_group!r}")
+        if rows_per_group < 0:
+            raise ValueError(f"rows_per_group must be >= 0, got {rows_per_group}")
+        if rows_per_group < MIN_ROWS_PER_GROUP_THREE_CONSUMERS:
+            num_consumers = 2
     config = None
     if num_consumers == 3:
         config = dataclasses.replace(DEFAULT_FP8_BLOCK_CONFIG, stream_lhs_scales=stream_lhs_scales)
@@ -791,7 +807,8 @@ def grouped_matmul_fp8_block(
     common.check_shape("lhs_scale", lhs_scale, lhs_scale_shape)
     common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
     if config is None:
-        config = fp8_block_default_config(k, out_dtype)
+        rows_per_group = num_rows / num_groups if num_groups > 1 else None
+        config = fp8_block_default_config(k, out_dtype, rows_per_group=rows_per_group)
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     if config.tile_k != 128 or config.tile_n not in (64, 128):

@@ -1666,6 +1666,42 @@ def test_block_fp8_default_config_with_streamed_scales_keeps_three_consumers(str
         fp8_block_default_config(4096, BF16, stream_lhs_scales=1)
 
 
+def test_block_fp8_default_keeps_two_consumers_for_small_groups(monkeypatch):
+    from pallas_kernels import grouped_matmul_fwd
+    from pallas_kernels.grouped_matmul_fwd import (
+        MIN_ROWS_PER_GROUP_THREE_CONSUMERS,
+        fp8_block_default_config,
+    )
+
+    # Taller tiles waste more rows where groups start: three consumers from 1024 rows a group.
+    assert MIN_ROWS_PER_GROUP_THREE_CONSUMERS == 1024
+    for rows_per_group, consumers in ((None, 3), (2048, 3), (1024, 3), (1023.5, 2), (512, 2)):
+        config = fp8_block_default_config(4096, BF16, rows_per_group=rows_per_group)
+        assert config.num_consumers == consumers, rows_per_group
+    for bad, error in ((-1, ValueError), ("many", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="rows_per_group must be"):
+            fp8_block_default_config(4096, BF16, rows_per_group=bad)
+
+    # The grouped wrapper passes its lhs rows over its groups (one group: the dense rule).
+    seen = []
+
+    def record(group_sizes, operands, *, schedule, **kwargs):
+        seen.append(schedule.num_consumers)
+        return jnp.zeros((kwargs["num_rows"], kwargs["num_cols"]), kwargs["out_dtype"])
+
+    monkeypatch.setattr(grouped_matmul_fwd.driver, "ragged_rows_call", record)
+    for groups, rows in ((64, 32768), (8, 16384), (1, 512)):
+        lhs = jnp.zeros((rows, 256), E4M3)
+        grouped_matmul_fp8_block(
+            lhs,
+            jnp.ones((rows, 2), F32),
+            jnp.zeros((groups, 128, 256), E4M3),
+            jnp.ones((groups, 1, 2), F32),
+            jnp.full((groups,), rows // groups, jnp.int32),
+        )
+    assert seen == [2, 3, 3]
+
+
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 def test_block_fp8_default_is_three_consumers_while_three_stages_fit(out_dtype):
     from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
