@@ -870,7 +870,9 @@ def grouped_matmul_fp8_block(
         return (*windows, refs[2].at[:, rows]) if streamed else windows
 
     def allocation_refs(refs):
-        return (refs[0], refs[1].at[0], *refs[2:3]) if streamed else (refs[0], refs[1].at[0])
+        lhs_ref, rhs_ref, lhs_scale_ref = refs[0], refs[1], refs[2]
+        operands = (lhs_ref, rhs_ref.at[0])
+        return (*operands, lhs_scale_ref) if streamed else operands
 
     overlap = config.wgmma_in_flight == 1
 
