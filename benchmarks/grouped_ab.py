@@ -325,30 +325,46 @@ def three_consumer_variants(kind: str, k: int) -> dict[str, GroupedMatmulConfig]
     }
 
 
-def three_consumer_cases(run_case, shapes: dict, size: int) -> None:
-    """Block FP8's variants of `three_consumer_variants` on G8 balanced (grouped kernel) and
-    the dense size³ GEMM, with XLA's dense bf16 and FP8 GEMMs of the same flops (the first
-    expert's weight for G8) as yardsticks."""
+def dense_operands(size: int) -> tuple[jax.Array, jax.Array]:
+    """Random bf16 (size, size) lhs and rhs (N, K) of the dense cases."""
+    keys = jax.random.split(jax.random.key(9), 2)
+    return tuple(jax.random.normal(key, (size, size), jnp.float32).astype(BF16) for key in keys)
 
-    def xla_yardsticks(a16, b16) -> dict:
-        a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
-        return {
-            "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a16, b16)]),
-            "XLA dense fp8": (
-                jax.jit(
-                    lambda a, b: jax.lax.dot_general(
-                        a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
-                    )
-                ),
-                [(a8, b8)],
+
+def xla_nt_yardsticks(a16: jax.Array, b16: jax.Array) -> dict:
+    """XLA's bf16 and FP8 (codes of the same values) GEMMs a @ bᵀ, b (N, K)."""
+    a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
+    return {
+        "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a16, b16)]),
+        "XLA dense fp8": (
+            jax.jit(
+                lambda a, b: jax.lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
             ),
-        }
+            [(a8, b8)],
+        ),
+    }
+
+
+def config_candidates(prefix: str, configs: dict, call, args, interpret: bool) -> dict:
+    """run_case candidates: `call(*args, config=c)` under jit for each named config."""
+    return {
+        f"{prefix} {name}": (
+            jax.jit(lambda *xs, c=c: call(*xs, config=c, interpret=interpret)),
+            [args],
+        )
+        for name, c in configs.items()
+    }
+
+
+def three_consumer_cases(run_case, shapes: dict, size: int) -> None:
+    """Block FP8's variants of `three_consumer_variants` on the grouped `shapes` and the dense
+    size³ GEMM, with XLA's dense bf16 and FP8 GEMMs of the same flops (the first expert's
+    weight for the grouped shapes) as yardsticks."""
 
     def candidates(configs: dict, call, args) -> dict:
-        return {
-            f"fp8 block {name}": (jax.jit(lambda *xs, c=c: call(*xs, config=c)), [args])
-            for name, c in configs.items()
-        }
+        return config_candidates("fp8 block", configs, call, args, interpret=False)
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         x = random_operands(jax.random.key(7), g, m, k, n, sizes)[0]
@@ -365,13 +381,11 @@ def three_consumer_cases(run_case, shapes: dict, size: int) -> None:
             2 * m * k * n,
             {
                 **candidates(configs, grouped_matmul_fp8_block, args),
-                **xla_yardsticks(x["lhs"], x["rhs"][0]),
+                **xla_nt_yardsticks(x["lhs"], x["rhs"][0]),
             },
         )
         del x, args
-    keys = jax.random.split(jax.random.key(9), 2)
-    a16 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(BF16)
-    b16 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(BF16)
+    a16, b16 = dense_operands(size)
     a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
     a_scale = jnp.ones((size, size // 128), jnp.float32)
     b_scale = jnp.ones((size // 128, size // 128), jnp.float32)
@@ -381,7 +395,7 @@ def three_consumer_cases(run_case, shapes: dict, size: int) -> None:
         2 * size**3,
         {
             **candidates(configs, dense_matmul_fp8_block, (a8, a_scale, b8, b_scale)),
-            **xla_yardsticks(a16, b16),
+            **xla_nt_yardsticks(a16, b16),
         },
     )
 
@@ -470,21 +484,9 @@ def grouping_cases(run_case, shapes, bf16_config, fp8_config, interpret) -> None
 def cluster_m_cases(run_case, size: int, interpret: bool, tiny: dict | None) -> None:
     """The dense entry points' defaults against 2-CTA clusters along M (see the docstring)."""
     replace = dataclasses.replace
-    keys = jax.random.split(jax.random.key(9), 2)
-    a16 = jax.random.normal(keys[0], (size, size), jnp.float32).astype(BF16)
-    b16 = jax.random.normal(keys[1], (size, size), jnp.float32).astype(BF16)
+    a16, b16 = dense_operands(size)
     a8, b8 = a16.astype(E4M3), b16.astype(E4M3)
-    xla = {
-        "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a16, b16)]),
-        "XLA dense fp8": (
-            jax.jit(
-                lambda a, b: jax.lax.dot_general(
-                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
-                )
-            ),
-            [(a8, b8)],
-        ),
-    }
+    xla = xla_nt_yardsticks(a16, b16)
     flops = 2 * size**3
 
     def with_clusters(config: GroupedMatmulConfig, persistent_ok: bool) -> dict:
@@ -498,13 +500,7 @@ def cluster_m_cases(run_case, size: int, interpret: bool, tiny: dict | None) -> 
         return variants
 
     def dense_candidates(prefix: str, configs: dict, call, args) -> dict:
-        return {
-            f"{prefix} {name}": (
-                jax.jit(lambda *xs, c=c: call(*xs, config=c, interpret=interpret)),
-                [args],
-            )
-            for name, c in configs.items()
-        }
+        return config_candidates(prefix, configs, call, args, interpret)
 
     # bf16: the default has no wgmma in flight, so it may run persistent (8192 / 64 K steps).
     bf16 = with_clusters(

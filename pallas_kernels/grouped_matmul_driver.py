@@ -222,11 +222,7 @@ def ragged_rows_call(
     grouped_matmul_common's module docstring)."""
     packed = group_starts is not None
     tile_m, tile_n = schedule.tile_m, schedule.tile_n
-    num_consumers = schedule.num_consumers
-    if num_consumers not in _PRODUCER_REGISTERS or (
-        num_consumers != 2 and schedule.consumer_split != "m"
-    ):
-        raise ValueError(f"config: num_consumers={num_consumers}: 2, or 3 with consumer_split='m'")
+    num_consumers = schedule.num_consumers  # validated by GroupedMatmulConfig
     part_rows, part_cols = schedule.consumer_rows, schedule.consumer_cols
     epi_tile_n = schedule.epi_tile_n
     if part_cols % epi_tile_n:

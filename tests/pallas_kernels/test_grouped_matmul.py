@@ -285,52 +285,58 @@ ROWS_SPLIT_BLOCK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(ROWS_SPLIT_BLOCK_CASES))
-def test_fp8_block_consumers_splitting_rows_match_dequantized_reference(case):
+def ragged_block_fp8_case(config, seed: int, *, powers_of_two_lhs_scales: bool):
+    """The block-FP8 kernel in the interpreter and its dequantized reference: 300 rows in 4
+    groups (37, 0, 150, 60: shared tiles, an empty group, tail rows), N = 320 (ending in half
+    an rhs scale block). rhs scales are powers of two far apart per block, so a consumer that
+    reads its neighbour's block fails; lhs scales too, or uniform in [2^-4, 2^4]."""
     sizes = jnp.asarray([37, 0, 150, 60], jnp.int32)
-    k = keys(4, seed=43)
+    k = keys(4, seed=seed)
     lhs = random_fp8(k[0], (300, 256), E4M3)
     rhs = random_fp8(k[1], (4, 320, 256), E4M3)
-    # Scales far apart per block, so a consumer reading another's rows or block fails.
-    lhs_scale = 2.0 ** jax.random.randint(k[2], (300, 2), -6, 7).astype(jnp.float32)
+    if powers_of_two_lhs_scales:
+        lhs_scale = 2.0 ** jax.random.randint(k[2], (300, 2), -6, 7).astype(jnp.float32)
+    else:
+        lhs_scale = jax.random.uniform(k[2], (300, 2), jnp.float32, 2.0**-4, 2.0**4)
     rhs_scale = 2.0 ** jax.random.randint(k[3], (4, 3, 2), -6, 7).astype(jnp.float32)
     out = grouped_matmul_fp8_block(
-        lhs,
-        lhs_scale,
-        rhs,
-        rhs_scale,
-        sizes,
-        out_dtype=jnp.float32,
-        config=ROWS_SPLIT_BLOCK_CASES[case],
-        interpret=True,
+        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
     )
     ref = ref_ragged_rows(
         dequant_fp8_block(lhs, lhs_scale, 1, 128),
         dequant_fp8_block(rhs, rhs_scale, 128, 128),
         sizes,
     )
-    assert_close(out, ref, rel=1e-5)
+    return out, ref
 
 
-def test_fp8_block_dense_three_consumers():
-    # The dense entry point with 192-row tiles: 200 rows are one whole tile and a tail tile.
-    k = keys(4, seed=44)
+def dense_block_fp8_case(config, seed: int, out_dtype):
+    """`dense_matmul_fp8_block` in the interpreter and its dequantized reference: 200 x 256 @
+    (192 x 256)ᵀ, so row tiles of 64, 128 or 192 end in a partial one."""
+    k = keys(4, seed=seed)
     lhs8 = random_fp8(k[0], (200, 256), E4M3)
     rhs8 = random_fp8(k[1], (192, 256), E4M3)
     lhs_scale = jax.random.uniform(k[2], (200, 2), jnp.float32, 0.5, 2.0)
     rhs_scale = 2.0 ** jax.random.randint(k[3], (2, 2), -6, 7).astype(jnp.float32)
     out = dense_matmul_fp8_block(
-        lhs8,
-        lhs_scale,
-        rhs8,
-        rhs_scale,
-        out_dtype=BF16,
-        config=THREE_CONSUMER_BLOCK,
-        interpret=True,
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=out_dtype, config=config, interpret=True
     )
     ref = (
         dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
     )
+    return out, ref
+
+
+@pytest.mark.parametrize("case", list(ROWS_SPLIT_BLOCK_CASES))
+def test_fp8_block_consumers_splitting_rows_match_dequantized_reference(case):
+    config = ROWS_SPLIT_BLOCK_CASES[case]
+    out, ref = ragged_block_fp8_case(config, seed=43, powers_of_two_lhs_scales=True)
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_block_dense_three_consumers():
+    # 192-row tiles: 200 rows are one whole tile and a tail tile.
+    out, ref = dense_block_fp8_case(THREE_CONSUMER_BLOCK, seed=44, out_dtype=BF16)
     assert_close(out, ref, rel=2**-8)
 
 
@@ -342,38 +348,16 @@ TALL_BLOCK = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64)
 @pytest.mark.parametrize("wgmma_in_flight", [0, 1])
 def test_fp8_block_tall_tiles_match_dequantized_reference(wgmma_in_flight):
     config = dataclasses.replace(TALL_BLOCK, wgmma_in_flight=wgmma_in_flight)
-    sizes = jnp.asarray([37, 0, 150, 60], jnp.int32)
-    k = keys(4, seed=41)
-    lhs = random_fp8(k[0], (300, 256), E4M3)
-    rhs = random_fp8(k[1], (4, 320, 256), E4M3)
-    # Scales far apart per column block, so a consumer reading its neighbour's block fails.
-    lhs_scale = jax.random.uniform(k[2], (300, 2), jnp.float32, 2.0**-4, 2.0**4)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (4, 3, 2), -6, 7).astype(jnp.float32)
-    out = grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
-    )
-    ref = ref_ragged_rows(
-        dequant_fp8_block(lhs, lhs_scale, 1, 128),
-        dequant_fp8_block(rhs, rhs_scale, 128, 128),
-        sizes,
-    )
+    out, ref = ragged_block_fp8_case(config, seed=41, powers_of_two_lhs_scales=False)
     assert_close(out, ref, rel=1e-5)
 
 
 def test_fp8_block_dense_tall_tiles_and_bad_tile_n():
-    k = keys(4, seed=42)
-    lhs8 = random_fp8(k[0], (200, 256), E4M3)
-    rhs8 = random_fp8(k[1], (192, 256), E4M3)
-    lhs_scale = jax.random.uniform(k[2], (200, 2), jnp.float32, 0.5, 2.0)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (2, 2), -6, 7).astype(jnp.float32)
     config = dataclasses.replace(TALL_BLOCK, persistent_pipeline=True)
-    out = dense_matmul_fp8_block(
-        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=jnp.float32, config=config, interpret=True
-    )
-    ref = (
-        dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 128, 128).T
-    )
+    out, ref = dense_block_fp8_case(config, seed=42, out_dtype=jnp.float32)
     assert_close(out, ref, rel=1e-5)
+    lhs8, rhs8 = jnp.zeros((200, 256), E4M3), jnp.zeros((192, 256), E4M3)
+    lhs_scale, rhs_scale = jnp.ones((200, 2), jnp.float32), jnp.ones((2, 2), jnp.float32)
     wide = dataclasses.replace(TINY_BLOCK, tile_n=256)
     with pytest.raises(ValueError, match="tile_n=128 or 64, got tile_k=128, tile_n=256"):
         dense_matmul_fp8_block(lhs8, lhs_scale, rhs8, rhs_scale, config=wide, interpret=True)
@@ -733,30 +717,29 @@ def test_block_fp8_consumers_splitting_rows_need_one_scale_block_of_columns():
     k = keys(4, seed=33)
     lhs = random_fp8(k[0], (128, 128), E4M3)
     rhs = random_fp8(k[1], (1, 256, 128), E4M3)
-    # Each consumer would own 2 x 128 columns: two rhs scale blocks.
-    split = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=128, consumer_split="m")
-    with pytest.raises(ValueError, match="consumer_split='m' needs tile_n=64"):
-        grouped_matmul_fp8_block(
-            lhs,
-            jnp.ones((128, 1), jnp.float32),
-            rhs,
-            jnp.ones((1, 2, 1), jnp.float32),
-            jnp.asarray([128], jnp.int32),
-            config=split,
-            interpret=True,
-        )
-    # Three consumers hold 160 registers a thread: no room for a third live 64 x 128 tile.
-    three = dataclasses.replace(THREE_CONSUMER_BLOCK, wgmma_in_flight=1)
-    with pytest.raises(ValueError, match=r"with 3 consumers \(3 f32 tiles of it"):
-        grouped_matmul_fp8_block(
-            lhs,
-            jnp.ones((128, 1), jnp.float32),
-            rhs,
-            jnp.ones((1, 2, 1), jnp.float32),
-            jnp.asarray([128], jnp.int32),
-            config=three,
-            interpret=True,
-        )
+    refused = [
+        # Each consumer would own 2 x 128 columns: two rhs scale blocks.
+        (
+            dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=128, consumer_split="m"),
+            "consumer_split='m' needs tile_n=64",
+        ),
+        # Three consumers hold 160 registers a thread: no room for a third live 64 x 128 tile.
+        (
+            dataclasses.replace(THREE_CONSUMER_BLOCK, wgmma_in_flight=1),
+            r"with 3 consumers \(3 f32 tiles of it",
+        ),
+    ]
+    for config, needle in refused:
+        with pytest.raises(ValueError, match=needle):
+            grouped_matmul_fp8_block(
+                lhs,
+                jnp.ones((128, 1), jnp.float32),
+                rhs,
+                jnp.ones((1, 2, 1), jnp.float32),
+                jnp.asarray([128], jnp.int32),
+                config=config,
+                interpret=True,
+            )
 
 
 def test_persistent_pipeline_needs_whole_rounds_of_stages_and_no_wgmma_in_flight():
