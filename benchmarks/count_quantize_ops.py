@@ -66,17 +66,25 @@ def _install_capture() -> None:
     mgpu_core._run_serde_pass = capture
 
 
-def lowered_module(fn, shape=(128, 128), dtype=jnp.bfloat16) -> str:
-    """The Mosaic GPU module text of the one kernel `fn` launches, lowered for an H200."""
+def mosaic_modules(fn, *avals: jax.ShapeDtypeStruct) -> list[str]:
+    """The Mosaic GPU module texts of the kernels `fn` launches, lowered for an H200 on any
+    host (the modules as Mosaic GPU serializes them, before the GPU-side passes and ptxas)."""
     _install_capture()
     _CAPTURED.clear()
     device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    jax.clear_caches()  # a cached lowering would not reach the capture
     with jax.sharding.use_abstract_mesh(mesh):
-        jax.export.export(jax.jit(fn), platforms=["cuda"])(jax.ShapeDtypeStruct(shape, dtype))
-    if len(_CAPTURED) != 1:
-        raise RuntimeError(f"expected one Mosaic GPU kernel, lowered {len(_CAPTURED)}")
-    return _CAPTURED[0]
+        jax.export.export(jax.jit(fn), platforms=["cuda"])(*avals)
+    return list(_CAPTURED)
+
+
+def lowered_module(fn, shape=(128, 128), dtype=jnp.bfloat16) -> str:
+    """The Mosaic GPU module text of the one kernel `fn` launches, lowered for an H200."""
+    modules = mosaic_modules(fn, jax.ShapeDtypeStruct(shape, dtype))
+    if len(modules) != 1:
+        raise RuntimeError(f"expected one Mosaic GPU kernel, lowered {len(modules)}")
+    return modules[0]
 
 
 def alu_ops(text: str) -> collections.Counter:

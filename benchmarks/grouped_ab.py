@@ -60,8 +60,16 @@ for the run's clocks) are timed batch by batch in alternation
   small experts (512 rows a group: where the grouped default keeps two consumers) and the
   dense 8192³ GEMM (`--dense-only`: that alone), with XLA's dense bf16 and FP8 GEMMs of the
   same flops as yardsticks. (Stop 43's first run
-  also tried bf16 and FP8 rowwise in 192 x (2 x 128) tiles: ptxas could not compile their
-  64 x 256 accumulators within four warpgroups' 128 registers a thread);
+  also tried bf16 and FP8 rowwise in 192 x (2 x 128) tiles: ptxas refused their one m64n256
+  wgmma per consumer; see ``wide_three_consumers``);
+* ``wide_three_consumers``: the bf16 and FP8 rowwise defaults (128 x (2 x 128), two
+  consumers) against three consumers of 64 x 256 in 192 x (2 x 128) tiles, each issuing two
+  m64n128 wgmmas per K slice (ptxas refuses one m64n256 with four warpgroups:
+  benchmarks/ptxas_wgmma_budget.py): 56 KB of lhs + rhs per 64-wide K step for 3.1 M
+  products instead of 48 KB for 2.1 M, a fifth less L2 traffic per product, for as much
+  shared-memory traffic per product and ~3% more rows computed at G8's group starts; with two
+  epilogue buffers, the persistent pipeline (two stages) and columns walked fastest. G8
+  balanced only; block FP8's default as the clock yardstick;
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -70,7 +78,8 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|cluster_m|three_consumers|wgrad] [--dense-only]
+                    consumer_split|cluster_m|three_consumers|wide_three_consumers|wgrad]
+        [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
 interpreter (a smoke test; the numbers mean nothing).
@@ -253,6 +262,31 @@ def wide_tile_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulCo
     }
 
 
+def wide_three_consumer_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The bf16 / FP8 rowwise default against three consumers of 64 x 256 in 192 x (2 x 128)
+    tiles (see the docstring): three stages and one epilogue buffer, two buffers, the
+    persistent pipeline (two stages: K steps must be whole rounds) and columns walked
+    fastest."""
+    replace = dataclasses.replace
+    three = replace(
+        config,
+        tile_m=192,
+        consumer_split="m",
+        num_consumers=3,
+        max_concurrent_steps=3,
+        epilogue_buffers=1,
+    )
+    return {
+        "default": config,
+        "3 consumers": three,
+        "3 consumers, 2 epilogue buffers": replace(three, epilogue_buffers=2),
+        "3 consumers, persistent, 2 stages": replace(
+            three, persistent_pipeline=True, wgmma_in_flight=0, max_concurrent_steps=2
+        ),
+        "3 consumers, columns minor": replace(three, grid_minor_dim=1),
+    }
+
+
 def consumer_split_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
     """The default, then its consumers splitting the tile's rows (see the docstring): alone,
     with one more stage (bf16, whose 48 KB stages leave room for a fourth with one epilogue
@@ -411,6 +445,7 @@ VARIANT_SETS = {
     "consumer_split": consumer_split_variants,  # bf16 and FP8 rowwise; block FP8 default
     "cluster_m": None,  # dense entry points only: see cluster_m_cases
     "three_consumers": None,  # per format and shape: see three_consumer_cases
+    "wide_three_consumers": wide_three_consumer_variants,  # bf16 and FP8 rowwise
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -682,7 +717,8 @@ def main(
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_cases(run_case, shapes, interpret, tiny_wgrad)
         shapes, dense_size = {}, 0
-    if variants in ("defaults", "block_tiles", "stagger", "wide_tiles", "consumer_split"):
+    single_shape = ("defaults", "block_tiles", "stagger", "wide_tiles", "consumer_split")
+    if variants in single_shape or variants == "wide_three_consumers":
         shapes = {"G8 balanced": shapes["G8 balanced"]}
         if not small:
             bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
@@ -696,7 +732,8 @@ def main(
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:
             return variant_configs(block_config, k)
-        if variants in ("wide_tiles", "consumer_split"):  # a yardstick of the run's clocks
+        if variants in ("wide_tiles", "consumer_split", "wide_three_consumers"):
+            # a yardstick of the run's clocks
             return {"default": block_config}
         return variant_configs(block_config)
 

@@ -16,9 +16,10 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: stop 43's three-consumer gpu tests,
-#                                      block FP8's streamed lhs scales among them, then grouped_ab
-#                                      three_consumers --dense-only)
+#                                      and their timing (now: the three-consumer gpu tests, block
+#                                      FP8's streamed lhs scales and stop 44's 64 x 256 parts among
+#                                      them, ptxas on those parts, then grouped_ab three_consumers
+#                                      --dense-only; next call: grouped_ab wide_three_consumers)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -97,8 +98,9 @@ elif [[ $STAGE == pending ]]; then
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  # ptxas's resources of the kernels named by $PENDING_RESOURCES (stop 43: the 64 x 256
-  # three-consumer parts ptxas refused; their ptxas_error.txt comes back in the archive).
+  # ptxas's resources of the kernels named by $PENDING_RESOURCES (the 64 x 256 three-consumer
+  # parts: refused in stop 43 as one m64n256 wgmma each, two m64n128 since stop 44; a refusal
+  # writes ptxas_error.txt into the archive).
   if [[ -n ${PENDING_RESOURCES-64x256} ]]; then
     res=$(mktemp -d)
     timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES-64x256}" | tail -4

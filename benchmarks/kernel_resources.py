@@ -149,21 +149,15 @@ def kernel_cases():
         for fp8 in (False, True)
     ]
 
-    def wide_three_consumers():
-        # Diagnosis of stop 43's C7602 (docs/kernels_grouped_matmul.md "Next steps"): 64 x 256
-        # parts, which GroupedMatmulConfig refuses for three consumers, with its limit lifted
-        # for this compile only.
-        from pallas_kernels import grouped_matmul_fwd
-
-        limit = grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS
-        grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS = 256
-        try:
-            config = dataclasses.replace(three_consumers, tile_n=128)
-        finally:
-            grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS = limit
-        return grouped(8, False, config)()
-
-    grouped_cases.append(("grouped bf16 G=8 3 consumers 64x256 parts", wide_three_consumers))
+    # 64 x 256 parts (192 x (2 x 128) CTA tiles): one m64n256 wgmma per consumer was refused
+    # in stop 43 (C7602, benchmarks/ptxas_wgmma_budget.py); since stop 44 two m64n128 each.
+    grouped_cases += [
+        (
+            f"grouped {'fp8 rowwise' if fp8 else 'bf16'} G=8 3 consumers 64x256 parts",
+            grouped(8, fp8, dataclasses.replace(three_consumers, tile_n=128, tile_k=tile_k)),
+        )
+        for fp8, tile_k in ((False, 64), (True, 128))
+    ]
     return [
         *block_cases,
         *grouped_cases,

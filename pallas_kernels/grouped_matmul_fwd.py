@@ -43,12 +43,15 @@ SMEM_BYTES = common.SMEM_BYTES
 # f32 accumulator elements a consumer warpgroup may hold in registers, by consumer count
 # (192 or 128 a thread); the rest is for addresses, scales and the wgmma descriptors.
 _MAX_ACC_ELEMS_PER_WG = {2: 128 * 192, 3: 128 * 128}
-# Columns of one consumer's part with three consumers. On the H200 (2026-12-04) 64 x 256
-# parts (one m64n256 f32 accumulator) failed to compile: ptxas C7602, "Insufficient registers
-# (128)", the launch bound of four warpgroups, though `setmaxnreg` raises the consumers to
-# 160 (which code was over it is not established: docs/kernels_grouped_matmul.md "Next
-# steps"); block FP8's two 64 x 128 accumulators compiled without spills.
-_MAX_COLS_THREE_CONSUMERS = 128
+# Columns of one wgmma's f32 accumulator, by consumer count. ptxas checks each instruction
+# against the kernel's entry register budget, 65536 / threads, and not against the budget
+# `setmaxnreg` raises the consumers to: with four warpgroups (three consumers) that is 128,
+# and a wgmma of N f32 columns needs N / 2 + 26 (ptxas 13.0 on hand-written PTX,
+# benchmarks/ptxas_wgmma_budget.py: m64n256 "Insufficient registers (128) ... try 154", the
+# H200's own refusal of 64 x 256 parts in stop 43; m64n200 compiles). A wider part is issued
+# as several 128-column wgmmas, which together may hold up to the raised budget (two
+# m64n128 accumulators, 128 registers, compile without spills under setmaxnreg 160).
+_MAX_WGMMA_COLS = {2: 256, 3: 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,17 +115,20 @@ class GroupedMatmulConfig:
       m64n(tile_n) ones that both read the consumer's rhs columns (a sixth less shared memory
       read per product at 128 x (2 x 128), the same accumulator registers; CUTLASS's
       "cooperative" Hopper kernels split the rows the same way). Needs tile_m a multiple of
-      64 * num_consumers and 2 * tile_n <= 256 (one wgmma); `grouped_matmul` (16-bit and
-      FP8 rowwise), and the block-FP8 kernels with tile_n=64 (each consumer's 128 columns
-      one rhs scale block).
-    num_consumers: consumer warpgroups per CTA: 2, or 3 with consumer_split="m" and
-      tile_n=64, for a taller tile (each consumer 64 rows: tile_m=192, CTA tile 192 x 128).
-      A consumer's part is at most 64 x 128: with 64 x 256 parts ptxas failed for want of
-      registers (it named 128, the launch bound of 4 warpgroups; see `_MAX_COLS_THREE_CONSUMERS`).
-      Made for block FP8, whose two live 64 x 128 accumulators (main and chunk) leave no
-      room for a 128-row tile with two consumers: 192 x (2 x 64) reads 40 KB of lhs + rhs
-      per K step for 3 M products where 64 x (2 x 128) reads 40 KB for 2 M; its default
-      since stop 43 (H200: dense 8192³ 947 -> 1101 TFLOP/s, G8 894 -> 1000, the same bits).
+      64 * num_consumers and 2 * tile_n <= 256; `grouped_matmul` (16-bit and FP8
+      rowwise), and the block-FP8 kernels with tile_n=64 (each consumer's 128 columns one
+      rhs scale block).
+    num_consumers: consumer warpgroups per CTA: 2, or 3 with consumer_split="m", for a
+      taller tile (each consumer 64 rows: tile_m=192, CTA tile 192 x 2 * tile_n). With three,
+      a consumer issues its part as wgmmas of at most 128 columns (two per K slice for 64 x
+      256 parts, tile_n=128): ptxas refuses one m64n256 in a four-warpgroup kernel
+      (`_MAX_WGMMA_COLS`). Made for block FP8, whose two live 64 x 128 accumulators (main
+      and chunk) leave no room for a 128-row tile with two consumers: 192 x (2 x 64) reads
+      40 KB of lhs + rhs per K step for 3 M products where 64 x (2 x 128) reads 40 KB for
+      2 M; its default since stop 43 (H200: dense 8192³ 947 -> 1101 TFLOP/s, G8 894 -> 1000,
+      the same bits). For bf16 / FP8 rowwise, 192 x (2 x 128) tiles read 56 KB of lhs + rhs
+      per 64-wide K step for 3.1 M products where the 128 x (2 x 128) default reads 48 KB for
+      2.1 M (a fifth less L2 traffic per product); not yet timed on the H200.
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -217,12 +223,6 @@ class GroupedMatmulConfig:
             raise ValueError(
                 "num_consumers=3 needs consumer_split='m' (the CTA tile is tile_m x 2 * tile_n; "
                 "three consumers split its rows)"
-            )
-        if self.num_consumers == 3 and 2 * self.tile_n > _MAX_COLS_THREE_CONSUMERS:
-            raise ValueError(
-                f"num_consumers=3 needs tile_n=64 (each consumer's 2 * tile_n columns at most "
-                f"{_MAX_COLS_THREE_CONSUMERS}: wider parts did not compile, ptxas found 128 "
-                f"registers a thread too few), got tile_n={self.tile_n}"
             )
         if self.num_consumers == 3 and self.stagger_consumers:
             raise ValueError("stagger_consumers needs num_consumers=2 (it orders a pair)")
@@ -570,18 +570,31 @@ def grouped_matmul(
     def allocation_refs(refs):
         return (refs[0], refs[1].at[0])
 
-    def step(refs, ctx, smem_refs, acc_ref):
+    # A consumer's part as one wgmma, or as several of _MAX_WGMMA_COLS columns (three
+    # consumers with 64 x 256 parts: consumer_split="m", whose parts start at column 0).
+    part_rows, part_cols = config.consumer_part_shape()
+    wgmma_cols = min(part_cols, _MAX_WGMMA_COLS[config.num_consumers])
+    num_wgmmas = part_cols // wgmma_cols
+
+    def rhs_operand(rhs_smem, cols):
+        if rhs_layout == "nk":
+            return rhs_smem.at[cols].transpose((1, 0))
+        return rhs_smem.at[:, cols]
+
+    def step(refs, ctx, smem_refs, acc_refs):
         lhs_smem, rhs_smem = smem_refs
         # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
         lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
-        if rhs_layout == "nk":
-            rhs_operand = rhs_smem.at[ctx.col_slice].transpose((1, 0))
+        if num_wgmmas == 1:
+            plgpu.wgmma(acc_refs[0], lhs_operand, rhs_operand(rhs_smem, ctx.col_slice))
         else:
-            rhs_operand = rhs_smem.at[:, ctx.col_slice]
-        plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
-        # The stage read by the wgmma still in flight is released one step later.
-        plgpu.wgmma_wait(in_flight)
-        return acc_ref
+            for i, acc_ref in enumerate(acc_refs):
+                cols = pl.ds(i * wgmma_cols, wgmma_cols)
+                plgpu.wgmma(acc_ref, lhs_operand, rhs_operand(rhs_smem, cols))
+        # The stage read by the wgmmas still in flight is released one step later (each
+        # wgmma call is one commit group).
+        plgpu.wgmma_wait(in_flight * num_wgmmas)
+        return acc_refs
 
     prefetches = []
     if lhs_scale_kind == "row":
@@ -590,11 +603,13 @@ def grouped_matmul(
         prefetches.append(driver.TilePrefetch(rhs_scale_index, "group_cols"))
 
     def run_tile(refs, ctx, run_pipeline):
-        def with_acc(acc_ref):
-            run_pipeline(acc_ref)
-            return acc_ref[...]
+        def with_accs(*acc_refs):
+            run_pipeline(acc_refs)
+            parts = [acc_ref[...] for acc_ref in acc_refs]
+            return parts[0] if num_wgmmas == 1 else jnp.concatenate(parts, axis=1)
 
-        values = pl.run_scoped(with_acc, plgpu.ACC(config.consumer_part_shape(), jnp.float32))
+        acc_types = [plgpu.ACC((part_rows, wgmma_cols), jnp.float32)] * num_wgmmas
+        values = pl.run_scoped(with_accs, *acc_types)
         next_prefetch = 0
         if lhs_scale_kind == "tensor":
             values = values * refs[lhs_scale_index][0]

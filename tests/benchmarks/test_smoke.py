@@ -5,6 +5,7 @@ device call is spent on it."""
 import importlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -148,39 +149,35 @@ def test_grouped_ab_three_consumer_variants_fit_shared_memory():
         grouped_ab.main(None, small=True, variants="schedule", dense_only=True)
 
 
-def test_grouped_ab_wide_tile_variants_fit_shared_memory():
-    # The wide_tiles set (timed on the H200 only): 64 x (2 x 256) CTA tiles of the bf16 and FP8
-    # rowwise defaults, each within shared memory with its scale vectors (FP8) and bf16 output.
+# Sets timed on the H200 only: (variant function, number of variants, what every variant
+# but the default has). wide_tiles: 64 x (2 x 256) CTA tiles; consumer_split: consumers that
+# split the rows; wide_three_consumers: three consumers of 64 x 256 in 192 x (2 x 128) tiles.
+GROUPED_AB_SETS = {
+    "wide_tiles": (4, lambda c: (c.tile_m, c.tile_n) == (64, 256)),
+    "consumer_split": (5, lambda c: c.consumer_split == "m"),
+    "wide_three_consumers": (
+        5,
+        lambda c: (c.tile_m, c.tile_n, c.num_consumers, c.consumer_split) == (192, 128, 3, "m"),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant_set", sorted(GROUPED_AB_SETS))
+def test_grouped_ab_variants_of_the_defaults_fit_shared_memory(variant_set):
+    # Each variant of the bf16 and FP8 rowwise defaults is a valid config that fits in shared
+    # memory with its scale vectors (FP8) and bf16 output.
     import jax.numpy as jnp
 
     from benchmarks import grouped_ab
     from pallas_kernels import grouped_matmul_fwd as fwd
 
+    count, has_shape = GROUPED_AB_SETS[variant_set]
     for default, itemsize in ((fwd.DEFAULT_BF16_CONFIG, 2), (fwd.DEFAULT_FP8_CONFIG, 1)):
-        variants = grouped_ab.wide_tile_variants(default)
+        variants = grouped_ab.VARIANT_SETS[variant_set](default)
         assert next(iter(variants)) == "default" and variants["default"] == default
-        assert len(variants) == 4
+        assert len(variants) == count
         for name, config in list(variants.items())[1:]:
-            assert (config.tile_m, config.tile_n) == (64, 256), name
-            stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * itemsize
-            scales = fwd._vector_bytes(config) if itemsize == 1 else 0
-            assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
-
-
-def test_grouped_ab_consumer_split_variants_fit_shared_memory():
-    # The consumer_split set (timed on the H200 only): every variant of the bf16 and FP8
-    # rowwise defaults splits the rows and fits in shared memory with bf16 output.
-    import jax.numpy as jnp
-
-    from benchmarks import grouped_ab
-    from pallas_kernels import grouped_matmul_fwd as fwd
-
-    for default, itemsize in ((fwd.DEFAULT_BF16_CONFIG, 2), (fwd.DEFAULT_FP8_CONFIG, 1)):
-        variants = grouped_ab.consumer_split_variants(default)
-        assert variants["default"] == default and default.consumer_split == "n"
-        assert len(variants) == 5
-        for name, config in list(variants.items())[1:]:
-            assert config.consumer_split == "m", name
+            assert has_shape(config), name
             stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * itemsize
             scales = fwd._vector_bytes(config) if itemsize == 1 else 0
             assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
@@ -435,19 +432,31 @@ def test_kernel_resources_shows_the_ptx_line_ptxas_refused(tmp_path):
     assert log.read_text() == "ptxas fatal : from C++\n"
 
 
-def test_kernel_resources_lifts_the_three_consumer_limit_for_one_compile_only():
-    # The 64 x 256 diagnosis case builds its config past the validation, then restores it
-    # (on the CPU the kernel itself cannot run: Mosaic GPU needs the GPU or the interpreter).
+def test_kernel_resources_has_the_wide_three_consumer_cases():
+    # On the CPU the kernels themselves cannot run (Mosaic GPU needs the GPU or the
+    # interpreter); their configs pass GroupedMatmulConfig's validation since stop 44.
     from benchmarks import kernel_resources
-    from pallas_kernels import grouped_matmul_fwd
 
     cases = dict(kernel_resources.kernel_cases())
-    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
-        cases["grouped bf16 G=8 3 consumers 64x256 parts"]()
-    assert grouped_matmul_fwd._MAX_COLS_THREE_CONSUMERS == 128
-    wide = dict(tile_m=192, tile_n=128, consumer_split="m", num_consumers=3)
-    with pytest.raises(ValueError, match="num_consumers=3 needs tile_n=64"):
-        grouped_matmul_fwd.GroupedMatmulConfig(**wide)
+    for kind in ("bf16", "fp8 rowwise"):
+        with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+            cases[f"grouped {kind} G=8 3 consumers 64x256 parts"]()
+
+
+@pytest.mark.skipif(
+    shutil.which("ptxas") is None and not os.environ.get("PTXAS"), reason="needs ptxas"
+)
+def test_ptxas_wgmma_budget_finds_the_four_warpgroup_limit(tmp_path):
+    # The rule _MAX_WGMMA_COLS encodes: with 512 threads one m64n256 is refused at 128
+    # registers (it needs 154, stop 43's H200 refusal), two m64n128 compile.
+    from benchmarks import ptxas_wgmma_budget
+
+    table = ptxas_wgmma_budget.main(str(tmp_path / "budget.md"))
+    rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 512")}
+    assert "refused: C7602, budget 128, needs 154" in rows["m64n256"]
+    assert "compiles (128 registers at entry)" in rows["m64n128 + m64n128"]
+    assert "compiles" in rows["m64n200"] and "refused" in rows["m64n208"]
+    assert (tmp_path / "budget.md").read_text() == table
 
 
 def test_profile_step_sums_device_kernels_by_kind():

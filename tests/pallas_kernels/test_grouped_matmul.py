@@ -12,6 +12,7 @@ bf16 outputs to bf16 rounding (2^-8 relative).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
+from benchmarks.count_quantize_ops import mosaic_modules
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
@@ -658,6 +660,22 @@ ROWS_SPLIT_CASES = {
         fp8=True,
         schedule=dict(tile_m=192, num_consumers=3, persistent_pipeline=True),
     ),
+    # 64 x 256 parts (tile_n=128): each consumer issues two 128-column wgmmas per K slice
+    # into two accumulators (a single m64n256 does not compile with four warpgroups).
+    "bf16_three_consumers_wide": dict(
+        sizes=[37, 0, 90], schedule=dict(tile_m=192, tile_n=128, num_consumers=3)
+    ),
+    "bf16_kn_three_consumers_wide": dict(
+        sizes=[37, 0, 90],
+        rhs_layout="kn",
+        out_dtype=BF16,
+        schedule=dict(tile_m=192, tile_n=128, num_consumers=3),
+    ),
+    "fp8_three_consumers_wide_in_flight": dict(
+        sizes=[37, 0, 123],
+        fp8=True,
+        schedule=dict(tile_m=192, tile_n=128, num_consumers=3, wgmma_in_flight=1),
+    ),
 }
 
 
@@ -1206,11 +1224,6 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             lambda: GroupedMatmulConfig(tile_m=128, tile_n=64, consumer_split="m", num_consumers=3),
             "multiple of 192",
         ),
-        (
-            # A 64 x 256 accumulator did not compile within four warpgroups' 128 registers.
-            lambda: GroupedMatmulConfig(tile_m=192, consumer_split="m", num_consumers=3),
-            "num_consumers=3 needs tile_n=64",
-        ),
     ],
 )
 def test_bad_configs_raise(factory, needle):
@@ -1313,6 +1326,13 @@ H200_BF16 = GroupedMatmulConfig(
 )
 H200_BLOCK = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64, wgmma_in_flight=1
+)
+# Three consumers of 64 x 256 (two 128-column wgmmas each) in 192 x (2 x 128) CTA tiles.
+WIDE_THREE_CONSUMER_BF16 = dataclasses.replace(
+    DEFAULT_BF16_CONFIG, tile_m=192, consumer_split="m", num_consumers=3, epilogue_buffers=1
+)
+WIDE_THREE_CONSUMER_FP8 = dataclasses.replace(
+    DEFAULT_FP8_CONFIG, tile_m=192, consumer_split="m", num_consumers=3, max_concurrent_steps=3
 )
 THREE_CONSUMER_H200_BLOCK = dataclasses.replace(
     H200_BLOCK, tile_m=192, tile_n=64, consumer_split="m", num_consumers=3, wgmma_in_flight=0
@@ -1571,6 +1591,16 @@ CROSS_LOWERING_CASES = {
         ),
         (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
     ),
+    "bf16_fwd_three_consumers_wide": (
+        lambda a, b, g: grouped_matmul(a, b, g, config=WIDE_THREE_CONSUMER_BF16),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "fp8_fwd_rowwise_three_consumers_wide": (
+        lambda a, b, g, sa, sb: grouped_matmul(
+            a, b, g, lhs_scale=sa, rhs_scale=sb, config=WIDE_THREE_CONSUMER_FP8
+        ),
+        (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
+    ),
     "small_experts_fwd": (
         lambda a, b, g: grouped_matmul(
             a,
@@ -1595,6 +1625,22 @@ def test_cross_lowers_for_h200(name):
     fn, avals = CROSS_LOWERING_CASES[name]
     module = _lower_for_h200(fn, *avals)
     assert "mosaic_gpu" in module
+
+
+_WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k\d+")
+
+
+@pytest.mark.parametrize(
+    "name", ["bf16_fwd_three_consumers_wide", "fp8_fwd_rowwise_three_consumers_wide"]
+)
+def test_three_consumer_wide_parts_issue_no_wgmma_ptxas_refuses(name):
+    # With four warpgroups ptxas checks each instruction against 128 registers a thread: one
+    # m64n256 (128 accumulator registers) is refused, so 64 x 256 parts are issued as
+    # 128-column wgmmas (benchmarks/ptxas_wgmma_budget.py has the rule).
+    fn, avals = CROSS_LOWERING_CASES[name]
+    (module,) = mosaic_modules(fn, *avals)
+    widths = {int(n) for n in _WGMMA_SHAPE.findall(module)}
+    assert widths == {128}
 
 
 def test_fp8_operand_that_is_not_k_major_is_refused():

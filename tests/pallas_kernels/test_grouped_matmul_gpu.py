@@ -533,8 +533,8 @@ def test_gpu_consumers_splitting_rows_give_the_default_bits(case):
     np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
 
 
-# Three consumer warpgroups of 64 rows each (192 x (2 x 64) CTA tiles, compiled within 128
-# registers a thread): every output element sums the same products in the same K order (for
+# Three consumer warpgroups of 64 rows each (192 x (2 x 64) CTA tiles, or 192 x (2 x 128) for
+# bf16 / FP8 rowwise): every output element sums the same products in the same K order (for
 # block FP8: the same 128-wide chunks promoted in the same order) as under two consumers'
 # tiles, so the bits must match theirs. 1000 rows in 5 uneven groups give tiles whose visits
 # cover one, two or three consumers' parts; 4 SMs make each CTA run several tiles
@@ -547,6 +547,22 @@ THREE_CONSUMER_CASES = {
         operands="fp8",
         schedule=dict(
             max_concurrent_steps=2, wgmma_in_flight=0, persistent_pipeline=True, num_sms=4
+        ),
+    ),
+    # 64 x 256 parts (192 x (2 x 128) tiles): two 128-column wgmmas per consumer and K slice
+    # (one m64n256 was refused by ptxas with four warpgroups).
+    "bf16_wide_parts": dict(operands="bf16", schedule=dict(tile_n=128, max_concurrent_steps=3)),
+    "fp8_rowwise_wide_parts": dict(
+        operands="fp8", schedule=dict(tile_n=128, max_concurrent_steps=3)
+    ),
+    "fp8_rowwise_wide_parts_persistent_4_sms": dict(
+        operands="fp8",
+        schedule=dict(
+            tile_n=128,
+            max_concurrent_steps=2,
+            wgmma_in_flight=0,
+            persistent_pipeline=True,
+            num_sms=4,
         ),
     ),
     "fp8_block": dict(operands="fp8_block", schedule=dict(max_concurrent_steps=2)),
@@ -599,7 +615,7 @@ def test_gpu_three_consumers_give_the_default_bits(case):
             ref = ref_ragged_rows(lhs_dq, rhs_dq, SIZES)
         # Two consumers in 64 x (2 x 128) tiles (the default until stop 43) against three.
         base = fp8_block_default_config(K_DIM, F32, persistent_pipeline=dense, num_consumers=2)
-        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 1e-3
     elif operands == "fp8":
         lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
@@ -618,7 +634,7 @@ def test_gpu_three_consumers_give_the_default_bits(case):
         )
         # 128-byte rows of float32 output: 32 columns.
         base = dataclasses.replace(DEFAULT_FP8_CONFIG, epi_tile_n=32)
-        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 2e-3
     else:
         lhs = jax.random.normal(k[0], (ROWS, K_DIM), F32).astype(BF16)
@@ -626,7 +642,7 @@ def test_gpu_three_consumers_give_the_default_bits(case):
         args, run = (lhs, rhs, SIZES), grouped_matmul
         ref = ref_ragged_rows(f64(lhs), f64(rhs), SIZES)
         base = dataclasses.replace(DEFAULT_BF16_CONFIG, epi_tile_n=32)
-        three = dataclasses.replace(base, **THREE_CONSUMERS, **spec["schedule"])
+        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 1e-5
     call = jax.jit(run, static_argnames=("out_dtype", "config"))
     default = call(*args, out_dtype=F32, config=base)
