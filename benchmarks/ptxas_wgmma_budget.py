@@ -30,16 +30,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-# (threads, registers the consumers ask for, wgmma widths N of one consumer's accumulators)
+# (threads, registers the consumers ask for, wgmma widths N of one consumer's accumulators,
+# operand type: bf16 wgmmas take K = 16 a slice, e4m3 ones K = 32)
 CASES = [
-    (384, 232, (256,)),
-    (384, 232, (256, 128)),
-    (512, 160, (256,)),
-    (512, 160, (200,)),
-    (512, 160, (208,)),
-    (512, 160, (128, 128)),
-    (512, 160, (192, 64)),
+    (384, 232, (256,), "bf16"),
+    (384, 232, (256, 128), "bf16"),
+    (512, 160, (256,), "bf16"),
+    (512, 160, (200,), "bf16"),
+    (512, 160, (208,), "bf16"),
+    (512, 160, (128, 128), "bf16"),
+    (512, 160, (192, 64), "bf16"),
+    (512, 160, (256,), "e4m3"),
+    (512, 160, (128, 128), "e4m3"),
 ]
+_WGMMA_SHAPES = {"bf16": "k16.f32.bf16.bf16", "e4m3": "k32.f32.e4m3.e4m3"}
 PRODUCER_REGISTERS = {384: 40, 512: 24}
 RESULT = re.compile(
     r"Used (\d+) registers|C7602\) Insufficient registers \((\d+)\).*?(\d+) or higher"
@@ -47,15 +51,17 @@ RESULT = re.compile(
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def kernel_ptx(threads: int, consumer_registers: int, widths: tuple[int, ...]) -> str:
+def kernel_ptx(
+    threads: int, consumer_registers: int, widths: tuple[int, ...], operands: str = "bf16"
+) -> str:
     """A 1-producer + (threads / 128 - 1)-consumer kernel whose consumers accumulate
-    m64n{width}k16 bf16 wgmmas into one f32 accumulator per width over a K loop."""
+    m64n{width} wgmmas of `operands` into one f32 accumulator per width over a K loop."""
     accumulators = [[f"%a{j}_{i}" for i in range(width // 2)] for j, width in enumerate(widths)]
     declarations = "\n".join(f"  .reg .f32 %a{j}_<{len(a)}>;" for j, a in enumerate(accumulators))
     zeros = "\n".join(f"  mov.f32 {r}, 0f00000000;" for acc in accumulators for r in acc)
     wgmmas = "\n".join(
-        f"  wgmma.mma_async.sync.aligned.m64n{width}k16.f32.bf16.bf16 "
-        f"{{{','.join(acc)}}}, %rd1, %rd2, 1, 1, 1, 0, 0;"
+        f"  wgmma.mma_async.sync.aligned.m64n{width}{_WGMMA_SHAPES[operands]} "
+        f"{{{','.join(acc)}}}, %rd1, %rd2, 1, 1, 1{', 0, 0' if operands == 'bf16' else ''};"
         for width, acc in zip(widths, accumulators, strict=True)
     )
     stores = "\n".join(
@@ -135,13 +141,13 @@ def main(out: str | None = None) -> str:
     rows = [
         f"ptxas: {version.strip().splitlines()[-1]}",
         "",
-        "| threads | consumer setmaxnreg | wgmmas per consumer (f32 columns) | ptxas |",
-        "|---:|---:|---|---|",
+        "| threads | consumer setmaxnreg | wgmmas per consumer (f32 columns) | operands | ptxas |",
+        "|---:|---:|---|---|---|",
     ]
-    for threads, registers, widths in CASES:
-        verdict = ptxas_result(ptxas, kernel_ptx(threads, registers, widths))
+    for threads, registers, widths, operands in CASES:
+        verdict = ptxas_result(ptxas, kernel_ptx(threads, registers, widths, operands))
         shapes = " + ".join(f"m64n{w}" for w in widths)
-        rows.append(f"| {threads} | {registers} | {shapes} | {verdict} |")
+        rows.append(f"| {threads} | {registers} | {shapes} | {operands} | {verdict} |")
     table = "\n".join(rows) + "\n"
     if out:
         Path(out).write_text(table)

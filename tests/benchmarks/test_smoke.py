@@ -452,10 +452,15 @@ def test_ptxas_wgmma_budget_finds_the_four_warpgroup_limit(tmp_path):
     from benchmarks import ptxas_wgmma_budget
 
     table = ptxas_wgmma_budget.main(str(tmp_path / "budget.md"))
-    rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 512")}
-    assert "refused: C7602, budget 128, needs 154" in rows["m64n256"]
-    assert "compiles (128 registers at entry)" in rows["m64n128 + m64n128"]
-    assert "compiles" in rows["m64n200"] and "refused" in rows["m64n208"]
+    rows = {
+        tuple(line.split(" | ")[2:4]): line
+        for line in table.splitlines()
+        if line.startswith("| 512")
+    }
+    for operands in ("bf16", "e4m3"):
+        assert "refused: C7602, budget 128, needs 154" in rows["m64n256", operands]
+        assert "compiles (128 registers at entry)" in rows["m64n128 + m64n128", operands]
+    assert "compiles" in rows["m64n200", "bf16"] and "refused" in rows["m64n208", "bf16"]
     assert (tmp_path / "budget.md").read_text() == table
 
 
