@@ -27,13 +27,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax._src import mesh as mesh_lib
-from jax.experimental.mosaic.gpu import core as mgpu_core
 
 import pallas_kernels as pk
+from benchmarks import h200_lowering
 from benchmarks.bench_quantize import nvfp4_fixed_amax
 
-_CAPTURED: list[str] = []
 _LINE = re.compile(r"^\s*(?:(%[\w#:]+(?:, %[\w#:]+)*) = )?\"?([a-z_0-9]+\.[a-z_0-9.]+)\"?(.*)$")
 _VECTOR = re.compile(r"vector<(\d+)x([a-z0-9A-Z]+)>")
 _BITS = {"bf16": 16, "f16": 16, "i16": 16, "i8": 8}
@@ -52,36 +50,9 @@ _PACKED = {"arith.andi", "arith.ori", "arith.xori", "arith.maxui", "arith.minui"
 _PACKED |= {"arith.maxsi", "arith.minsi"}
 
 
-def _install_capture() -> None:
-    original = mgpu_core._run_serde_pass
-    if getattr(original, "_captures", False):
-        return
-
-    def capture(module, *, serialize, ir_version=None):
-        if serialize:
-            _CAPTURED.append(str(module))
-        return original(module, serialize=serialize, ir_version=ir_version)
-
-    capture._captures = True
-    mgpu_core._run_serde_pass = capture
-
-
-def mosaic_modules(fn, *avals: jax.ShapeDtypeStruct) -> list[str]:
-    """The Mosaic GPU module texts of the kernels `fn` launches, lowered for an H200 on any
-    host (the modules as Mosaic GPU serializes them, before the GPU-side passes and ptxas)."""
-    _install_capture()
-    _CAPTURED.clear()
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    jax.clear_caches()  # a cached lowering would not reach the capture
-    with jax.sharding.use_abstract_mesh(mesh):
-        jax.export.export(jax.jit(fn), platforms=["cuda"])(*avals)
-    return list(_CAPTURED)
-
-
 def lowered_module(fn, shape=(128, 128), dtype=jnp.bfloat16) -> str:
     """The Mosaic GPU module text of the one kernel `fn` launches, lowered for an H200."""
-    modules = mosaic_modules(fn, jax.ShapeDtypeStruct(shape, dtype))
+    modules = h200_lowering.mosaic_modules(fn, jax.ShapeDtypeStruct(shape, dtype))
     if len(modules) != 1:
         raise RuntimeError(f"expected one Mosaic GPU kernel, lowered {len(modules)}")
     return modules[0]

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
-from benchmarks.count_quantize_ops import mosaic_modules
+from benchmarks.h200_lowering import export_for_h200, mosaic_modules
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
@@ -1302,11 +1301,7 @@ def test_config_that_overflows_shared_memory_is_rejected():
 
 
 def _lower_for_h200(fn, *avals) -> str:
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*avals)
-    return exported.mlir_module()
+    return export_for_h200(fn, *avals).mlir_module()
 
 
 S = jax.ShapeDtypeStruct

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
 import pallas_kernels as pk
+from benchmarks.h200_lowering import export_for_h200
 from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import columnwise_source
@@ -1709,11 +1709,7 @@ def test_wrappers_reject_bad_arguments():
 
 # --- CPU: cross-lowering for the H200 ------------------------------------------------------------
 def _cross_lower(fn, *args) -> None:
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    assert "mosaic_gpu" in export_for_h200(fn, *args).mlir_module()
 
 
 _AMAX = jnp.float32(3.0)
