@@ -571,7 +571,7 @@ def grouped_matmul(
         return (refs[0], refs[1].at[0])
 
     # A consumer's part as one wgmma, or as several of _MAX_WGMMA_COLS columns (three
-    # consumers with 64 x 256 parts: consumer_split="m", whose parts start at column 0).
+    # consumers with 64 x 256 parts).
     part_rows, part_cols = config.consumer_part_shape()
     wgmma_cols = min(part_cols, _MAX_WGMMA_COLS[config.num_consumers])
     num_wgmmas = part_cols // wgmma_cols
@@ -589,7 +589,7 @@ def grouped_matmul(
             plgpu.wgmma(acc_refs[0], lhs_operand, rhs_operand(rhs_smem, ctx.col_slice))
         else:
             for i, acc_ref in enumerate(acc_refs):
-                cols = pl.ds(i * wgmma_cols, wgmma_cols)
+                cols = pl.ds(ctx.col_slice.start + i * wgmma_cols, wgmma_cols)
                 plgpu.wgmma(acc_ref, lhs_operand, rhs_operand(rhs_smem, cols))
         # The stage read by the wgmmas still in flight is released one step later (each
         # wgmma call is one commit group).
