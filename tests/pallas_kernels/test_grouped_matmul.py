@@ -675,6 +675,12 @@ ROWS_SPLIT_CASES = {
         fp8=True,
         schedule=dict(tile_m=192, tile_n=128, num_consumers=3, wgmma_in_flight=1),
     ),
+    "bf16_three_consumers_wide_persistent_cluster": dict(
+        sizes=[37, 0, 90],
+        schedule=dict(
+            tile_m=192, tile_n=128, num_consumers=3, persistent_pipeline=True, cluster_n=2
+        ),
+    ),
 }
 
 
