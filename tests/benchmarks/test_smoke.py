@@ -583,3 +583,31 @@ def test_scale_layout_ab_runs_small(tmp_path):
     assert {r["layout"] for r in rows} == {"lines", "tiles"}
     assert all(r["bits"] == "identical" and r["us"] > 0 for r in rows)
     assert "| dense fp8 block 1x128 fwd+bwd |" in text
+
+
+def test_tile_traffic_gives_the_kernel_notes_numbers():
+    # The hand-computed numbers of docs/kernels_grouped_matmul.md: 48 KB of lhs + rhs per K
+    # step for 2.1 M products (the bf16 default) vs 56 KB for 3.1 M (three consumers), the
+    # same shared-memory reads per product, a sixth less with the rows split.
+    import dataclasses
+
+    from benchmarks import tile_traffic
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    default = tile_traffic.tile_traffic(fwd.DEFAULT_BF16_CONFIG, 2)
+    assert (default.l2_bytes, default.multiply_adds) == (48 * 1024, 128 * 256 * 64)
+    three = dataclasses.replace(
+        fwd.DEFAULT_BF16_CONFIG, tile_m=192, consumer_split="m", num_consumers=3
+    )
+    wide = tile_traffic.tile_traffic(three, 2)
+    assert (wide.l2_bytes, wide.multiply_adds) == (56 * 1024, 192 * 256 * 64)
+    assert wide.smem_bytes_per_kmac == default.smem_bytes_per_kmac
+    assert wide.wgmmas_per_k_slice == 2 and wide.accumulator_registers == 128
+    rows_split = dataclasses.replace(fwd.DEFAULT_BF16_CONFIG, consumer_split="m")
+    split = tile_traffic.tile_traffic(rows_split, 2)
+    assert split.smem_read_bytes * 6 == default.smem_read_bytes * 5
+    block = tile_traffic.tile_traffic(fwd.DEFAULT_FP8_BLOCK_CONFIG, 1, block_fp8=True)
+    assert block.accumulator_registers == 128 and block.l2_bytes == 40 * 1024
+    with pytest.raises(ValueError, match="itemsize must be 1"):
+        tile_traffic.tile_traffic(fwd.DEFAULT_BF16_CONFIG, 4)
+    assert "bf16 3 consumers 192 x (2 x 128) | 64 | 18.2 | 46.9 | 2 | 128 |" in tile_traffic.main()
