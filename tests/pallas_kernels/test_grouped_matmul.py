@@ -728,11 +728,16 @@ def test_consumers_splitting_rows_match_reference(case):
     assert_close(out, ref, rel=2**-8 if out_dtype == BF16 else 1e-5)
 
 
+@pytest.mark.parametrize("consumers", ["two", "three_wide"])
 @pytest.mark.parametrize("case", ["aligned_layout", "gaps_and_whole_tiles"])
-def test_consumers_splitting_rows_write_a_packed_output(case):
+def test_consumers_splitting_rows_write_a_packed_output(case, consumers):
     # Output rows of a visit that start in the second consumer's half, or are not multiples
-    # of 8 there, take the plain staging path; whole halves the swizzled one.
-    out, ref = packed_case_output(case, TINY_ROWS_SPLIT, seed=32)
+    # of 8 there, take the plain staging path; whole halves the swizzled one. three_wide:
+    # three consumers of 64 x 256 (two 128-column wgmmas each) in 192-row tiles.
+    config = TINY_ROWS_SPLIT
+    if consumers == "three_wide":
+        config = dataclasses.replace(config, tile_m=192, tile_n=128, num_consumers=3)
+    out, ref = packed_case_output(case, config, seed=32)
     assert_close(out, ref, rel=1e-5)
 
 
