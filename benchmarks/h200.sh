@@ -19,7 +19,7 @@
 #                                      and their timing (now: the three-consumer gpu tests, block
 #                                      FP8's streamed lhs scales and stop 44's 64 x 256 parts among
 #                                      them, ptxas on those parts, then grouped_ab three_consumers
-#                                      --dense-only; next call: grouped_ab wide_three_consumers)
+#                                      --dense-only and wide_three_consumers while time is left)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -90,7 +90,9 @@ elif [[ $STAGE == pending ]]; then
   # (stop 43: block FP8's `stream_lhs_scales`, 1206 TFLOP/s dense in one run, whose
   # random-scale gpu tests have not run): the three-consumer gpu tests of the grouped kernels,
   # then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
-  # ($PENDING_GROUPED_AB with $PENDING_GROUPED_AB_ARGS) and bench_quantize's case groups
+  # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
+  # fewer than $GROUPED_AB_MIN_S seconds of $PENDING_DEADLINE_S are left; its rows print as
+  # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
     -rfE -k "${PENDING_TESTS:-three_consumers}" ${PENDING_FILES:-\
@@ -109,9 +111,17 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for variants in ${PENDING_GROUPED_AB-three_consumers}; do
-    timeout "${GROUPED_AB_BUDGET:-220}" python3 -m benchmarks.grouped_ab --out "$OUT/ab" \
-      --variants "$variants" ${PENDING_GROUPED_AB_ARGS---dense-only} 2>&1 | tail -18
+  for entry in ${PENDING_GROUPED_AB-three_consumers:--dense-only wide_three_consumers}; do
+    left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
+    if (( left < ${GROUPED_AB_MIN_S:-120} )); then
+      echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
+      continue
+    fi
+    budget=$(( left < ${GROUPED_AB_BUDGET:-220} ? left : ${GROUPED_AB_BUDGET:-220} ))
+    args=""
+    [[ $entry == *:* ]] && args=${entry#*:}
+    timeout "$budget" python3 -m benchmarks.grouped_ab --out "$OUT/ab" \
+      --variants "${entry%%:*}" $args 2>&1 | tee "$OUT/grouped_ab_${entry%%:*}.log" | tail -18
   done
   # bench_quantize's case groups ($PENDING_BENCH; "extra" times the NVFP4 dequantize kernel
   # with and without the float16 decode, CUPTI), when set.
