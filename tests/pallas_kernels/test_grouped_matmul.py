@@ -12,6 +12,7 @@ bf16 outputs to bf16 rounding (2^-8 relative).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -1647,6 +1648,44 @@ def test_three_consumer_wide_parts_issue_no_wgmma_ptxas_refuses(name):
     (module,) = mosaic_modules(fn, *avals)
     widths = {int(n) for n in _WGMMA_SHAPE.findall(module)}
     assert widths == {128}
+
+
+def _three_consumer_gpu_cases() -> list[str]:
+    from tests.pallas_kernels import test_grouped_matmul_gpu as gpu_tests
+
+    return sorted(gpu_tests.THREE_CONSUMER_CASES)
+
+
+@pytest.mark.parametrize("case", _three_consumer_gpu_cases())
+def test_three_consumer_gpu_cases_lower_for_h200(case):
+    # Each gpu case's two configs pass validation and the shared-memory check and lower for
+    # the H200 at the gpu test's shapes, so that a config error costs no device time (stop 43's
+    # first streamed-scale run failed on its own test config).
+    from tests.pallas_kernels import test_grouped_matmul_gpu as gpu_tests
+
+    rows, k, n, g = gpu_tests.ROWS, gpu_tests.K_DIM, gpu_tests.N_DIM, gpu_tests.NUM_GROUPS
+    operands = gpu_tests.THREE_CONSUMER_CASES[case]["operands"]
+    for config in gpu_tests.three_consumer_configs(case):
+        if operands == "fp8_block_dense":
+            avals = (S((rows, k), E4M3), S((rows, k // 128), F32))
+            avals += (S((n, k), E4M3), S((n // 128, k // 128), F32))
+            fn = functools.partial(dense_matmul_fp8_block, out_dtype=F32, config=config)
+        elif operands == "fp8_block":
+            avals = (S((rows, k), E4M3), S((rows, k // 128), F32), S((g, n, k), E4M3))
+            avals += (S((g, n // 128, k // 128), F32), S((g,), jnp.int32))
+            fn = functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config)
+        elif operands == "fp8":
+            avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
+            avals += (S((rows,), F32), S((g, n), F32))
+
+            def fn(a, b, sizes, sa, sb, config=config):
+                return grouped_matmul(
+                    a, b, sizes, lhs_scale=sa, rhs_scale=sb, out_dtype=F32, config=config
+                )
+        else:
+            avals = (S((rows, k), BF16), S((g, n, k), BF16), S((g,), jnp.int32))
+            fn = functools.partial(grouped_matmul, out_dtype=F32, config=config)
+        assert "mosaic_gpu" in _lower_for_h200(fn, *avals)
 
 
 def test_fp8_operand_that_is_not_k_major_is_refused():

@@ -589,11 +589,29 @@ THREE_CONSUMER_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(THREE_CONSUMER_CASES))
-def test_gpu_three_consumers_give_the_default_bits(case):
+def three_consumer_configs(case: str) -> tuple[GroupedMatmulConfig, GroupedMatmulConfig]:
+    """(the two-consumer default, its three-consumer variant) of a THREE_CONSUMER_CASES case;
+    the configs are also lowered for the H200 on the CPU (test_grouped_matmul.py), so that a
+    config error shows before a device session."""
     from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
 
     spec = THREE_CONSUMER_CASES[case]
+    operands = spec["operands"]
+    if operands.startswith("fp8_block"):
+        # Two consumers in 64 x (2 x 128) tiles (the default until stop 43) against three.
+        dense = operands == "fp8_block_dense"
+        base = fp8_block_default_config(K_DIM, F32, persistent_pipeline=dense, num_consumers=2)
+    else:
+        # 128-byte rows of float32 output: 32 columns.
+        base = DEFAULT_FP8_CONFIG if operands == "fp8" else DEFAULT_BF16_CONFIG
+        base = dataclasses.replace(base, epi_tile_n=32)
+    return base, dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
+
+
+@pytest.mark.parametrize("case", sorted(THREE_CONSUMER_CASES))
+def test_gpu_three_consumers_give_the_default_bits(case):
+    spec = THREE_CONSUMER_CASES[case]
+    base, three = three_consumer_configs(case)
     k = keys(4, seed=45)
     operands = spec["operands"]
     if operands.startswith("fp8_block"):
@@ -613,9 +631,6 @@ def test_gpu_three_consumers_give_the_default_bits(case):
         else:
             args, run = (lhs, lhs_scale, rhs, rhs_scale, SIZES), grouped_matmul_fp8_block
             ref = ref_ragged_rows(lhs_dq, rhs_dq, SIZES)
-        # Two consumers in 64 x (2 x 128) tiles (the default until stop 43) against three.
-        base = fp8_block_default_config(K_DIM, F32, persistent_pipeline=dense, num_consumers=2)
-        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 1e-3
     elif operands == "fp8":
         lhs = random_fp8(k[0], (ROWS, K_DIM), E4M3)
@@ -632,17 +647,12 @@ def test_gpu_three_consumers_give_the_default_bits(case):
         ref = ref_ragged_rows(
             f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[:, :, None], SIZES
         )
-        # 128-byte rows of float32 output: 32 columns.
-        base = dataclasses.replace(DEFAULT_FP8_CONFIG, epi_tile_n=32)
-        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 2e-3
     else:
         lhs = jax.random.normal(k[0], (ROWS, K_DIM), F32).astype(BF16)
         rhs = jax.random.normal(k[1], (NUM_GROUPS, N_DIM, K_DIM), F32).astype(BF16)
         args, run = (lhs, rhs, SIZES), grouped_matmul
         ref = ref_ragged_rows(f64(lhs), f64(rhs), SIZES)
-        base = dataclasses.replace(DEFAULT_BF16_CONFIG, epi_tile_n=32)
-        three = dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
         rel = 1e-5
     call = jax.jit(run, static_argnames=("out_dtype", "config"))
     default = call(*args, out_dtype=F32, config=base)
