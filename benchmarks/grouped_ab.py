@@ -67,7 +67,9 @@ for the run's clocks) are timed batch by batch in alternation
   m64n128 wgmmas per K slice (ptxas refuses one m64n256 with four warpgroups:
   benchmarks/ptxas_wgmma_budget.py): 56 KB of lhs + rhs per 64-wide K step for 3.1 M
   products instead of 48 KB for 2.1 M, a fifth less L2 traffic per product, for as much
-  shared-memory traffic per product and ~3% more rows computed at G8's group starts; with two
+  shared-memory traffic per product, 6.6% more rows computed at G8's group starts and a
+  less even last round of the persistent grid (benchmarks/tile_traffic.py: 0.86 of the
+  grid's time on needed work against the default's 0.97); with two
   epilogue buffers, the persistent pipeline (two stages) and columns walked fastest. G8
   balanced only; block FP8's default as the clock yardstick;
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores

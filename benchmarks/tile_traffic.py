@@ -16,14 +16,22 @@ holds. This computes them from a `GroupedMatmulConfig`, per K step of one CTA:
 * Accumulator registers: a consumer's part over its 128 threads (twice that for block FP8,
   whose main and chunk accumulators both live).
 
-A model, not a measurement: it ignores the scales' bytes, the epilogue and the wave quantization
-of a grouped launch, and says nothing about what the H200 does with the numbers.
+And how well a shape fills the persistent grid (`grid_fill`): the kernel runs each (row visit,
+column tile) item on one of the SMs in turn, so an SM runs ceil(items / SMs) items and the
+grid is busy items / (SMs x that) of the time; each visit computes a whole tile_m rows, so
+groups that start inside a tile compute more rows than they hold.
+
+A model, not a measurement: it ignores the scales' bytes and the epilogue, and says nothing
+about what the H200 does with the numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_fwd as fwd
 
 
@@ -68,6 +76,43 @@ def tile_traffic(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class GridFill:
+    items: int  # (row visit, column tile) work items of the persistent grid
+    items_per_sm: int  # the most items one SM runs
+    fill: float  # items / (SMs x items_per_sm): the share of the grid's time spent busy
+    row_overhead: float  # rows the visits compute over the rows the groups hold
+
+
+def grid_fill(
+    config: fwd.GroupedMatmulConfig, group_sizes: list[int], num_cols: int, num_sms: int = 132
+) -> GridFill:
+    """The persistent grid's fill for `group_sizes` (rows, in order) and `num_cols` outputs."""
+    rows = sum(group_sizes)
+    if rows <= 0 or num_cols <= 0:
+        raise ValueError(f"need rows and columns, got group_sizes={group_sizes} and {num_cols}")
+    table = common.visit_table(
+        jnp.asarray(group_sizes, jnp.int32), len(group_sizes), rows, config.tile_m
+    )
+    visits = int(table[0, 0])
+    items = visits * -(-num_cols // (2 * config.tile_n))
+    per_sm = -(-items // num_sms)
+    return GridFill(
+        items=items,
+        items_per_sm=per_sm,
+        fill=items / (num_sms * per_sm),
+        row_overhead=visits * config.tile_m / rows,
+    )
+
+
+# Issue 5's shapes: (group sizes, output columns).
+SHAPES = {
+    "G8 balanced 16384 x 4096 x 4096": ([2048] * 8, 4096),
+    "G64 small experts 32768 x 2048 x 1408": ([512] * 64, 1408),
+    "dense 8192^3": ([8192], 8192),
+}
+
+
 def candidate_tiles() -> dict[str, tuple[fwd.GroupedMatmulConfig, int, bool]]:
     """The defaults and the tiles the kernel notes compare: (config, itemsize, block_fp8)."""
     replace = dataclasses.replace
@@ -97,6 +142,18 @@ def main() -> str:
             f"| {name} | {config.tile_k} | {t.l2_bytes_per_kmac:.1f} | "
             f"{t.smem_bytes_per_kmac:.1f} | {t.wgmmas_per_k_slice} | {t.accumulator_registers} |"
         )
+    rows += [
+        "",
+        "| tile | shape | items | items / SM | grid fill | rows computed / held | both |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, (config, _, _) in candidate_tiles().items():
+        for shape, (sizes, num_cols) in SHAPES.items():
+            f = grid_fill(config, sizes, num_cols)
+            rows.append(
+                f"| {name} | {shape} | {f.items} | {f.items_per_sm} | {f.fill:.3f} | "
+                f"{f.row_overhead:.3f} | {f.fill / f.row_overhead:.3f} |"
+            )
     return "\n".join(rows) + "\n"
 
 

@@ -611,3 +611,19 @@ def test_tile_traffic_gives_the_kernel_notes_numbers():
     with pytest.raises(ValueError, match="itemsize must be 1"):
         tile_traffic.tile_traffic(fwd.DEFAULT_BF16_CONFIG, 4)
     assert "bf16 3 consumers 192 x (2 x 128) | 64 | 18.2 | 46.9 | 2 | 128 |" in tile_traffic.main()
+
+
+def test_grid_fill_counts_visits_items_and_the_last_wave():
+    # G8 balanced with 128-row tiles: 8 x 16 visits x 16 column tiles = 2048 items, 16 on the
+    # busiest of 132 SMs (15.5 on average); 192-row tiles straddle the groups' starts.
+    from benchmarks import tile_traffic
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    sizes, cols = tile_traffic.SHAPES["G8 balanced 16384 x 4096 x 4096"]
+    default = tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, sizes, cols)
+    assert (default.items, default.items_per_sm, default.row_overhead) == (2048, 16, 1.0)
+    assert default.fill == 2048 / (132 * 16)
+    tall = tile_traffic.grid_fill(fwd.DEFAULT_FP8_BLOCK_CONFIG, sizes, cols)
+    assert tall.row_overhead == 91 * 192 / 16384 and tall.items == 91 * 32
+    with pytest.raises(ValueError, match="need rows and columns"):
+        tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, [0, 0], 64)
