@@ -31,6 +31,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from benchmarks import bench_grouped_matmul
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_fwd as fwd
 
@@ -105,10 +106,10 @@ def grid_fill(
     )
 
 
-# Issue 5's shapes: (group sizes, output columns).
+# Issue 5's shapes (benchmarks/bench_grouped_matmul.py's, and the dense GEMM): (group sizes,
+# output columns).
 SHAPES = {
-    "G8 balanced 16384 x 4096 x 4096": ([2048] * 8, 4096),
-    "G64 small experts 32768 x 2048 x 1408": ([512] * 64, 1408),
+    **{name: (sizes, n) for name, (_, _, _, n, sizes) in bench_grouped_matmul.SHAPES.items()},
     "dense 8192^3": ([8192], 8192),
 }
 

@@ -619,7 +619,7 @@ def test_grid_fill_counts_visits_items_and_the_last_wave():
     from benchmarks import tile_traffic
     from pallas_kernels import grouped_matmul_fwd as fwd
 
-    sizes, cols = tile_traffic.SHAPES["G8 balanced 16384 x 4096 x 4096"]
+    sizes, cols = tile_traffic.SHAPES["G8 balanced"]
     default = tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, sizes, cols)
     assert (default.items, default.items_per_sm, default.row_overhead) == (2048, 16, 1.0)
     assert default.fill == 2048 / (132 * 16)
