@@ -1247,32 +1247,18 @@ def test_early_block_scales_must_be_a_bool():
         GroupedMatmulConfig(early_block_scales=1)
 
 
-def test_stream_lhs_scales_is_a_bool_for_block_fp8_only():
-    with pytest.raises(TypeError, match="stream_lhs_scales must be a bool, got 1"):
-        GroupedMatmulConfig(stream_lhs_scales=1)
-    streamed = dataclasses.replace(TINY_FWD_BF16_OUT, stream_lhs_scales=True)
-    with pytest.raises(ValueError, match="stream_lhs_scales applies to the block-FP8 kernel"):
+@pytest.mark.parametrize("option", ["stream_lhs_scales", "stagger_consumers"])
+def test_block_fp8_options_are_bools_for_block_fp8_only(option):
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 1"):
+        GroupedMatmulConfig(**{option: 1})
+    config = dataclasses.replace(TINY_FWD_BF16_OUT, **{option: True})
+    with pytest.raises(ValueError, match=f"{option} applies to the block-FP8 kernel"):
         grouped_matmul(
             _bf16((128, 64)),
             _bf16((2, 256, 64)),
             jnp.zeros((2,), jnp.int32),
             out_dtype=BF16,
-            config=streamed,
-            interpret=True,
-        )
-
-
-def test_stagger_consumers_is_a_bool_for_block_fp8_only():
-    with pytest.raises(TypeError, match="stagger_consumers must be a bool, got 1"):
-        GroupedMatmulConfig(stagger_consumers=1)
-    staggered = dataclasses.replace(TINY_FWD_BF16_OUT, stagger_consumers=True)
-    with pytest.raises(ValueError, match="stagger_consumers applies to the block-FP8 kernel"):
-        grouped_matmul(
-            _bf16((128, 64)),
-            _bf16((2, 256, 64)),
-            jnp.zeros((2,), jnp.int32),
-            out_dtype=BF16,
-            config=staggered,
+            config=config,
             interpret=True,
         )
 
@@ -1334,11 +1320,12 @@ H200_BF16 = GroupedMatmulConfig(
 H200_BLOCK = GroupedMatmulConfig(
     tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=4, epi_tile_n=64, wgmma_in_flight=1
 )
-# Three consumers of 64 x 256 (two 128-column wgmmas each) in 192 x (2 x 128) CTA tiles.
-WIDE_THREE_CONSUMER_BF16 = dataclasses.replace(
+# Three consumers of 64 x 256 (two 128-column wgmmas each) in 192 x (2 x 128) CTA tiles; with
+# tile_n=64, of 64 x 128 in 192 x (2 x 64).
+THREE_CONSUMER_BF16 = dataclasses.replace(
     DEFAULT_BF16_CONFIG, tile_m=192, consumer_split="m", num_consumers=3, epilogue_buffers=1
 )
-WIDE_THREE_CONSUMER_FP8 = dataclasses.replace(
+THREE_CONSUMER_FP8 = dataclasses.replace(
     DEFAULT_FP8_CONFIG, tile_m=192, consumer_split="m", num_consumers=3, max_concurrent_steps=3
 )
 THREE_CONSUMER_H200_BLOCK = dataclasses.replace(
@@ -1351,6 +1338,15 @@ BLOCK_AVALS = (
     S((G, N // 128, K // 128), F32),
     SIZES,
 )
+
+
+def _block_case(config: GroupedMatmulConfig, **changes) -> tuple:
+    """A grouped block-FP8 cross-lowering case at BLOCK_AVALS with `config` (+ `changes`)."""
+    return (
+        functools.partial(grouped_matmul_fp8_block, config=dataclasses.replace(config, **changes)),
+        BLOCK_AVALS,
+    )
+
 
 CROSS_LOWERING_CASES = {
     "bf16_fwd_nk": (
@@ -1369,10 +1365,7 @@ CROSS_LOWERING_CASES = {
         lambda a, b, g, sa, sb: grouped_matmul(a, b, g, lhs_scale=sa, rhs_scale=sb, out_dtype=F32),
         (S((M, N), E5M2), S((G, K, N), E4M3), SIZES, S((), F32), S((G,), F32)),
     ),
-    "fp8_block_fwd": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(a, sa, b, sb, g, config=H200_BLOCK),
-        BLOCK_AVALS,
-    ),
+    "fp8_block_fwd": _block_case(H200_BLOCK),
     "fp8_block_dense": (
         lambda a, sa, b, sb: dense_matmul_fp8_block(a, sa, b, sb),
         (S((8192, 8192), E4M3), S((8192, 64), F32), S((8192, 8192), E4M3), S((64, 64), F32)),
@@ -1472,24 +1465,11 @@ CROSS_LOWERING_CASES = {
         ),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
-    "fp8_block_fwd_cluster_persistent": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=dataclasses.replace(H200_BLOCK, persistent_pipeline=True, cluster_n=2),
-        ),
-        BLOCK_AVALS,
+    "fp8_block_fwd_cluster_persistent": _block_case(
+        H200_BLOCK, persistent_pipeline=True, cluster_n=2
     ),
     # 128 x (2 x 64) CTA tiles (stop 26's block_tiles A/B), a wgmma in flight: 3 f32 tiles.
-    "fp8_block_fwd_tall_tiles": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a, sa, b, sb, g, config=dataclasses.replace(H200_BLOCK, tile_m=128, tile_n=64)
-        ),
-        BLOCK_AVALS,
-    ),
+    "fp8_block_fwd_tall_tiles": _block_case(H200_BLOCK, tile_m=128, tile_n=64),
     # Consumers that split the rows (one m64n256 wgmma each per K slice), with the defaults'
     # other settings, a packed output and the lhs multicast to a cluster.
     "bf16_fwd_consumers_split_rows": (
@@ -1522,61 +1502,21 @@ CROSS_LOWERING_CASES = {
     ),
     # Three consumers of 64 rows each (192 x (2 x 64) CTA tiles): block FP8's main + chunk
     # 64 x 128 accumulators, and one 64 x 128 accumulator for bf16 and FP8 rowwise.
-    "fp8_block_fwd_three_consumers_persistent": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=dataclasses.replace(
-                THREE_CONSUMER_H200_BLOCK, epilogue_buffers=1, persistent_pipeline=True
-            ),
-        ),
-        BLOCK_AVALS,
+    "fp8_block_fwd_three_consumers_persistent": _block_case(
+        THREE_CONSUMER_H200_BLOCK, epilogue_buffers=1, persistent_pipeline=True
     ),
-    "fp8_block_fwd_three_consumers_streamed_scales_persistent": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=dataclasses.replace(
-                THREE_CONSUMER_H200_BLOCK,
-                persistent_pipeline=True,
-                stream_lhs_scales=True,
-                grid_minor_dim=1,
-            ),
-        ),
-        BLOCK_AVALS,
+    "fp8_block_fwd_three_consumers_streamed_scales_persistent": _block_case(
+        THREE_CONSUMER_H200_BLOCK,
+        persistent_pipeline=True,
+        stream_lhs_scales=True,
+        grid_minor_dim=1,
     ),
-    "fp8_block_fwd_streamed_scales_cluster": (
-        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
-            a,
-            sa,
-            b,
-            sb,
-            g,
-            config=dataclasses.replace(
-                H200_BLOCK, wgmma_in_flight=0, stream_lhs_scales=True, cluster_n=2
-            ),
-        ),
-        BLOCK_AVALS,
+    "fp8_block_fwd_streamed_scales_cluster": _block_case(
+        H200_BLOCK, wgmma_in_flight=0, stream_lhs_scales=True, cluster_n=2
     ),
     "bf16_fwd_three_consumers": (
         lambda a, b, g: grouped_matmul(
-            a,
-            b,
-            g,
-            config=dataclasses.replace(
-                DEFAULT_BF16_CONFIG,
-                tile_m=192,
-                tile_n=64,
-                consumer_split="m",
-                num_consumers=3,
-                epilogue_buffers=1,
-            ),
+            a, b, g, config=dataclasses.replace(THREE_CONSUMER_BF16, tile_n=64)
         ),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
@@ -1587,24 +1527,17 @@ CROSS_LOWERING_CASES = {
             g,
             lhs_scale=sa,
             rhs_scale=sb,
-            config=dataclasses.replace(
-                DEFAULT_FP8_CONFIG,
-                tile_m=192,
-                tile_n=64,
-                consumer_split="m",
-                num_consumers=3,
-                max_concurrent_steps=3,
-            ),
+            config=dataclasses.replace(THREE_CONSUMER_FP8, tile_n=64),
         ),
         (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
     ),
     "bf16_fwd_three_consumers_wide": (
-        lambda a, b, g: grouped_matmul(a, b, g, config=WIDE_THREE_CONSUMER_BF16),
+        lambda a, b, g: grouped_matmul(a, b, g, config=THREE_CONSUMER_BF16),
         (S((M, K), BF16), S((G, N, K), BF16), SIZES),
     ),
     "fp8_fwd_rowwise_three_consumers_wide": (
         lambda a, b, g, sa, sb: grouped_matmul(
-            a, b, g, lhs_scale=sa, rhs_scale=sb, config=WIDE_THREE_CONSUMER_FP8
+            a, b, g, lhs_scale=sa, rhs_scale=sb, config=THREE_CONSUMER_FP8
         ),
         (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
     ),
