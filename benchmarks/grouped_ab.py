@@ -72,6 +72,15 @@ for the run's clocks) are timed batch by batch in alternation
   grid's time on needed work against the default's 0.97); with two
   epilogue buffers, the persistent pipeline (two stages) and columns walked fastest. G8
   balanced only; block FP8's default as the clock yardstick;
+* ``stream_k``: the bf16 and FP8 rowwise defaults against the same tiles with the last round
+  of the persistent grid and one round before it split along K (`stream_k=True`: issue 5's
+  G8 balanced is 2048 items on 132 SMs, 15.5 rounds; benchmarks/tile_traffic.py puts the
+  default's last-round loss at ~3%), without and with the persistent pipeline (four
+  stages, one epilogue buffer, so that 64 K steps are whole rounds), and the persistent
+  pipeline alone; FP8 also without its wgmma in flight (which stream-K needs). Split items
+  sum their two K ranges in another order: not the default's bits on random operands (the
+  `gpu` tests compare bits on exact sums). Both G8 shapes; block FP8's default as the clock
+  yardstick;
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
@@ -80,7 +89,8 @@ for the run's clocks) are timed batch by batch in alternation
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
-                    consumer_split|cluster_m|three_consumers|wide_three_consumers|wgrad]
+                    consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
+                    wgrad]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -289,6 +299,23 @@ def wide_three_consumer_variants(config: GroupedMatmulConfig) -> dict[str, Group
     }
 
 
+def stream_k_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
+    """The bf16 / FP8 rowwise default against stream-K (see the docstring)."""
+    replace = dataclasses.replace
+    no_in_flight = replace(config, wgmma_in_flight=0)
+    persistent = replace(
+        no_in_flight, persistent_pipeline=True, max_concurrent_steps=4, epilogue_buffers=1
+    )
+    variants = {"default": config}
+    if config.wgmma_in_flight:
+        variants["no wgmma in flight"] = no_in_flight
+    return variants | {
+        "stream-K": replace(no_in_flight, stream_k=True),
+        "persistent, 4 stages": persistent,
+        "stream-K, persistent, 4 stages": replace(persistent, stream_k=True),
+    }
+
+
 def consumer_split_variants(config: GroupedMatmulConfig) -> dict[str, GroupedMatmulConfig]:
     """The default, then its consumers splitting the tile's rows (see the docstring): alone,
     with one more stage (bf16, whose 48 KB stages leave room for a fourth with one epilogue
@@ -448,6 +475,7 @@ VARIANT_SETS = {
     "cluster_m": None,  # dense entry points only: see cluster_m_cases
     "three_consumers": None,  # per format and shape: see three_consumer_cases
     "wide_three_consumers": wide_three_consumer_variants,  # bf16 and FP8 rowwise
+    "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
 }
 
@@ -729,12 +757,15 @@ def main(
             block_config = fp8_block_default_config(
                 DENSE_SIZE, jnp.bfloat16, num_consumers=consumers
             )
+    if variants == "stream_k" and not small:  # both shapes, the defaults
+        bf16_config, fp8_config = DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
+        block_config = fp8_block_default_config(DENSE_SIZE, jnp.bfloat16)
     block_only = variants in ("block_tiles", "stagger")
 
     def block_variants(k: int) -> dict[str, GroupedMatmulConfig]:
         if block_only:
             return variant_configs(block_config, k)
-        if variants in ("wide_tiles", "consumer_split", "wide_three_consumers"):
+        if variants in ("wide_tiles", "consumer_split", "wide_three_consumers", "stream_k"):
             # a yardstick of the run's clocks
             return {"default": block_config}
         return variant_configs(block_config)

@@ -16,10 +16,11 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: the three-consumer gpu tests, block
-#                                      FP8's streamed lhs scales and stop 44's 64 x 256 parts among
-#                                      them, ptxas on those parts, then grouped_ab three_consumers
-#                                      --dense-only and wide_three_consumers while time is left)
+#                                      and their timing (now: the three-consumer and stream-K gpu
+#                                      tests, block FP8's streamed lhs scales and stop 44's 64 x 256
+#                                      parts among them, ptxas on those parts, then grouped_ab
+#                                      three_consumers --dense-only, stream_k and
+#                                      wide_three_consumers while time is left)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -95,7 +96,7 @@ elif [[ $STAGE == pending ]]; then
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-three_consumers}" ${PENDING_FILES:-\
+    -rfE -k "${PENDING_TESTS:-three_consumers or stream_k}" ${PENDING_FILES:-\
     tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
@@ -111,7 +112,7 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for entry in ${PENDING_GROUPED_AB-three_consumers:--dense-only wide_three_consumers}; do
+  for entry in ${PENDING_GROUPED_AB-three_consumers:--dense-only stream_k wide_three_consumers}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"

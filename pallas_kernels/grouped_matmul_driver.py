@@ -28,6 +28,11 @@ Two options change how the items run:
   (``pipeline_state``): the producer loads the next item's first K steps while the
   consumers finish the current one and store its outputs, instead of starting each
   item with an empty pipeline.
+* ``stream_k``: the items of the last round and one full round before it are split along
+  K so that every CTA ends together (the data-parallel + stream-K hybrid CUTLASS
+  describes; see :class:`StreamKShare`). An item cut in two leaves its first K steps'
+  f32 partial in a workspace, signals a global semaphore, and the CTA holding its last
+  K steps waits for it, adds it and stores the tile.
 
 A format plugs in through :class:`RowKernelParts`: which tiles to stream through the
 pipeline, what one K step does, and how the f32 tile is finished (scales).
@@ -89,6 +94,8 @@ class TileSchedule:
     consumer_split: str = "n"  # validated by GroupedMatmulConfig, which builds the schedule
     # Consumer warpgroups: 2, or 3 with consumer_split="m" (each a third of the rows).
     num_consumers: int = NUM_CONSUMERS
+    # Split the last two rounds' items along K (see StreamKShare); no clusters.
+    stream_k: bool = False
 
     @property
     def consumer_rows(self) -> int:
@@ -126,6 +133,65 @@ def consumer_part_shape(
     if consumer_split == "m":
         return tile_m // num_consumers, 2 * tile_n
     return tile_m, tile_n
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamKShare:
+    """One CTA's share of a stream-K schedule (int32 scalars, traced in the kernel).
+
+    The first ``dp_items`` items run whole, item ``cta + i * num_ctas`` on CTA ``cta``
+    (whole rounds when anything is split: every CTA runs the same number). The rest, the
+    last part-full round and one full round before it, are cut into units (item, K step),
+    item-major, and CTA ``cta`` runs the units ``[unit_begin, unit_end)``: between one and
+    two items' worth, so each of those items is split between at most two consecutive CTAs,
+    and each CTA holds at most one item's first K steps (of its last item) and one item's
+    last K steps (of its first).
+    """
+
+    dp_items: jax.Array
+    unit_begin: jax.Array
+    unit_end: jax.Array
+    num_k_steps: int
+
+    @property
+    def num_pieces(self) -> jax.Array:
+        """Items this CTA's units touch (0 to 3)."""
+        first = lax.div(self.unit_begin, jnp.int32(self.num_k_steps))
+        last = lax.div(self.unit_end - 1, jnp.int32(self.num_k_steps))
+        return jnp.where(self.unit_end > self.unit_begin, last - first + 1, 0)
+
+    def piece(self, index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(item, k_begin, k_end) of piece ``index``, the items in *descending* order.
+
+        Descending, a CTA first runs the piece whose partial another CTA will need (its
+        last item's first K steps) and last the piece that needs one (its first item's last
+        K steps, whose partial the previous CTA wrote at the start): the wait costs nothing.
+        The item is counted from the first stream-K item.
+        """
+        num_k_steps = jnp.int32(self.num_k_steps)
+        item = lax.div(self.unit_end - 1, num_k_steps) - index
+        k_begin = jnp.maximum(self.unit_begin - item * num_k_steps, 0)
+        k_end = jnp.minimum(self.unit_end - item * num_k_steps, num_k_steps)
+        return item, k_begin, k_end
+
+
+def stream_k_share(
+    num_items: jax.Array, cta: jax.Array, num_ctas: int, num_k_steps: int
+) -> StreamKShare:
+    """CTA ``cta``'s share of ``num_items`` items of ``num_k_steps`` K steps on ``num_ctas``
+    CTAs (see StreamKShare). With fewer items than CTAs, or whole rounds, nothing is split."""
+    num_items = jnp.asarray(num_items, jnp.int32)
+    cta = jnp.asarray(cta, jnp.int32)
+    full_rounds = lax.div(num_items, jnp.int32(num_ctas))
+    leftover = lax.rem(num_items, jnp.int32(num_ctas))
+    split_items = jnp.where((full_rounds >= 1) & (leftover > 0), num_ctas + leftover, 0)
+    units = split_items * num_k_steps
+    return StreamKShare(
+        dp_items=num_items - split_items,
+        unit_begin=lax.div(cta * units, jnp.int32(num_ctas)),
+        unit_end=lax.div((cta + 1) * units, jnp.int32(num_ctas)),
+        num_k_steps=num_k_steps,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +254,9 @@ class RowKernelParts:
     column_specs: indices of the in_specs whose tiles depend on the column tile and K step
         only (the rhs streams), which clusters along M multicast; None: the kernel does not
         run with ``cluster_m=2``.
+    supports_stream_k: the format's steps and run_tile work on any range of K steps (they
+        read the K step from ``TileContext.k_step``, which counts from the item's first),
+        and run_tile returns a part that adds up over ranges of K (``stream_k``).
     """
 
     in_specs: Sequence[Any]
@@ -199,6 +268,7 @@ class RowKernelParts:
     prefetches: tuple[TilePrefetch, ...] = ()
     scratch: tuple = ()
     column_specs: tuple[int, ...] | None = None
+    supports_stream_k: bool = False
 
 
 def ragged_rows_call(
@@ -278,6 +348,17 @@ def ragged_rows_call(
                 "config: persistent_pipeline cannot keep a wgmma in flight across steps "
                 "(wgmma_in_flight must be 0)"
             )
+    stream_k = schedule.stream_k
+    num_ctas = schedule.num_sms // cluster_size
+    if stream_k:
+        if cluster_size > 1:
+            raise ValueError("config: stream_k needs cluster_n=1 and cluster_m=1")
+        if not parts.supports_stream_k:
+            raise ValueError(f"config: {name} does not support stream_k")
+        if any(getattr(spec, "delay_release", 0) for spec in in_specs):
+            raise ValueError(
+                "config: stream_k cannot keep a wgmma in flight (wgmma_in_flight must be 0)"
+            )
     num_prefetches = len(parts.prefetches)
     prefetch_types = []
     for prefetch in parts.prefetches:
@@ -289,7 +370,15 @@ def ragged_rows_call(
         prefetch_types.append((shape, operand.dtype))
 
     def body(visit_table_gmem, *refs):
-        operand_refs, out_gmem = refs[:-1], refs[-1]
+        operand_refs, out_gmem = refs[: len(operands)], refs[len(operands)]
+        # stream_k: each CTA's f32 partial of the item it splits with the next CTA, and a
+        # global semaphore per (CTA, consumer) that says it is written. XLA zero-fills the
+        # semaphores before each launch; the interpreter runs the CTAs one after another in
+        # grid order (a partial is always written before its reader runs) and has none.
+        partials_gmem = refs[len(operands) + 1] if stream_k else None
+        partial_ready = None
+        if stream_k and not interpret:
+            partial_ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas * num_consumers,)))
         num_group_visits, num_tail_visits = common.visit_counts(visit_table_gmem)
         cta = lax.axis_index("cluster") if cluster_size > 1 else jnp.int32(0)
         cta_n = cta if cluster_n > 1 else jnp.int32(0)  # this CTA's column tile in its cluster
@@ -300,12 +389,14 @@ def ragged_rows_call(
         else:
             num_row_items, num_tail_items = num_group_visits, num_tail_visits
 
-        def make_pipeline(step_fn, compute_context, pipeline_state=None):
+        def make_pipeline(
+            step_fn, compute_context, pipeline_state=None, *, specs=in_specs, num_steps=None
+        ):
             return plgpu.emit_pipeline_warp_specialized(
                 step_fn,
-                grid=(parts.num_k_steps,),
+                grid=(parts.num_k_steps if num_steps is None else num_steps,),
                 memory_registers=_PRODUCER_REGISTERS[num_consumers],
-                in_specs=in_specs,
+                in_specs=specs,
                 wg_axis="wg",
                 num_compute_wgs=num_consumers,
                 max_concurrent_steps=schedule.max_concurrent_steps,
@@ -454,10 +545,41 @@ def ragged_rows_call(
                     ),
                 )
 
-            # Items: (visit of a real group, column item); every such visit has rows.
-            @plgpu.nd_loop((num_row_items * num_col_items,), collective_axes="sm")
-            def _item_loop(loop_info: plgpu.NDLoopInfo):
-                (linear,) = loop_info.index
+            def exchange_partial(values: jax.Array, k_begin, k_end) -> tuple[jax.Array, Any]:
+                """stream_k: a piece holding an item's first K steps but not its last writes
+                its partial for the next CTA and stores nothing; a piece holding the last K
+                steps but not the first adds the previous CTA's partial (written first, so the
+                sum is deterministic). Returns (values to store, whether to store them)."""
+                sm = lax.axis_index("sm")
+                writes = (k_begin == 0) & (k_end < parts.num_k_steps)
+                reads = k_begin > 0
+
+                @pl.when(writes)
+                def _write_partial():
+                    partials_gmem.at[sm, wg][...] = values
+                    if partial_ready is not None:
+                        # A release at GPU scope after the warpgroup's stores (the lowering
+                        # puts a warpgroup barrier before the one thread that signals).
+                        plgpu.semaphore_signal(
+                            partial_ready.at[sm * num_consumers + wg], 1, memory_scope="gpu"
+                        )
+
+                def add_partial():
+                    previous = jnp.maximum(sm - 1, 0)  # (reads is false on CTA 0)
+                    if partial_ready is not None:
+                        # Waits and resets the semaphore to zero for the next launch.
+                        plgpu.semaphore_wait(
+                            partial_ready.at[previous * num_consumers + wg], 1, memory_scope="gpu"
+                        )
+                    partial = plgpu.load(
+                        partials_gmem.at[previous, wg], layout=plgpu.Layout.WGMMA, optimized=False
+                    )
+                    return partial + values
+
+                return lax.cond(reads, add_partial, lambda: values), jnp.logical_not(writes)
+
+            def run_item(linear, state=None, k_range=None):
+                """Runs item ``linear`` (or its K steps ``k_range = (k_begin, k_end)``)."""
                 row_item, col_item = plgpu.planar_snake(
                     linear,
                     (num_row_items, num_col_items),
@@ -484,6 +606,7 @@ def ragged_rows_call(
                     prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
                     scratch=tuple(scratch),
                 )
+                k_begin = 0 if k_range is None else k_range[0]
 
                 def compute_context(run_pipeline):
                     # Issued before the K loop so that the scales are in SMEM when needed.
@@ -493,22 +616,57 @@ def ragged_rows_call(
                     # change nothing else.
                     with jax.named_scope(PROFILE_K_LOOP):
                         values = parts.run_tile(operand_refs, ctx, run_pipeline)
+                    stores = owns_tile
+                    if k_range is not None:
+                        values, stores = exchange_partial(values, *k_range)
                     with jax.named_scope(PROFILE_EPILOGUE):
-                        if owns_tile is None:
+                        if stores is None:
                             store_tile(values, ctx)
                         else:
-                            pl.when(owns_tile)(lambda: store_tile(values, ctx))
+                            pl.when(stores)(lambda: store_tile(values, ctx))
 
                 def step_fn(idxs, *smem_and_carry):
                     *smem_refs, carry = smem_and_carry
                     (k_step,) = idxs
-                    step_ctx = dataclasses.replace(ctx, k_step=k_step)
+                    step_ctx = dataclasses.replace(ctx, k_step=k_step + k_begin)
                     return parts.step(operand_refs, step_ctx, smem_refs, carry)
 
-                make_pipeline(step_fn, compute_context, pipeline_state(loop_info))(
+                pipeline_kwargs = {}
+                if k_range is not None:
+                    # The specs' index maps see the piece's K steps from its first.
+                    pipeline_kwargs = dict(
+                        specs=tuple(
+                            dataclasses.replace(
+                                spec,
+                                index_map=functools.partial(_from_k_step, spec.index_map, k_begin),
+                            )
+                            for spec in in_specs
+                        ),
+                        num_steps=k_range[1] - k_begin,
+                    )
+                make_pipeline(step_fn, compute_context, state, **pipeline_kwargs)(
                     *parts.pipeline_refs(operand_refs, ctx),
                     allocations=pipeline_allocs,
                 )
+
+            num_items = num_row_items * num_col_items
+            share = None
+            if stream_k:
+                share = stream_k_share(num_items, lax.axis_index("sm"), num_ctas, parts.num_k_steps)
+                num_items = share.dp_items
+
+            # Items: (visit of a real group, column item); every such visit has rows.
+            @plgpu.nd_loop((num_items,), collective_axes="sm")
+            def _item_loop(loop_info: plgpu.NDLoopInfo):
+                (linear,) = loop_info.index
+                run_item(linear, pipeline_state(loop_info))
+
+            if share is not None:
+                # The stream-K pieces, each with a pipeline of its own (no pipeline_state).
+                @pl.loop(0, share.num_pieces)
+                def _piece_loop(index):
+                    item, k_begin, k_end = share.piece(index)
+                    run_item(share.dp_items + item, k_range=(k_begin, k_end))
 
             # The rows past the last group: zeros, stored by the consumers alone.
             @plgpu.nd_loop((num_tail_items * num_col_items,), collective_axes="sm")
@@ -549,15 +707,22 @@ def ragged_rows_call(
         # Ranges per consumer trace: two per item and one per tail tile, for the most items
         # one CTA can get, with room to spare; past that the trace is cut, not corrupted.
         max_items = common.max_visits(num_rows, num_groups, tile_m, num_out_rows) * num_col_items
-        ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_size) + 8
+        # (stream_k adds at most three pieces per CTA.)
+        ranges = 2 * pl.cdiv(max_items, schedule.num_sms // cluster_size) + 8 + 6 * stream_k
         profile_args = dict(
             profile_space=ranges,
             profile_dir=schedule.profile_dir,
             profile_bounds_check=True,
         )
+    out_types = jax.ShapeDtypeStruct((num_out_rows if packed else num_rows, num_cols), out_dtype)
+    if stream_k:  # + the partials' workspace (see body), not returned
+        partials = jax.ShapeDtypeStruct(
+            (num_ctas, num_consumers, part_rows, part_cols), jnp.float32
+        )
+        out_types = (out_types, partials)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_out_rows if packed else num_rows, num_cols), out_dtype),
+        out_type=out_types,
         grid=(schedule.num_sms // cluster_size,),
         grid_names=("sm",),
         num_threads=num_consumers + 1,
@@ -578,7 +743,15 @@ def ragged_rows_call(
         num_out_rows=num_out_rows,
     )
     extra_inputs = (group_starts,) if packed else ()
-    return varying_like(kernel(visit_table, *operands), group_sizes, *extra_inputs, *operands)
+    out = kernel(visit_table, *operands)
+    if stream_k:
+        out = out[0]
+    return varying_like(out, group_sizes, *extra_inputs, *operands)
+
+
+def _from_k_step(index_map, k_begin, k_step):
+    """A BlockSpec index map of the item's K step, called with a piece's K step."""
+    return index_map(k_step + k_begin)
 
 
 def wgmma_zeros(shape: tuple[int, int]) -> jax.Array:

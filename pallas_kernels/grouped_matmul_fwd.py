@@ -129,6 +129,14 @@ class GroupedMatmulConfig:
       the same bits). For bf16 / FP8 rowwise, 192 x (2 x 128) tiles read 56 KB of lhs + rhs
       per 64-wide K step for 3.1 M products where the 128 x (2 x 128) default reads 48 KB for
       2.1 M (a fifth less L2 traffic per product); not yet timed on the H200.
+    stream_k: split the persistent grid's last round of items, and one full round before it,
+      along K so that every CTA ends together (the data-parallel + stream-K hybrid): issue
+      5's G8 shape is 2048 items of 128 x 256 on 132 SMs, 15.5 rounds, so without it the last
+      round leaves half the SMs idle (~3% of the kernel, `benchmarks/tile_traffic.py`). An
+      item split between two CTAs costs one f32 partial tile written and read through L2 and
+      a global semaphore; the sum of its two K ranges is deterministic but is not the
+      unsplit kernel's bits (f32 sums in another order). 16-bit and FP8 rowwise
+      `grouped_matmul` only; needs wgmma_in_flight=0 and no clusters.
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -157,6 +165,7 @@ class GroupedMatmulConfig:
     stream_lhs_scales: bool = False
     consumer_split: str = "n"
     num_consumers: int = 2
+    stream_k: bool = False
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -252,6 +261,15 @@ class GroupedMatmulConfig:
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m!r}")
         if self.cluster_m > 1 and self.cluster_n > 1:
             raise ValueError("cluster_m=2 and cluster_n=2 cannot be combined (clusters of 2 CTAs)")
+        if not isinstance(self.stream_k, bool):
+            raise TypeError(f"stream_k must be a bool, got {self.stream_k!r}")
+        if self.stream_k and self.cluster_size > 1:
+            raise ValueError("stream_k needs cluster_n=1 and cluster_m=1")
+        if self.stream_k and self.wgmma_in_flight:
+            raise ValueError(
+                "stream_k needs wgmma_in_flight=0 (each split item's K range runs a pipeline "
+                "of its own)"
+            )
         if self.num_sms is not None and self.num_sms % self.cluster_size:
             raise ValueError(
                 f"num_sms={self.num_sms} must be a multiple of the cluster size "
@@ -320,6 +338,7 @@ class GroupedMatmulConfig:
             profile_dir=self.profile_dir,
             consumer_split=self.consumer_split,
             num_consumers=self.num_consumers,
+            stream_k=self.stream_k,
         )
 
 
@@ -633,6 +652,7 @@ def grouped_matmul(
         num_k_steps=pl.cdiv(k_p, tile_k),
         prefetches=tuple(prefetches),
         column_specs=(1,),
+        supports_stream_k=True,
     )
     out = driver.ragged_rows_call(
         group_sizes,

@@ -183,6 +183,25 @@ def test_grouped_ab_variants_of_the_defaults_fit_shared_memory(variant_set):
             assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
 
 
+def test_grouped_ab_stream_k_variants_fit_and_split_only_where_named():
+    import jax.numpy as jnp
+
+    from benchmarks import grouped_ab
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    for default, itemsize in ((fwd.DEFAULT_BF16_CONFIG, 2), (fwd.DEFAULT_FP8_CONFIG, 1)):
+        variants = grouped_ab.stream_k_variants(default)
+        assert variants["default"] == default
+        assert ("no wgmma in flight" in variants) == bool(default.wgmma_in_flight)
+        for name, config in variants.items():
+            assert config.stream_k == ("stream-K" in name), name
+            if config.persistent_pipeline:  # K = 4096: whole rounds of stages
+                assert (4096 // config.tile_k) % config.max_concurrent_steps == 0, name
+            stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * itemsize
+            scales = fwd._vector_bytes(config) if itemsize == 1 else 0
+            assert fwd._smem_bytes(config, stage, jnp.bfloat16, scales) <= fwd.SMEM_BYTES, name
+
+
 @pytest.mark.slow
 def test_grouped_ab_wgrad_runs_small(tmp_path):
     # The token-major wgrad configs and the K-major default in the interpreter, each checked

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 
 import jax
@@ -22,6 +23,7 @@ import pytest
 
 from benchmarks.h200_lowering import export_for_h200, mosaic_modules
 from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
@@ -31,6 +33,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul_fp8_block,
 )
 from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig, grouped_matmul_wgrad
+from tests.pallas_kernels import gpu_cases
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -1295,6 +1298,128 @@ def test_config_that_overflows_shared_memory_is_rejected():
         )
 
 
+# ------------------------------------------------------------------------------- stream-K
+
+
+@pytest.mark.parametrize(
+    ("num_items", "num_ctas", "num_k_steps"),
+    [
+        (9, 5, 4),  # one full round + 4: every item split
+        (2048, 132, 64),  # issue 5's G8 balanced at 128 x (2 x 128)
+        (2160, 132, 64),  # G8 skewed
+        (1456, 132, 32),  # the 192-row tile on G8
+        (133, 132, 1),  # one K step: pieces are whole items
+        (264, 132, 64),  # whole rounds: nothing split
+        (131, 132, 64),  # fewer items than CTAs: nothing split
+    ],
+)
+def test_stream_k_share_splits_each_item_between_two_neighbouring_ctas(
+    num_items, num_ctas, num_k_steps
+):
+    pieces = {}  # item -> [(cta, piece index, k_begin, k_end)]
+    work, num_pieces = [], []
+    for cta in range(num_ctas):
+        share = driver.stream_k_share(jnp.int32(num_items), jnp.int32(cta), num_ctas, num_k_steps)
+        dp_items = int(share.dp_items)
+        assert 0 <= dp_items <= num_items
+        n = int(share.num_pieces)
+        num_pieces.append(n)
+        work.append(dp_items // num_ctas * num_k_steps + int(share.unit_end - share.unit_begin))
+        for index in range(n):
+            item, k_begin, k_end = (int(v) for v in share.piece(jnp.int32(index)))
+            assert 0 <= k_begin < k_end <= num_k_steps
+            pieces.setdefault(dp_items + item, []).append((cta, index, k_begin, k_end))
+    # The stream-K items are the last ones, each covered once, in at most two pieces.
+    assert sorted(pieces) == list(range(dp_items, num_items))
+    for item_pieces in pieces.values():
+        covered = sorted((k_begin, k_end) for _, _, k_begin, k_end in item_pieces)
+        assert covered[0][0] == 0 and covered[-1][1] == num_k_steps
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+        assert len(item_pieces) <= 2
+        if len(item_pieces) == 2:
+            (writer, writer_index, _, _), (reader, reader_index, _, _) = sorted(
+                item_pieces, key=lambda piece: piece[2]
+            )
+            # The first K steps on the previous CTA, run first there; the last, run last.
+            assert reader == writer + 1
+            assert writer_index == 0 and reader_index == num_pieces[reader] - 1
+    assert max(num_pieces) <= 3
+    if num_items % num_ctas == 0 or num_items < num_ctas:
+        assert not pieces and dp_items == num_items
+    else:  # whole data-parallel rounds, then every CTA ends together to one K step
+        assert dp_items % num_ctas == 0
+        assert max(work) - min(work) <= 1
+
+
+STREAM_K_CASES = {
+    # 3 visits x 3 column tiles on 5 "SMs": one round + 4 items, every item split.
+    "bf16_f32_out": dict(config=dict(num_sms=5), sizes=[37, 0, 90], k=256),
+    "bf16_persistent_data_parallel_rounds": dict(
+        config=dict(num_sms=4, persistent_pipeline=True), sizes=[160], k=256, cols=600
+    ),
+    "bf16_consumers_split_rows": dict(
+        config=dict(num_sms=5, tile_m=128, consumer_split="m"), sizes=[37, 0, 90], k=192
+    ),
+    "fp8_rowwise_scales": dict(config=dict(num_sms=5, tile_k=128), sizes=[37, 0, 90], k=384),
+    "fp8_rowwise_packed_output": dict(
+        config=dict(num_sms=3, tile_k=128), sizes=[37, 0, 90], k=256, starts=[0, 64, 64]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAM_K_CASES))
+def test_stream_k_matches_reference(case):
+    spec = STREAM_K_CASES[case]
+    config = dataclasses.replace(TINY_FWD, stream_k=True, **spec["config"])
+    sizes = jnp.asarray(spec["sizes"], jnp.int32)
+    rows, k_dim, cols = 160, spec["k"], spec.get("cols", 300)
+    key = keys(4, seed=31)
+    fp8 = case.startswith("fp8")
+    if fp8:
+        lhs = random_fp8(key[0], (rows, k_dim), E4M3)
+        rhs = random_fp8(key[1], (sizes.shape[0], cols, k_dim), E5M2)
+        lhs_scale = jax.random.uniform(key[2], (rows,), jnp.float32, 0.5, 2.0)
+        rhs_scale = jax.random.uniform(key[3], (sizes.shape[0], cols), jnp.float32, 0.5, 2.0)
+        scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+        lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
+        rhs_ref = f64(rhs) * f64(rhs_scale)[..., None]
+    else:
+        lhs = jax.random.normal(key[0], (rows, k_dim), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(key[1], (sizes.shape[0], cols, k_dim), jnp.float32).astype(BF16)
+        scales, lhs_ref, rhs_ref = {}, f64(lhs), f64(rhs)
+    packed = {}
+    if "starts" in spec:
+        out_rows = int(sum(spec["sizes"]))
+        packed = dict(group_starts=jnp.asarray(spec["starts"], jnp.int32), out_rows=out_rows)
+        ref = ref_packed_rows(lhs_ref, rhs_ref, spec["sizes"], spec["starts"], out_rows)
+    else:
+        ref = ref_ragged_rows(lhs_ref, rhs_ref, sizes)
+    out = grouped_matmul(
+        lhs, rhs, sizes, out_dtype=jnp.float32, config=config, interpret=True, **scales, **packed
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_stream_k_bad_configs_and_kernels_raise():
+    with pytest.raises(TypeError, match="stream_k must be a bool, got 1"):
+        GroupedMatmulConfig(stream_k=1)
+    with pytest.raises(ValueError, match="stream_k needs cluster_n=1"):
+        GroupedMatmulConfig(stream_k=True, cluster_n=2)
+    with pytest.raises(ValueError, match="stream_k needs wgmma_in_flight=0"):
+        GroupedMatmulConfig(stream_k=True, wgmma_in_flight=1)
+    # The block-FP8 kernel's steps count K blocks from the tile's first: not split.
+    with pytest.raises(ValueError, match="does not support stream_k"):
+        grouped_matmul_fp8_block(
+            jnp.zeros((128, 128), E4M3),
+            jnp.ones((128, 1), jnp.float32),
+            jnp.zeros((2, 256, 128), E4M3),
+            jnp.ones((2, 2, 1), jnp.float32),
+            jnp.zeros((2,), jnp.int32),
+            config=dataclasses.replace(TINY_BLOCK, stream_k=True),
+            interpret=True,
+        )
+
+
 # ---------------------------------------------------------------- cross-lowering for the H200
 
 
@@ -1331,6 +1456,10 @@ THREE_CONSUMER_FP8 = dataclasses.replace(
 THREE_CONSUMER_H200_BLOCK = dataclasses.replace(
     H200_BLOCK, tile_m=192, tile_n=64, consumer_split="m", num_consumers=3, wgmma_in_flight=0
 )
+STREAM_K_BF16 = dataclasses.replace(DEFAULT_BF16_CONFIG, stream_k=True)
+STREAM_K_FP8_PERSISTENT = dataclasses.replace(
+    DEFAULT_FP8_CONFIG, wgmma_in_flight=0, persistent_pipeline=True, stream_k=True
+)
 BLOCK_AVALS = (
     S((M, K), E4M3),
     S((M, K // 128), F32),
@@ -1359,6 +1488,16 @@ CROSS_LOWERING_CASES = {
     ),
     "fp8_fwd_e4m3_rowwise": (
         lambda a, b, g, sa, sb: grouped_matmul(a, b, g, lhs_scale=sa, rhs_scale=sb),
+        (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
+    ),
+    "bf16_fwd_stream_k": (
+        lambda a, b, g: grouped_matmul(a, b, g, config=STREAM_K_BF16),
+        (S((M, K), BF16), S((G, N, K), BF16), SIZES),
+    ),
+    "fp8_fwd_rowwise_stream_k_persistent": (
+        lambda a, b, g, sa, sb: grouped_matmul(
+            a, b, g, lhs_scale=sa, rhs_scale=sb, config=STREAM_K_FP8_PERSISTENT
+        ),
         (S((M, K), E4M3), S((G, N, K), E4M3), SIZES, S((M,), F32), S((G, N), F32)),
     ),
     "fp8_dgrad_e5m2_x_e4m3_tensor": (
@@ -1583,22 +1722,27 @@ def test_three_consumer_wide_parts_issue_no_wgmma_ptxas_refuses(name):
     assert widths == {128}
 
 
-def _three_consumer_gpu_cases() -> list[str]:
-    from tests.pallas_kernels import test_grouped_matmul_gpu as gpu_tests
+def test_stream_k_lowers_with_global_semaphores_and_leaves_the_default_alone():
+    # The split items' partials are handed over through a release / acquire pair at GPU
+    # scope; the default kernel has no semaphore at all.
+    fn, avals = CROSS_LOWERING_CASES["bf16_fwd_stream_k"]
+    (module,) = mosaic_modules(fn, *avals)
+    assert "red.release.gpu.global.add.u32" in module
+    assert "fence.acquire.gpu" in module
+    (default_module,) = mosaic_modules(
+        lambda a, b, g: grouped_matmul(a, b, g, config=DEFAULT_BF16_CONFIG), *avals
+    )
+    assert "red.release" not in default_module
 
-    return sorted(gpu_tests.THREE_CONSUMER_CASES)
 
-
-@pytest.mark.parametrize("case", _three_consumer_gpu_cases())
+@pytest.mark.parametrize("case", sorted(gpu_cases.THREE_CONSUMER_CASES))
 def test_three_consumer_gpu_cases_lower_for_h200(case):
     # Each gpu case's two configs pass validation and the shared-memory check and lower for
     # the H200 at the gpu test's shapes, so that a config error costs no device time (stop 43's
     # first streamed-scale run failed on its own test config).
-    from tests.pallas_kernels import test_grouped_matmul_gpu as gpu_tests
-
-    rows, k, n, g = gpu_tests.ROWS, gpu_tests.K_DIM, gpu_tests.N_DIM, gpu_tests.NUM_GROUPS
-    operands = gpu_tests.THREE_CONSUMER_CASES[case]["operands"]
-    for config in gpu_tests.three_consumer_configs(case):
+    rows, k, n, g = gpu_cases.ROWS, gpu_cases.K_DIM, gpu_cases.N_DIM, gpu_cases.NUM_GROUPS
+    operands = gpu_cases.THREE_CONSUMER_CASES[case]["operands"]
+    for config in gpu_cases.three_consumer_configs(case):
         if operands == "fp8_block_dense":
             avals = (S((rows, k), E4M3), S((rows, k // 128), F32))
             avals += (S((n, k), E4M3), S((n // 128, k // 128), F32))
@@ -1608,6 +1752,26 @@ def test_three_consumer_gpu_cases_lower_for_h200(case):
             avals += (S((g, n // 128, k // 128), F32), S((g,), jnp.int32))
             fn = functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config)
         elif operands == "fp8":
+            avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
+            avals += (S((rows,), F32), S((g, n), F32))
+
+            def fn(a, b, sizes, sa, sb, config=config):
+                return grouped_matmul(
+                    a, b, sizes, lhs_scale=sa, rhs_scale=sb, out_dtype=F32, config=config
+                )
+        else:
+            avals = (S((rows, k), BF16), S((g, n, k), BF16), S((g,), jnp.int32))
+            fn = functools.partial(grouped_matmul, out_dtype=F32, config=config)
+        assert "mosaic_gpu" in _lower_for_h200(fn, *avals)
+
+
+@pytest.mark.parametrize("case", sorted(gpu_cases.STREAM_K_CASES))
+def test_stream_k_gpu_cases_lower_for_h200(case):
+    rows, k, n = gpu_cases.STREAM_K_ROWS, gpu_cases.STREAM_K_K, gpu_cases.STREAM_K_N
+    g = gpu_cases.STREAM_K_SIZES.shape[0]
+    fp8 = gpu_cases.STREAM_K_CASES[case]["operands"] == "fp8"
+    for config in gpu_cases.stream_k_configs(case):
+        if fp8:
             avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
             avals += (S((rows,), F32), S((g, n), F32))
 

@@ -32,6 +32,21 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul_fp8_block,
 )
 from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
+from tests.pallas_kernels.gpu_cases import (
+    K_DIM,
+    N_DIM,
+    NUM_GROUPS,
+    ROWS,
+    SIZES,
+    STREAM_K_CASES,
+    STREAM_K_K,
+    STREAM_K_N,
+    STREAM_K_ROWS,
+    STREAM_K_SIZES,
+    THREE_CONSUMER_CASES,
+    stream_k_configs,
+    three_consumer_configs,
+)
 from tests.pallas_kernels.test_grouped_matmul import (
     BF16,
     E4M3,
@@ -47,10 +62,6 @@ from tests.pallas_kernels.test_grouped_matmul import (
 
 pytestmark = pytest.mark.gpu
 F32 = jnp.float32
-
-ROWS, K_DIM, N_DIM = 1000, 512, 384
-SIZES = jnp.asarray([0, 300, 1, 0, 550], jnp.int32)  # 149 tail rows
-NUM_GROUPS = 5
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, BF16])
@@ -533,81 +544,6 @@ def test_gpu_consumers_splitting_rows_give_the_default_bits(case):
     np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
 
 
-# Three consumer warpgroups of 64 rows each (192 x (2 x 64) CTA tiles, or 192 x (2 x 128) for
-# bf16 / FP8 rowwise): every output element sums the same products in the same K order (for
-# block FP8: the same 128-wide chunks promoted in the same order) as under two consumers'
-# tiles, so the bits must match theirs. 1000 rows in 5 uneven groups give tiles whose visits
-# cover one, two or three consumers' parts; 4 SMs make each CTA run several tiles
-# (persistent: START, STEADY, STOP).
-THREE_CONSUMERS = dict(tile_m=192, tile_n=64, consumer_split="m", num_consumers=3)
-THREE_CONSUMER_CASES = {
-    "bf16": dict(operands="bf16", schedule=dict(max_concurrent_steps=3)),
-    "fp8_rowwise": dict(operands="fp8", schedule=dict(max_concurrent_steps=3)),
-    "fp8_rowwise_persistent_4_sms": dict(
-        operands="fp8",
-        schedule=dict(
-            max_concurrent_steps=2, wgmma_in_flight=0, persistent_pipeline=True, num_sms=4
-        ),
-    ),
-    # 64 x 256 parts (192 x (2 x 128) tiles): two 128-column wgmmas per consumer and K slice
-    # (one m64n256 was refused by ptxas with four warpgroups).
-    "bf16_wide_parts": dict(operands="bf16", schedule=dict(tile_n=128, max_concurrent_steps=3)),
-    "fp8_rowwise_wide_parts": dict(
-        operands="fp8", schedule=dict(tile_n=128, max_concurrent_steps=3)
-    ),
-    "fp8_rowwise_wide_parts_persistent_4_sms": dict(
-        operands="fp8",
-        schedule=dict(
-            tile_n=128,
-            max_concurrent_steps=2,
-            wgmma_in_flight=0,
-            persistent_pipeline=True,
-            num_sms=4,
-        ),
-    ),
-    "fp8_block": dict(operands="fp8_block", schedule=dict(max_concurrent_steps=2)),
-    "fp8_block_dense_persistent_4_sms": dict(
-        operands="fp8_block_dense",
-        schedule=dict(max_concurrent_steps=2, persistent_pipeline=True, num_sms=4),
-    ),
-    # The lhs scales streamed with the K steps instead of prefetched per tile.
-    "fp8_block_streamed_scales": dict(
-        operands="fp8_block",
-        schedule=dict(max_concurrent_steps=4, epilogue_buffers=1, stream_lhs_scales=True),
-    ),
-    "fp8_block_dense_streamed_scales_persistent_4_sms": dict(
-        operands="fp8_block_dense",
-        schedule=dict(
-            max_concurrent_steps=4,
-            epilogue_buffers=1,
-            persistent_pipeline=True,
-            stream_lhs_scales=True,
-            grid_minor_dim=1,
-            num_sms=4,
-        ),
-    ),
-}
-
-
-def three_consumer_configs(case: str) -> tuple[GroupedMatmulConfig, GroupedMatmulConfig]:
-    """(the two-consumer default, its three-consumer variant) of a THREE_CONSUMER_CASES case;
-    the configs are also lowered for the H200 on the CPU (test_grouped_matmul.py), so that a
-    config error shows before a device session."""
-    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG, DEFAULT_FP8_CONFIG
-
-    spec = THREE_CONSUMER_CASES[case]
-    operands = spec["operands"]
-    if operands.startswith("fp8_block"):
-        # Two consumers in 64 x (2 x 128) tiles (the default until stop 43) against three.
-        dense = operands == "fp8_block_dense"
-        base = fp8_block_default_config(K_DIM, F32, persistent_pipeline=dense, num_consumers=2)
-    else:
-        # 128-byte rows of float32 output: 32 columns.
-        base = DEFAULT_FP8_CONFIG if operands == "fp8" else DEFAULT_BF16_CONFIG
-        base = dataclasses.replace(base, epi_tile_n=32)
-    return base, dataclasses.replace(base, **(THREE_CONSUMERS | spec["schedule"]))
-
-
 @pytest.mark.parametrize("case", sorted(THREE_CONSUMER_CASES))
 def test_gpu_three_consumers_give_the_default_bits(case):
     spec = THREE_CONSUMER_CASES[case]
@@ -659,6 +595,52 @@ def test_gpu_three_consumers_give_the_default_bits(case):
     out = call(*args, out_dtype=F32, config=three)
     assert_close(out, ref, rel=rel)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
+
+
+def _small_integers(key, shape, dtype, bound: int):
+    return jax.random.randint(key, shape, -bound, bound + 1).astype(F32).astype(dtype)
+
+
+@pytest.mark.parametrize("case", sorted(STREAM_K_CASES))
+def test_gpu_stream_k_gives_the_default_bits_on_exact_sums(case):
+    fp8 = STREAM_K_CASES[case]["operands"] == "fp8"
+    base, split = stream_k_configs(case)
+    rows, k_dim, n_dim, sizes = STREAM_K_ROWS, STREAM_K_K, STREAM_K_N, STREAM_K_SIZES
+    call = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config"))
+    for seed in (46, 47):
+        k = keys(4, seed=seed)
+        dtypes = (E4M3, E5M2) if fp8 else (BF16, BF16)
+        # |sums| <= 1000 for FP8 (inside the tensor core's reduced-precision adds), 9000 for bf16
+        bound = 1 if fp8 else 3
+        lhs = _small_integers(k[0], (rows, k_dim), dtypes[0], bound)
+        rhs = _small_integers(k[1], (sizes.shape[0], n_dim, k_dim), dtypes[1], bound)
+        scales = {}
+        lhs_ref, rhs_ref = f64(lhs), f64(rhs)
+        if fp8:  # powers of two keep the scaled sums exact
+            lhs_scale = 2.0 ** jax.random.randint(k[2], (rows,), -2, 3).astype(F32)
+            rhs_scale = 2.0 ** jax.random.randint(k[3], (sizes.shape[0], n_dim), -2, 3)
+            scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale.astype(F32))
+            lhs_ref = lhs_ref * f64(lhs_scale)[:, None]
+            rhs_ref = rhs_ref * f64(rhs_scale)[:, :, None]
+        ref = ref_ragged_rows(lhs_ref, rhs_ref, sizes)
+        default = call(lhs, rhs, sizes, out_dtype=F32, config=base, **scales)
+        out = call(lhs, rhs, sizes, out_dtype=F32, config=split, **scales)
+        np.testing.assert_array_equal(np.asarray(out, np.float64), ref)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
+
+
+def test_gpu_stream_k_on_random_operands_is_deterministic_and_close():
+    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG
+
+    config = dataclasses.replace(DEFAULT_BF16_CONFIG, stream_k=True)
+    k = keys(2, seed=48)
+    lhs = jax.random.normal(k[0], (STREAM_K_ROWS, STREAM_K_K), F32).astype(BF16)
+    rhs = jax.random.normal(k[1], (4, STREAM_K_N, STREAM_K_K), F32).astype(BF16)
+    call = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config"))
+    first = call(lhs, rhs, STREAM_K_SIZES, out_dtype=BF16, config=config)
+    again = call(lhs, rhs, STREAM_K_SIZES, out_dtype=BF16, config=config)
+    assert_close(first, ref_ragged_rows(f64(lhs), f64(rhs), STREAM_K_SIZES), rel=2**-8)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
 
 
 # MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products
