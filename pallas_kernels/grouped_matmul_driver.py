@@ -227,6 +227,9 @@ class TileContext:
     prefetched: tuple = ()  # (smem ref, barrier ref) of this consumer, per TilePrefetch
     scratch: tuple = ()  # the refs of RowKernelParts.scratch (shared by the consumers)
     k_step: jax.Array | None = None  # inside `step`: the K step of this tile (from 0)
+    # The first K step the tile's pipeline runs: 0, or a stream-K piece's first (the pieces
+    # of a split item run K steps [k_begin, k_end) of it; `k_step` still counts from 0).
+    k_begin: Any = 0
 
     def wait_prefetched(self, index: int):
         """Waits for prefetch ``index`` (call exactly once per tile) and returns its SMEM ref."""
@@ -255,8 +258,9 @@ class RowKernelParts:
         only (the rhs streams), which clusters along M multicast; None: the kernel does not
         run with ``cluster_m=2``.
     supports_stream_k: the format's steps and run_tile work on any range of K steps (they
-        read the K step from ``TileContext.k_step``, which counts from the item's first),
-        and run_tile returns a part that adds up over ranges of K (``stream_k``).
+        read the K step from ``TileContext.k_step``, which counts from the item's first, and
+        the range's first from ``TileContext.k_begin``), and run_tile returns a part that
+        adds up over ranges of K (``stream_k``).
     """
 
     in_specs: Sequence[Any]
@@ -578,8 +582,9 @@ def ragged_rows_call(
 
                 return lax.cond(reads, add_partial, lambda: values), jnp.logical_not(writes)
 
-            def run_item(linear, state=None, k_range=None):
-                """Runs item ``linear`` (or its K steps ``k_range = (k_begin, k_end)``)."""
+            def run_item(linear, pipeline_state_of=lambda: None, k_range=None):
+                """Runs item ``linear`` (or its K steps ``k_range = (k_begin, k_end)``);
+                ``pipeline_state_of()`` gives its pipeline state where the pipeline starts."""
                 row_item, col_item = plgpu.planar_snake(
                     linear,
                     (num_row_items, num_col_items),
@@ -605,8 +610,9 @@ def ragged_rows_call(
                     col_slice=pl.ds(schedule.consumer_col_offset(wg), part_cols),
                     prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
                     scratch=tuple(scratch),
+                    k_begin=0 if k_range is None else k_range[0],
                 )
-                k_begin = 0 if k_range is None else k_range[0]
+                k_begin = ctx.k_begin
 
                 def compute_context(run_pipeline):
                     # Issued before the K loop so that the scales are in SMEM when needed.
@@ -644,7 +650,7 @@ def ragged_rows_call(
                         ),
                         num_steps=k_range[1] - k_begin,
                     )
-                make_pipeline(step_fn, compute_context, state, **pipeline_kwargs)(
+                make_pipeline(step_fn, compute_context, pipeline_state_of(), **pipeline_kwargs)(
                     *parts.pipeline_refs(operand_refs, ctx),
                     allocations=pipeline_allocs,
                 )
@@ -659,7 +665,7 @@ def ragged_rows_call(
             @plgpu.nd_loop((num_items,), collective_axes="sm")
             def _item_loop(loop_info: plgpu.NDLoopInfo):
                 (linear,) = loop_info.index
-                run_item(linear, pipeline_state(loop_info))
+                run_item(linear, lambda: pipeline_state(loop_info))
 
             if share is not None:
                 # The stream-K pieces, each with a pipeline of its own (no pipeline_state).

@@ -135,8 +135,8 @@ class GroupedMatmulConfig:
       round leaves half the SMs idle (~3% of the kernel, `benchmarks/tile_traffic.py`). An
       item split between two CTAs costs one f32 partial tile written and read through L2 and
       a global semaphore; the sum of its two K ranges is deterministic but is not the
-      unsplit kernel's bits (f32 sums in another order). 16-bit and FP8 rowwise
-      `grouped_matmul` only; needs wgmma_in_flight=0 and no clusters.
+      unsplit kernel's bits (f32 sums in another order). `grouped_matmul` (16-bit and FP8
+      rowwise) and the block-FP8 kernels; needs wgmma_in_flight=0 and no clusters.
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -940,8 +940,11 @@ def grouped_matmul_fp8_block(
             k_step, main, previous = carry
         else:
             k_step, main = carry
+        # The tile's first K step, or a stream-K piece's (ctx.k_begin; k_step counts K blocks
+        # from the tile's first either way).
+        first_step = lambda: k_step == ctx.k_begin
         if stagger:
-            first_step_of = lambda consumer: (k_step == 0) & (ctx.consumer == consumer)
+            first_step_of = lambda consumer: first_step() & (ctx.consumer == consumer)
             pl.when(first_step_of(1))(lambda: plgpu.barrier_wait(ctx.scratch[0]))
 
         def chunk_product(chunk_ref):
@@ -951,7 +954,7 @@ def grouped_matmul_fp8_block(
 
             if not streamed:
 
-                @pl.when(k_step == 0)
+                @pl.when(first_step())
                 def _wait_scales():
                     ctx.wait_prefetched(0)
 
@@ -983,7 +986,7 @@ def grouped_matmul_fp8_block(
     def run_tile(refs, ctx, run_pipeline):
         zeros = driver.wgmma_zeros((part_rows, part_cols))
         if not overlap:
-            _, main = run_pipeline((jnp.int32(0), zeros))
+            _, main = run_pipeline((jnp.int32(0) + ctx.k_begin, zeros))
             return main
         _, main, last = run_pipeline((jnp.int32(0), zeros, zeros))
         return promote(main, last, block_scale(refs, ctx, num_k_blocks - 1))
@@ -999,6 +1002,9 @@ def grouped_matmul_fp8_block(
         # stagger_consumers: the first consumer's first K block done, once per tile.
         scratch=(plgpu.Barrier(num_arrivals=1),) if stagger else (),
         column_specs=(1,),
+        # (With wgmma_in_flight=1 the last block is promoted after the pipeline, as block
+        # num_k_blocks - 1: GroupedMatmulConfig refuses stream_k with it.)
+        supports_stream_k=True,
     )
     out = driver.ragged_rows_call(
         group_sizes,

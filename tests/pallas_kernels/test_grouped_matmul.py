@@ -1400,6 +1400,58 @@ def test_stream_k_matches_reference(case):
     assert_close(out, ref, rel=1e-5)
 
 
+BLOCK_STREAM_K_CASES = {
+    # 64 x (2 x 128) tiles on 5 "SMs", scales prefetched per tile (waited on at each piece's
+    # first K block), then streamed with the K steps, and staggered consumers.
+    "grouped": dict(num_sms=5),
+    "grouped_streamed_scales_persistent": dict(
+        num_sms=5, stream_lhs_scales=True, persistent_pipeline=True
+    ),
+    "grouped_staggered": dict(num_sms=5, stagger_consumers=True),
+    "dense_three_consumers": dict(
+        num_sms=2, tile_m=192, tile_n=64, consumer_split="m", num_consumers=3
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOCK_STREAM_K_CASES))
+def test_block_fp8_stream_k_matches_dequantized_reference(case):
+    # The split items' promotions use the K blocks' own scales (the piece's K steps count
+    # from the tile's first).
+    config = dataclasses.replace(TINY_BLOCK, stream_k=True, **BLOCK_STREAM_K_CASES[case])
+    rows, k_dim, cols = 160, 512, 300
+    sizes = jnp.asarray([37, 0, 90], jnp.int32)
+    dense = case.startswith("dense")
+    groups = () if dense else (3,)
+    key = keys(4, seed=32)
+    lhs = random_fp8(key[0], (rows, k_dim), E4M3)
+    lhs_scale = 2.0 ** jax.random.randint(key[1], (rows, k_dim // 128), -3, 4).astype(jnp.float32)
+    rhs = random_fp8(key[2], (*groups, cols, k_dim), E4M3)
+    rhs_scale = 2.0 ** jax.random.randint(key[3], (*groups, 3, k_dim // 128), -3, 4).astype(
+        jnp.float32
+    )
+    lhs_dq = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+    rhs_dq = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+    if dense:
+        out = dense_matmul_fp8_block(
+            lhs, lhs_scale, rhs, rhs_scale, out_dtype=jnp.float32, config=config, interpret=True
+        )
+        ref = lhs_dq @ rhs_dq.T
+    else:
+        out = grouped_matmul_fp8_block(
+            lhs,
+            lhs_scale,
+            rhs,
+            rhs_scale,
+            sizes,
+            out_dtype=jnp.float32,
+            config=config,
+            interpret=True,
+        )
+        ref = ref_ragged_rows(lhs_dq, rhs_dq, sizes)
+    assert_close(out, ref, rel=1e-5)
+
+
 def test_stream_k_bad_configs_and_kernels_raise():
     with pytest.raises(TypeError, match="stream_k must be a bool, got 1"):
         GroupedMatmulConfig(stream_k=1)
@@ -1407,17 +1459,6 @@ def test_stream_k_bad_configs_and_kernels_raise():
         GroupedMatmulConfig(stream_k=True, cluster_n=2)
     with pytest.raises(ValueError, match="stream_k needs wgmma_in_flight=0"):
         GroupedMatmulConfig(stream_k=True, wgmma_in_flight=1)
-    # The block-FP8 kernel's steps count K blocks from the tile's first: not split.
-    with pytest.raises(ValueError, match="does not support stream_k"):
-        grouped_matmul_fp8_block(
-            jnp.zeros((128, 128), E4M3),
-            jnp.ones((128, 1), jnp.float32),
-            jnp.zeros((2, 256, 128), E4M3),
-            jnp.ones((2, 2, 1), jnp.float32),
-            jnp.zeros((2,), jnp.int32),
-            config=dataclasses.replace(TINY_BLOCK, stream_k=True),
-            interpret=True,
-        )
 
 
 # ---------------------------------------------------------------- cross-lowering for the H200
