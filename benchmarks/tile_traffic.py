@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from benchmarks import bench_grouped_matmul
 from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import grouped_matmul_fwd as fwd
 
 
@@ -83,12 +84,21 @@ class GridFill:
     items_per_sm: int  # the most items one SM runs
     fill: float  # items / (SMs x items_per_sm): the share of the grid's time spent busy
     row_overhead: float  # rows the visits compute over the rows the groups hold
+    # The same share with stream_k (the kernel's split, driver.stream_k_share): the busiest
+    # SM runs its data-parallel items and its stream-K units; the partials' hand-over is
+    # not counted.
+    stream_k_fill: float
 
 
 def grid_fill(
-    config: fwd.GroupedMatmulConfig, group_sizes: list[int], num_cols: int, num_sms: int = 132
+    config: fwd.GroupedMatmulConfig,
+    group_sizes: list[int],
+    num_cols: int,
+    num_sms: int = 132,
+    k: int = 4096,
 ) -> GridFill:
-    """The persistent grid's fill for `group_sizes` (rows, in order) and `num_cols` outputs."""
+    """The persistent grid's fill for `group_sizes` (rows, in order), `num_cols` outputs and
+    contraction size `k` (which only the stream-K split depends on)."""
     rows = sum(group_sizes)
     if rows <= 0 or num_cols <= 0:
         raise ValueError(f"need rows and columns, got group_sizes={group_sizes} and {num_cols}")
@@ -98,11 +108,22 @@ def grid_fill(
     visits = int(table[0, 0])
     items = visits * -(-num_cols // (2 * config.tile_n))
     per_sm = -(-items // num_sms)
+    num_k_steps = -(-k // config.tile_k)
+    busiest_units = 0
+    for cta in range(num_sms):
+        share = driver.stream_k_share(items, cta, num_sms, num_k_steps)
+        units = int(share.dp_items) // num_sms * num_k_steps + int(
+            share.unit_end - share.unit_begin
+        )
+        if int(share.dp_items) == items:  # nothing split: whole items, as without stream-K
+            units = per_sm * num_k_steps
+        busiest_units = max(busiest_units, units)
     return GridFill(
         items=items,
         items_per_sm=per_sm,
         fill=items / (num_sms * per_sm),
         row_overhead=visits * config.tile_m / rows,
+        stream_k_fill=items * num_k_steps / (num_sms * busiest_units),
     )
 
 
@@ -111,6 +132,10 @@ def grid_fill(
 SHAPES = {
     **{name: (sizes, n) for name, (_, _, _, n, sizes) in bench_grouped_matmul.SHAPES.items()},
     "dense 8192^3": ([8192], 8192),
+}
+CONTRACTION = {
+    **{name: k for name, (_, _, k, _, _) in bench_grouped_matmul.SHAPES.items()},
+    "dense 8192^3": 8192,
 }
 
 
@@ -145,15 +170,17 @@ def main() -> str:
         )
     rows += [
         "",
-        "| tile | shape | items | items / SM | grid fill | rows computed / held | both |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| tile | shape | items | items / SM | grid fill | rows computed / held | both | "
+        "grid fill with stream-K |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (config, _, _) in candidate_tiles().items():
         for shape, (sizes, num_cols) in SHAPES.items():
-            f = grid_fill(config, sizes, num_cols)
+            f = grid_fill(config, sizes, num_cols, k=CONTRACTION[shape])
             rows.append(
                 f"| {name} | {shape} | {f.items} | {f.items_per_sm} | {f.fill:.3f} | "
-                f"{f.row_overhead:.3f} | {f.fill / f.row_overhead:.3f} |"
+                f"{f.row_overhead:.3f} | {f.fill / f.row_overhead:.3f} | "
+                f"{f.stream_k_fill:.3f} |"
             )
     return "\n".join(rows) + "\n"
 

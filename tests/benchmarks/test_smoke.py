@@ -644,5 +644,11 @@ def test_grid_fill_counts_visits_items_and_the_last_wave():
     assert default.fill == 2048 / (132 * 16)
     tall = tile_traffic.grid_fill(fwd.DEFAULT_FP8_BLOCK_CONFIG, sizes, cols)
     assert tall.row_overhead == 91 * 192 / 16384 and tall.items == 91 * 32
+    # Stream-K: 1848 items whole (14 rounds), then 132 + 68 items x 64 K steps over 132 SMs:
+    # the busiest runs 14 x 64 + 97 units of the 2048 x 64 / 132 = 992.97 on average.
+    assert default.stream_k_fill == 2048 * 64 / (132 * (14 * 64 + 97))
+    # Whole rounds: stream-K splits nothing.
+    whole = tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, [128 * 132], 256)
+    assert whole.fill == whole.stream_k_fill == 1.0
     with pytest.raises(ValueError, match="need rows and columns"):
         tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, [0, 0], 64)

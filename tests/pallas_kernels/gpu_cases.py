@@ -113,12 +113,22 @@ STREAM_K_CASES = {
         schedule=dict(tile_m=192, tile_n=128, consumer_split="m", num_consumers=3),
     ),
     "fp8_rowwise": dict(operands="fp8", schedule=dict(wgmma_in_flight=0)),
+    # Block FP8's default (three consumers, 192 x (2 x 64)), K a multiple of 128.
+    "fp8_block": dict(operands="fp8_block", schedule=dict()),
+    "fp8_block_streamed_scales": dict(
+        operands="fp8_block",
+        schedule=dict(max_concurrent_steps=4, epilogue_buffers=1, stream_lhs_scales=True),
+    ),
 }
+STREAM_K_BLOCK_K = 1024
 
 
 def stream_k_configs(case: str) -> tuple[GroupedMatmulConfig, GroupedMatmulConfig]:
     """(the default config, its stream-K variant) of a STREAM_K_CASES case (f32 output)."""
     spec = STREAM_K_CASES[case]
-    base = DEFAULT_FP8_CONFIG if spec["operands"] == "fp8" else DEFAULT_BF16_CONFIG
-    base = dataclasses.replace(base, epi_tile_n=32)  # 128-byte rows of f32 output
+    if spec["operands"] == "fp8_block":
+        base = fp8_block_default_config(STREAM_K_BLOCK_K, F32)
+    else:
+        base = DEFAULT_FP8_CONFIG if spec["operands"] == "fp8" else DEFAULT_BF16_CONFIG
+        base = dataclasses.replace(base, epi_tile_n=32)  # 128-byte rows of f32 output
     return base, dataclasses.replace(base, **spec["schedule"], stream_k=True)

@@ -1810,9 +1810,14 @@ def test_three_consumer_gpu_cases_lower_for_h200(case):
 def test_stream_k_gpu_cases_lower_for_h200(case):
     rows, k, n = gpu_cases.STREAM_K_ROWS, gpu_cases.STREAM_K_K, gpu_cases.STREAM_K_N
     g = gpu_cases.STREAM_K_SIZES.shape[0]
-    fp8 = gpu_cases.STREAM_K_CASES[case]["operands"] == "fp8"
+    operands = gpu_cases.STREAM_K_CASES[case]["operands"]
     for config in gpu_cases.stream_k_configs(case):
-        if fp8:
+        if operands == "fp8_block":
+            k = gpu_cases.STREAM_K_BLOCK_K
+            avals = (S((rows, k), E4M3), S((rows, k // 128), F32), S((g, n, k), E4M3))
+            avals += (S((g, -(-n // 128), k // 128), F32), S((g,), jnp.int32))
+            fn = functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config)
+        elif operands == "fp8":
             avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
             avals += (S((rows,), F32), S((g, n), F32))
 

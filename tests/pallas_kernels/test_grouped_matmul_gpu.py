@@ -38,6 +38,7 @@ from tests.pallas_kernels.gpu_cases import (
     NUM_GROUPS,
     ROWS,
     SIZES,
+    STREAM_K_BLOCK_K,
     STREAM_K_CASES,
     STREAM_K_K,
     STREAM_K_N,
@@ -597,34 +598,59 @@ def test_gpu_three_consumers_give_the_default_bits(case):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _small_integers(key, shape, dtype, bound: int):
     return jax.random.randint(key, shape, -bound, bound + 1).astype(F32).astype(dtype)
 
 
 @pytest.mark.parametrize("case", sorted(STREAM_K_CASES))
 def test_gpu_stream_k_gives_the_default_bits_on_exact_sums(case):
-    fp8 = STREAM_K_CASES[case]["operands"] == "fp8"
+    operands = STREAM_K_CASES[case]["operands"]
     base, split = stream_k_configs(case)
-    rows, k_dim, n_dim, sizes = STREAM_K_ROWS, STREAM_K_K, STREAM_K_N, STREAM_K_SIZES
-    call = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config"))
+    rows, n_dim, sizes = STREAM_K_ROWS, STREAM_K_N, STREAM_K_SIZES
+    num_groups = sizes.shape[0]
     for seed in (46, 47):
         k = keys(4, seed=seed)
-        dtypes = (E4M3, E5M2) if fp8 else (BF16, BF16)
-        # |sums| <= 1000 for FP8 (inside the tensor core's reduced-precision adds), 9000 for bf16
-        bound = 1 if fp8 else 3
-        lhs = _small_integers(k[0], (rows, k_dim), dtypes[0], bound)
-        rhs = _small_integers(k[1], (sizes.shape[0], n_dim, k_dim), dtypes[1], bound)
-        scales = {}
-        lhs_ref, rhs_ref = f64(lhs), f64(rhs)
-        if fp8:  # powers of two keep the scaled sums exact
+        # Powers of two for the scales; |sums| <= 1000 codes for FP8 (inside the tensor
+        # core's reduced-precision adds), <= 9000 for bf16: every sum is exact.
+        if operands == "fp8_block":
+            k_dim, k_blocks = STREAM_K_BLOCK_K, STREAM_K_BLOCK_K // 128
+            lhs = _small_integers(k[0], (rows, k_dim), E4M3, 1)
+            rhs = _small_integers(k[1], (num_groups, n_dim, k_dim), E4M3, 1)
+            lhs_scale = 2.0 ** jax.random.randint(k[2], (rows, k_blocks), -2, 3).astype(F32)
+            rhs_scale = 2.0 ** jax.random.randint(
+                k[3], (num_groups, pl_cdiv(n_dim, 128), k_blocks), -2, 3
+            ).astype(F32)
+            args = (lhs, lhs_scale, rhs, rhs_scale, sizes)
+            run = grouped_matmul_fp8_block
+            lhs_ref = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+            rhs_ref = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+        elif operands == "fp8":
+            lhs = _small_integers(k[0], (rows, STREAM_K_K), E4M3, 1)
+            rhs = _small_integers(k[1], (num_groups, n_dim, STREAM_K_K), E5M2, 1)
             lhs_scale = 2.0 ** jax.random.randint(k[2], (rows,), -2, 3).astype(F32)
-            rhs_scale = 2.0 ** jax.random.randint(k[3], (sizes.shape[0], n_dim), -2, 3)
-            scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale.astype(F32))
-            lhs_ref = lhs_ref * f64(lhs_scale)[:, None]
-            rhs_ref = rhs_ref * f64(rhs_scale)[:, :, None]
+            rhs_scale = 2.0 ** jax.random.randint(k[3], (num_groups, n_dim), -2, 3).astype(F32)
+
+            def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
+                return grouped_matmul(
+                    lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
+                )
+
+            args = (lhs, rhs, sizes, lhs_scale, rhs_scale)
+            lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
+            rhs_ref = f64(rhs) * f64(rhs_scale)[:, :, None]
+        else:
+            lhs = _small_integers(k[0], (rows, STREAM_K_K), BF16, 3)
+            rhs = _small_integers(k[1], (num_groups, n_dim, STREAM_K_K), BF16, 3)
+            args, run = (lhs, rhs, sizes), grouped_matmul
+            lhs_ref, rhs_ref = f64(lhs), f64(rhs)
+        call = jax.jit(run, static_argnames=("out_dtype", "config"))
         ref = ref_ragged_rows(lhs_ref, rhs_ref, sizes)
-        default = call(lhs, rhs, sizes, out_dtype=F32, config=base, **scales)
-        out = call(lhs, rhs, sizes, out_dtype=F32, config=split, **scales)
+        default = call(*args, out_dtype=F32, config=base)
+        out = call(*args, out_dtype=F32, config=split)
         np.testing.assert_array_equal(np.asarray(out, np.float64), ref)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
