@@ -12,7 +12,11 @@ the jax wheel (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu`,
 `transposed_ragged_dot_mgpu`, `hopper_matmul_mgpu`), a few of their own tuning configs each.
 
     PYTHONPATH=. python3 benchmarks/bench_grouped_matmul.py OUT_DIR [BUDGET_SECONDS] [--small]
-        [--sections=g8,quantized,wgrad,g64,dense_block,skewed]
+        [--sections=g8,quantized,wgrad,g64,dense_block,skewed,defaults]
+
+"defaults" (opt-in, not in the sections run by default) times only today's defaults and
+their predecessors, forward on both G8 shapes, with torch's grouped GEMMs and XLA's dense
+GEMMs, then the dense block-FP8 default: the target rows in one short call.
 
 writes OUT_DIR/bench_grouped_matmul.jsonl (one line per measurement, as they happen)
 and OUT_DIR/bench_grouped_matmul.md (the table). Work past the time budget is skipped
@@ -22,6 +26,7 @@ and listed as such.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -90,7 +95,9 @@ def fwd_label(kind: str, cfg: GroupedMatmulConfig) -> str:
     the persistent pipeline when it is on."""
     plain = "" if cfg.swizzled_epilogue else ", plain epilogue"
     persistent = ", persistent" if cfg.persistent_pipeline else ""
-    return f"pallas {kind} {cfg.tile_m}x{2 * cfg.tile_n}{plain}{persistent}"
+    stream_k = ", stream-K" if cfg.stream_k else ""
+    streamed = ", streamed scales" if cfg.stream_lhs_scales else ""
+    return f"pallas {kind} {cfg.tile_m}x{2 * cfg.tile_n}{plain}{persistent}{stream_k}{streamed}"
 
 
 def wgrad_config(tm, tn, tt, steps, epi, minor=1, width=4, buffers=2):
@@ -895,7 +902,58 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def defaults_suite(bench: Bench, shapes: dict, dense_size: int, small: bool) -> None:
+    """The 16-bit and FP8 rowwise defaults (stream-K over the persistent pipeline since stop
+    45) and the whole-item configs before them, forward on both G8 shapes with torch's
+    grouped GEMMs, XLA's dense GEMMs of G8 balanced's flops, then the dense block-FP8
+    default (the lhs scales streamed since stop 45) and its predecessor."""
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    pairs = [
+        (fwd.STREAM_K_BF16_CONFIG, fwd.DEFAULT_BF16_CONFIG),
+        (fwd.STREAM_K_FP8_CONFIG, fwd.DEFAULT_FP8_CONFIG),
+    ]
+    if small:  # the interpreter's tiles and SMs, the same options
+        tiny = dict(tile_m=64, tile_n=64, num_sms=2, grid_tile_width=1)
+        pairs = [tuple(dataclasses.replace(c, **tiny) for c in pair) for pair in pairs]
+    (bf16_new, bf16_old), (fp8_new, fp8_old) = pairs
+    # (The interpreter's smoke run: one shape and the new block default only.)
+    for shape in ("G8 balanced",) if small else ("G8 balanced", "G8 skewed"):
+        g, m, k, n, sizes = shapes[shape]
+        forward_suite(
+            bench,
+            shape,
+            "fwd",
+            g,
+            m,
+            k,
+            n,
+            sizes,
+            False,
+            [bf16_new, bf16_old],
+            [fp8_new, fp8_old],
+            [],
+        )
+        if not small and not bench.over_budget():
+            sets = random_operands(jax.random.key(1), g, m, k, n, sizes)
+            torch_peers(bench, shape, sets, g, m, k, n, 2 * m * k * n)
+            del sets
+    if not small and not bench.over_budget():
+        g, m, k, n, _ = shapes["G8 balanced"]
+        xla_dense_peers(bench, "G8 balanced", m, k, n)
+    block = [
+        fwd.fp8_block_default_config(
+            dense_size, jnp.bfloat16, persistent_pipeline=True, stream_lhs_scales=streamed
+        )
+        for streamed in (True, False)
+    ]
+    if small:
+        block = [dataclasses.replace(block[0], num_sms=2, grid_tile_width=1)]
+    dense_block_suite(bench, dense_size, block, not small)
+
+
 SECTIONS = ("g8", "quantized", "wgrad", "g64", "dense_block", "skewed")
+OPT_IN_SECTIONS = ("defaults",)
 
 
 def main(
@@ -906,9 +964,10 @@ def main(
 ) -> str:
     """Runs the named sections (all by default) in SECTIONS order; "quantized" also times the
     best bf16 config and XLA's dense GEMMs as its peers when "g8" is not run."""
-    unknown = sorted(set(sections) - set(SECTIONS))
+    known = SECTIONS + OPT_IN_SECTIONS
+    unknown = sorted(set(sections) - set(known))
     if unknown or not sections:
-        raise ValueError(f"sections must be a non-empty subset of {list(SECTIONS)}, got {unknown}")
+        raise ValueError(f"sections must be a non-empty subset of {list(known)}, got {unknown}")
     global INTERPRET, DENSE_BF16_CONFIG
     # Leave GPU memory for torch's peers (read when the backend starts, below).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
@@ -962,6 +1021,9 @@ def main(
         block = [tiny_block]
         bf16_wgrad = fp8_wgrad = [tiny_wgrad]
         dense_size = 256
+
+    if "defaults" in sections:
+        defaults_suite(bench, shapes, dense_size, small)
 
     # The targets' shape first: every config of the sweeps, with the peers.
     g, m, k, n, sizes = shapes["G8 balanced"]

@@ -403,7 +403,9 @@ def ragged_rows_call(
                 in_specs=specs,
                 wg_axis="wg",
                 num_compute_wgs=num_consumers,
-                max_concurrent_steps=schedule.max_concurrent_steps,
+                # (A static grid shrinks the depth to its steps; a stream-K piece's dynamic
+                # grid would not, and must use the slots allocated for the static one.)
+                max_concurrent_steps=pipeline_depth,
                 compute_context=compute_context,
                 pipeline_state=pipeline_state,
             )

@@ -227,7 +227,7 @@ def grouped_matmul_mxfp8(
     # scale rows must span multiples of 16 bytes) and at least one tile, K to whole steps
     # (zero codes; identity scales, since a zero code times a NaN-marking 0xFF would be NaN).
     rows_p = common.round_up(max(num_rows, tile_m), 16)
-    cols_p = config.padded_cols(num_cols, 16)
+    cols_p = config.padded_cols(num_cols, out_dtype, 16)
     k_p = common.round_up(k, STEP_K)
     blocks_p = k_p // MX_BLOCK
 

@@ -225,6 +225,21 @@ def test_grouped_matmul_benchmark_names_bad_sections(tmp_path):
 
 
 @pytest.mark.slow
+def test_grouped_matmul_benchmark_defaults_section_runs_small(tmp_path):
+    # The opt-in "defaults" section in the interpreter: each default and its predecessor
+    # checked against the f32 reference, then the dense block-FP8 default and its predecessor.
+    from benchmarks import bench_grouped_matmul
+
+    text = bench_grouped_matmul.main(str(tmp_path), small=True, sections=("defaults",))
+    assert "persistent, stream-K" in text and "streamed scales" in text
+    lines = (tmp_path / "bench_grouped_matmul.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    timed = [r for r in rows if r.get("status") == "ok" and r.get("shape") != "device"]
+    # (In the interpreter: G8 balanced's four configs and the new dense block default.)
+    assert len(timed) == 4 + 1, [(r.get("impl"), r.get("status")) for r in rows]
+
+
+@pytest.mark.slow
 def test_quantize_ab_runs_small(tmp_path):
     # MXFP8 variants in the interpreter: each checked bit for bit against the default config
     # (on NaN / Inf / tiny blocks too) before it is timed.

@@ -1452,6 +1452,32 @@ def test_block_fp8_stream_k_matches_dequantized_reference(case):
     assert_close(out, ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
+def test_grouped_default_is_stream_k_over_the_persistent_pipeline_where_k_allows(fp8, out_dtype):
+    from pallas_kernels import grouped_matmul_fwd as fwd
+
+    base = fwd.DEFAULT_FP8_CONFIG if fp8 else fwd.DEFAULT_BF16_CONFIG
+    vectors = fwd._vector_bytes(base)
+    for k in (4096, 2048, 1000, 256):  # whole rounds of 4 stages (1000 pads to 1024)
+        config = fwd.grouped_default_config(fp8, k, out_dtype, vector_bytes=vectors)
+        assert config.stream_k and config.persistent_pipeline and config.wgmma_in_flight == 0
+        assert config.max_concurrent_steps == 4 and config.epilogue_buffers == 1
+        stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * (1 if fp8 else 2)
+        assert fwd._smem_bytes(config, stage, out_dtype, vectors) <= fwd.SMEM_BYTES
+    # 1408 = 22 K steps of 64 (11 of 128): not whole rounds, the whole-item default.
+    config = fwd.grouped_default_config(fp8, 1408, out_dtype, vector_bytes=vectors)
+    assert not config.stream_k and not config.persistent_pipeline
+    assert (config.tile_m, config.tile_n, config.wgmma_in_flight) == (
+        base.tile_m,
+        base.tile_n,
+        base.wgmma_in_flight,
+    )
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="k must be a positive int"):
+            fwd.grouped_default_config(fp8, bad, out_dtype)
+
+
 def test_stream_k_bad_configs_and_kernels_raise():
     with pytest.raises(TypeError, match="stream_k must be a bool, got 1"):
         GroupedMatmulConfig(stream_k=1)
@@ -1761,6 +1787,32 @@ def test_three_consumer_wide_parts_issue_no_wgmma_ptxas_refuses(name):
     (module,) = mosaic_modules(fn, *avals)
     widths = {int(n) for n in _WGMMA_SHAPE.findall(module)}
     assert widths == {128}
+
+
+@pytest.mark.parametrize(
+    ("kernel", "num_cols", "out_dtype"),
+    [
+        ("grouped_nk", 1312, BF16),  # not a multiple of 64: the bf16 epilogue's swizzle atom
+        ("grouped_kn", 1300, F32),  # not a multiple of 32: the f32 one's
+        ("block", 1300, F32),
+    ],
+)
+def test_output_columns_off_the_epilogue_swizzle_atom_lower_for_h200(kernel, num_cols, out_dtype):
+    # The epilogue's TMA stores go through the output's tiled view, whose minor extent must be
+    # a multiple of the swizzle atom: the wrappers pad the output columns to it (stop 45's
+    # H200 run failed at lowering for 1312 bf16 columns before they did).
+    g, m, k = 2, 512, 256
+    if kernel == "block":
+        avals = (S((m, k), E4M3), S((m, k // 128), F32), S((g, num_cols, k), E4M3))
+        avals += (S((g, -(-num_cols // 128), k // 128), F32), S((g,), jnp.int32))
+        fn = functools.partial(grouped_matmul_fp8_block, out_dtype=out_dtype)
+    else:
+        layout = kernel.removeprefix("grouped_")
+        rhs = (g, num_cols, k) if layout == "nk" else (g, k, num_cols)
+        avals = (S((m, k), BF16), S(rhs, BF16), S((g,), jnp.int32))
+        fn = functools.partial(grouped_matmul, rhs_layout=layout, out_dtype=out_dtype)
+    exported = export_for_h200(fn, *avals)
+    assert exported.out_avals[0].shape == (m, num_cols)
 
 
 def test_stream_k_lowers_with_global_semaphores_and_leaves_the_default_alone():
