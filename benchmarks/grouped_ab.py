@@ -77,9 +77,9 @@ for the run's clocks) are timed batch by batch in alternation
   G8 balanced is 2048 items on 132 SMs, 15.5 rounds; benchmarks/tile_traffic.py puts the
   default's last-round loss at ~3%), without and with the persistent pipeline (four
   stages, one epilogue buffer, so that 64 K steps are whole rounds), and the persistent
-  pipeline alone; FP8 also without its wgmma in flight (which stream-K needs). Split items
-  sum their two K ranges in another order: not the default's bits on random operands (the
-  `gpu` tests compare bits on exact sums). Both G8 shapes; block FP8's default with and
+  pipeline alone; FP8 also without its wgmma in flight (which stream-K needs). A split
+  item's second CTA starts its accumulator from the first one's: the default's bits. Both G8
+  shapes; block FP8's default with and
   without stream-K (its 192-row tile fits G8 balanced's 2912 items in 22.06 rounds);
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was

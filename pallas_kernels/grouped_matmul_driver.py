@@ -30,9 +30,10 @@ Two options change how the items run:
   item with an empty pipeline.
 * ``stream_k``: the items of the last round and one full round before it are split along
   K so that every CTA ends together (the data-parallel + stream-K hybrid CUTLASS
-  describes; see :class:`StreamKShare`). An item cut in two leaves its first K steps'
-  f32 partial in a workspace, signals a global semaphore, and the CTA holding its last
-  K steps waits for it, adds it and stores the tile.
+  describes; see :class:`StreamKShare`). An item cut in two leaves the raw f32 accumulator
+  of its first K steps in a workspace and signals a global semaphore; the CTA holding its
+  last K steps waits for it, starts its accumulator from it and stores the tile: the same
+  sums in the same order as the unsplit item, so the same bits.
 
 A format plugs in through :class:`RowKernelParts`: which tiles to stream through the
 pipeline, what one K step does, and how the f32 tile is finished (scales).
@@ -230,6 +231,9 @@ class TileContext:
     # The first K step the tile's pipeline runs: 0, or a stream-K piece's first (the pieces
     # of a split item run K steps [k_begin, k_end) of it; `k_step` still counts from 0).
     k_begin: Any = 0
+    # Whether the pipeline's carry holds the accumulators as values (a stream-K piece, which
+    # starts them from a part; see RowKernelParts.accumulate) rather than as ACC refs.
+    values_carried: bool = False
 
     def wait_prefetched(self, index: int):
         """Waits for prefetch ``index`` (call exactly once per tile) and returns its SMEM ref."""
@@ -257,10 +261,14 @@ class RowKernelParts:
     column_specs: indices of the in_specs whose tiles depend on the column tile and K step
         only (the rhs streams), which clusters along M multicast; None: the kernel does not
         run with ``cluster_m=2``.
-    supports_stream_k: the format's steps and run_tile work on any range of K steps (they
-        read the K step from ``TileContext.k_step``, which counts from the item's first, and
-        the range's first from ``TileContext.k_begin``), and run_tile returns a part that
-        adds up over ranges of K (``stream_k``).
+    accumulate, finish: for ``stream_k``, run_tile in two halves, or None (no stream-K):
+        ``accumulate(refs, ctx, run_pipeline, start) -> raw`` runs the K loop from the f32
+        part ``start`` (zeros, or the raw part of the item's earlier K steps) instead of
+        zeros, and ``finish(refs, ctx, raw) -> values`` what run_tile does after its K loop
+        (scales). The steps must work on any range of K steps: they read the K step from
+        ``TileContext.k_step``, which counts from the item's first, and the range's first
+        from ``TileContext.k_begin``. A split item then sums its K steps in the same order
+        into the same accumulator as a whole one: the same bits.
     """
 
     in_specs: Sequence[Any]
@@ -272,7 +280,12 @@ class RowKernelParts:
     prefetches: tuple[TilePrefetch, ...] = ()
     scratch: tuple = ()
     column_specs: tuple[int, ...] | None = None
-    supports_stream_k: bool = False
+    accumulate: Callable[..., Any] | None = None
+    finish: Callable[..., jax.Array] | None = None
+
+    @property
+    def supports_stream_k(self) -> bool:
+        return self.accumulate is not None and self.finish is not None
 
 
 def ragged_rows_call(
@@ -551,18 +564,37 @@ def ragged_rows_call(
                     ),
                 )
 
-            def exchange_partial(values: jax.Array, k_begin, k_end) -> tuple[jax.Array, Any]:
-                """stream_k: a piece holding an item's first K steps but not its last writes
-                its partial for the next CTA and stores nothing; a piece holding the last K
-                steps but not the first adds the previous CTA's partial (written first, so the
-                sum is deterministic). Returns (values to store, whether to store them)."""
+            def split_item_tile(run_pipeline, ctx: TileContext, k_end) -> None:
+                """A stream-K piece (K steps [ctx.k_begin, k_end) of its item): one that
+                continues an item starts from the previous CTA's raw part, written first (so
+                the item's K steps go into one accumulator in order: the unsplit bits); one
+                that stops short of the item's end writes its raw part for the next CTA and
+                stores nothing; the others store their tile."""
                 sm = lax.axis_index("sm")
-                writes = (k_begin == 0) & (k_end < parts.num_k_steps)
-                reads = k_begin > 0
 
-                @pl.when(writes)
-                def _write_partial():
-                    partials_gmem.at[sm, wg][...] = values
+                def previous_part():
+                    previous = jnp.maximum(sm - 1, 0)  # (a piece on CTA 0 never continues)
+                    if partial_ready is not None:
+                        # Waits and takes the signal back: zero again for the next launch.
+                        plgpu.semaphore_wait(
+                            partial_ready.at[previous * num_consumers + wg], 1, memory_scope="gpu"
+                        )
+                    return plgpu.load(
+                        partials_gmem.at[previous, wg], layout=plgpu.Layout.WGMMA, optimized=False
+                    )
+
+                start = lax.cond(
+                    ctx.k_begin > 0, previous_part, lambda: wgmma_zeros((part_rows, part_cols))
+                )
+                with jax.named_scope(PROFILE_K_LOOP):
+                    raw = parts.accumulate(operand_refs, ctx, run_pipeline, start)
+                    # (Always: finish waits for the tile's prefetched scales, once per tile.)
+                    values = parts.finish(operand_refs, ctx, raw)
+                hands_over = k_end < parts.num_k_steps
+
+                @pl.when(hands_over)
+                def _write_part():
+                    partials_gmem.at[sm, wg][...] = raw
                     if partial_ready is not None:
                         # A release at GPU scope after the warpgroup's stores (the lowering
                         # puts a warpgroup barrier before the one thread that signals).
@@ -570,19 +602,8 @@ def ragged_rows_call(
                             partial_ready.at[sm * num_consumers + wg], 1, memory_scope="gpu"
                         )
 
-                def add_partial():
-                    previous = jnp.maximum(sm - 1, 0)  # (reads is false on CTA 0)
-                    if partial_ready is not None:
-                        # Waits and resets the semaphore to zero for the next launch.
-                        plgpu.semaphore_wait(
-                            partial_ready.at[previous * num_consumers + wg], 1, memory_scope="gpu"
-                        )
-                    partial = plgpu.load(
-                        partials_gmem.at[previous, wg], layout=plgpu.Layout.WGMMA, optimized=False
-                    )
-                    return partial + values
-
-                return lax.cond(reads, add_partial, lambda: values), jnp.logical_not(writes)
+                with jax.named_scope(PROFILE_EPILOGUE):
+                    pl.when(jnp.logical_not(hands_over))(lambda: store_tile(values, ctx))
 
             def run_item(linear, pipeline_state_of=lambda: None, k_range=None):
                 """Runs item ``linear`` (or its K steps ``k_range = (k_begin, k_end)``);
@@ -613,6 +634,7 @@ def ragged_rows_call(
                     prefetched=tuple((smem, barrier) for _, smem, barrier in slices),
                     scratch=tuple(scratch),
                     k_begin=0 if k_range is None else k_range[0],
+                    values_carried=k_range is not None,
                 )
                 k_begin = ctx.k_begin
 
@@ -620,18 +642,18 @@ def ragged_rows_call(
                     # Issued before the K loop so that the scales are in SMEM when needed.
                     for window, smem, barrier in slices:
                         plgpu.copy_gmem_to_smem(window, smem, barrier)
+                    if k_range is not None:
+                        split_item_tile(run_pipeline, ctx, k_range[1])
+                        return
                     # Named scopes are the profiler's ranges (schedule.profile_dir); they
                     # change nothing else.
                     with jax.named_scope(PROFILE_K_LOOP):
                         values = parts.run_tile(operand_refs, ctx, run_pipeline)
-                    stores = owns_tile
-                    if k_range is not None:
-                        values, stores = exchange_partial(values, *k_range)
                     with jax.named_scope(PROFILE_EPILOGUE):
-                        if stores is None:
+                        if owns_tile is None:
                             store_tile(values, ctx)
                         else:
-                            pl.when(stores)(lambda: store_tile(values, ctx))
+                            pl.when(owns_tile)(lambda: store_tile(values, ctx))
 
                 def step_fn(idxs, *smem_and_carry):
                     *smem_refs, carry = smem_and_carry

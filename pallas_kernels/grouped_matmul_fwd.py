@@ -133,10 +133,12 @@ class GroupedMatmulConfig:
       along K so that every CTA ends together (the data-parallel + stream-K hybrid): issue
       5's G8 shape is 2048 items of 128 x 256 on 132 SMs, 15.5 rounds, so without it the last
       round leaves half the SMs idle (~3% of the kernel, `benchmarks/tile_traffic.py`). An
-      item split between two CTAs costs one f32 partial tile written and read through L2 and
-      a global semaphore; the sum of its two K ranges is deterministic but is not the
-      unsplit kernel's bits (f32 sums in another order). `grouped_matmul` (16-bit and FP8
-      rowwise) and the block-FP8 kernels; needs wgmma_in_flight=0 and no clusters.
+      item split between two CTAs costs one f32 accumulator tile written and read through L2
+      and a global semaphore; the second CTA starts its accumulators from the first one's,
+      so the item's K steps are summed in the same order: the unsplit kernel's bits.
+      `grouped_matmul` (16-bit and FP8 rowwise) and the block-FP8 kernels; needs
+      wgmma_in_flight=0 and no clusters. Part of the 16-bit and FP8 rowwise defaults where K
+      allows (`grouped_default_config`).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -644,20 +646,39 @@ def grouped_matmul(
             return rhs_smem.at[cols].transpose((1, 0))
         return rhs_smem.at[:, cols]
 
-    def step(refs, ctx, smem_refs, acc_refs):
+    def step(refs, ctx, smem_refs, accs):
         lhs_smem, rhs_smem = smem_refs
         # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
         lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
-        if num_wgmmas == 1:
-            plgpu.wgmma(acc_refs[0], lhs_operand, rhs_operand(rhs_smem, ctx.col_slice))
-        else:
-            for i, acc_ref in enumerate(acc_refs):
-                cols = pl.ds(ctx.col_slice.start + i * wgmma_cols, wgmma_cols)
-                plgpu.wgmma(acc_ref, lhs_operand, rhs_operand(rhs_smem, cols))
+
+        def issue(acc_refs):
+            if num_wgmmas == 1:
+                plgpu.wgmma(acc_refs[0], lhs_operand, rhs_operand(rhs_smem, ctx.col_slice))
+            else:
+                for i, acc_ref in enumerate(acc_refs):
+                    cols = pl.ds(ctx.col_slice.start + i * wgmma_cols, wgmma_cols)
+                    plgpu.wgmma(acc_ref, lhs_operand, rhs_operand(rhs_smem, cols))
+
+        if ctx.values_carried:
+            # A stream-K piece carries its accumulators as values (they may start from an
+            # item's earlier K steps); reading them back waits for the wgmmas.
+            if interpret:
+                # The interpreter has no preinitialized accumulators: each step's products
+                # are added to the carried values (exact on the tests' exact sums; the GPU's
+                # bits are the `gpu` tests' business).
+                def products(*acc_refs):
+                    issue(acc_refs)
+                    return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+                acc_types = [plgpu.ACC((part_rows, wgmma_cols), jnp.float32)] * num_wgmmas
+                step_products = pl.run_scoped(products, *acc_types)
+                return tuple(acc + p for acc, p in zip(accs, step_products, strict=True))
+            return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
+        issue(accs)
         # The stage read by the wgmmas still in flight is released one step later (each
         # wgmma call is one commit group).
         plgpu.wgmma_wait(in_flight * num_wgmmas)
-        return acc_refs
+        return accs
 
     prefetches = []
     if lhs_scale_kind == "row":
@@ -665,14 +686,26 @@ def grouped_matmul(
     if rhs_scale_kind == "col":
         prefetches.append(driver.TilePrefetch(rhs_scale_index, "group_cols"))
 
+    def joined(parts):
+        return parts[0] if num_wgmmas == 1 else jnp.concatenate(parts, axis=1)
+
+    def accumulate(refs, ctx, run_pipeline, start):
+        """The K loop from the f32 part `start` (stream-K: zeros, or an item's earlier K
+        steps): the accumulators start from it instead of zeros."""
+        del refs, ctx
+        starts = [start[:, i * wgmma_cols : (i + 1) * wgmma_cols] for i in range(num_wgmmas)]
+        return joined(list(run_pipeline(tuple(starts))))
+
     def run_tile(refs, ctx, run_pipeline):
         def with_accs(*acc_refs):
             run_pipeline(acc_refs)
-            parts = [acc_ref[...] for acc_ref in acc_refs]
-            return parts[0] if num_wgmmas == 1 else jnp.concatenate(parts, axis=1)
+            return joined([acc_ref[...] for acc_ref in acc_refs])
 
         acc_types = [plgpu.ACC((part_rows, wgmma_cols), jnp.float32)] * num_wgmmas
-        values = pl.run_scoped(with_accs, *acc_types)
+        return finish(refs, ctx, pl.run_scoped(with_accs, *acc_types))
+
+    def finish(refs, ctx, values):
+        """The accumulated part times the scales."""
         next_prefetch = 0
         if lhs_scale_kind == "tensor":
             values = values * refs[lhs_scale_index][0]
@@ -696,7 +729,8 @@ def grouped_matmul(
         num_k_steps=pl.cdiv(k_p, tile_k),
         prefetches=tuple(prefetches),
         column_specs=(1,),
-        supports_stream_k=True,
+        accumulate=accumulate,
+        finish=finish,
     )
     out = driver.ragged_rows_call(
         group_sizes,
@@ -1027,10 +1061,17 @@ def grouped_matmul_fp8_block(
             return k_step + 1, main, chunk
         return k_step + 1, result
 
+    def accumulate(refs, ctx, run_pipeline, start):
+        """The K loop with the promoted sum starting from `start` (stream-K: zeros, or an
+        item's earlier K blocks, promoted in the same order as in a whole tile)."""
+        del refs
+        _, main = run_pipeline((ctx.k_begin, start))
+        return main
+
     def run_tile(refs, ctx, run_pipeline):
         zeros = driver.wgmma_zeros((part_rows, part_cols))
         if not overlap:
-            _, main = run_pipeline((jnp.int32(0) + ctx.k_begin, zeros))
+            _, main = run_pipeline((jnp.int32(0), zeros))
             return main
         _, main, last = run_pipeline((jnp.int32(0), zeros, zeros))
         return promote(main, last, block_scale(refs, ctx, num_k_blocks - 1))
@@ -1048,7 +1089,8 @@ def grouped_matmul_fp8_block(
         column_specs=(1,),
         # (With wgmma_in_flight=1 the last block is promoted after the pipeline, as block
         # num_k_blocks - 1: GroupedMatmulConfig refuses stream_k with it.)
-        supports_stream_k=True,
+        accumulate=accumulate,
+        finish=lambda refs, ctx, main: main,  # the scales are applied per K block
     )
     out = driver.ragged_rows_call(
         group_sizes,

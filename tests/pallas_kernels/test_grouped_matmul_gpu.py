@@ -655,18 +655,47 @@ def test_gpu_stream_k_gives_the_default_bits_on_exact_sums(case):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
-def test_gpu_stream_k_on_random_operands_is_deterministic_and_close():
-    from pallas_kernels.grouped_matmul_fwd import DEFAULT_BF16_CONFIG
+@pytest.mark.parametrize("case", sorted(STREAM_K_CASES))
+def test_gpu_stream_k_gives_the_whole_item_bits_on_random_operands(case):
+    # A split item's second CTA starts its accumulator from the first one's (Mosaic GPU's
+    # preinitialized wgmma accumulators; block FP8's promoted sum): the same sums in the same
+    # order as the whole item, so the same bits on any operands.
+    operands = STREAM_K_CASES[case]["operands"]
+    base, split = stream_k_configs(case)
+    rows, n_dim, sizes = STREAM_K_ROWS, STREAM_K_N, STREAM_K_SIZES
+    num_groups = sizes.shape[0]
+    k = keys(4, seed=48)
+    if operands == "fp8_block":
+        k_dim, k_blocks = STREAM_K_BLOCK_K, STREAM_K_BLOCK_K // 128
+        lhs = random_fp8(k[0], (rows, k_dim), E4M3)
+        rhs = random_fp8(k[1], (num_groups, n_dim, k_dim), E4M3)
+        lhs_scale = jax.random.uniform(k[2], (rows, k_blocks), F32, 0.25, 4.0)
+        rhs_scale = jax.random.uniform(
+            k[3], (num_groups, pl_cdiv(n_dim, 128), k_blocks), F32, 0.25, 4.0
+        )
+        args, run = (lhs, lhs_scale, rhs, rhs_scale, sizes), grouped_matmul_fp8_block
+    elif operands == "fp8":
+        lhs = random_fp8(k[0], (rows, STREAM_K_K), E4M3)
+        rhs = random_fp8(k[1], (num_groups, n_dim, STREAM_K_K), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (rows,), F32, 0.25, 4.0)
+        rhs_scale = jax.random.uniform(k[3], (num_groups, n_dim), F32, 0.25, 4.0)
 
-    config = dataclasses.replace(DEFAULT_BF16_CONFIG, stream_k=True)
-    k = keys(2, seed=48)
-    lhs = jax.random.normal(k[0], (STREAM_K_ROWS, STREAM_K_K), F32).astype(BF16)
-    rhs = jax.random.normal(k[1], (4, STREAM_K_N, STREAM_K_K), F32).astype(BF16)
-    call = jax.jit(grouped_matmul, static_argnames=("out_dtype", "config"))
-    first = call(lhs, rhs, STREAM_K_SIZES, out_dtype=BF16, config=config)
-    again = call(lhs, rhs, STREAM_K_SIZES, out_dtype=BF16, config=config)
-    assert_close(first, ref_ragged_rows(f64(lhs), f64(rhs), STREAM_K_SIZES), rel=2**-8)
-    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+        def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
+            return grouped_matmul(
+                lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
+            )
+
+        args = (lhs, rhs, sizes, lhs_scale, rhs_scale)
+    else:
+        lhs = jax.random.normal(k[0], (rows, STREAM_K_K), F32).astype(BF16)
+        rhs = jax.random.normal(k[1], (num_groups, n_dim, STREAM_K_K), F32).astype(BF16)
+        args, run = (lhs, rhs, sizes), grouped_matmul
+    call = jax.jit(run, static_argnames=("out_dtype", "config"))
+    whole = call(*args, out_dtype=F32, config=base)
+    first = call(*args, out_dtype=F32, config=split)
+    again = call(*args, out_dtype=F32, config=split)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(whole))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
 
 
 # MXFP8 with in-kernel dequantization: the operands (bf16 of code · 2^k) are exact, the products
