@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
+from pallas_kernels import quantize_common
 from pallas_kernels.manual_axes import varying_like
 
 # Names of the consumers' profiler ranges (see TileSchedule.profile_dir).
@@ -394,7 +395,7 @@ def ragged_rows_call(
         # grid order (a partial is always written before its reader runs) and has none.
         partials_gmem = refs[len(operands) + 1] if stream_k else None
         partial_ready = None
-        if stream_k and not interpret:
+        if stream_k and not quantize_common.interpreting(interpret):
             partial_ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas * num_consumers,)))
         num_group_visits, num_tail_visits = common.visit_counts(visit_table_gmem)
         cta = lax.axis_index("cluster") if cluster_size > 1 else jnp.int32(0)

@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
+from pallas_kernels import quantize_common
 
 SMEM_BYTES = common.SMEM_BYTES
 # f32 accumulator elements a consumer warpgroup may hold in registers, by consumer count
@@ -662,7 +663,7 @@ def grouped_matmul(
         if ctx.values_carried:
             # A stream-K piece carries its accumulators as values (they may start from an
             # item's earlier K steps); reading them back waits for the wgmmas.
-            if interpret:
+            if quantize_common.interpreting(interpret):
                 # The interpreter has no preinitialized accumulators: each step's products
                 # are added to the carried values (exact on the tests' exact sums; the GPU's
                 # bits are the `gpu` tests' business).
