@@ -363,10 +363,10 @@ DEFAULT_FP8_CONFIG = GroupedMatmulConfig(
 )
 # The defaults where the K steps are whole rounds of four stages (stop 45): the same tiles
 # with stream-K over the persistent pipeline (the partial last round split along K, the
-# pipeline kept running across items). On the H200 in alternation (grouped_ab --variants
-# stream_k, G8, M 16384, K = N = 4096): bf16 +5.0% balanced, +5.9% skewed; FP8 rowwise
-# +2.3% / +2.1%; the same sums in another order (not the DEFAULT_*_CONFIG bits on arbitrary
-# inputs, the same on exact sums). Elsewhere DEFAULT_*_CONFIG (`grouped_default_config`).
+# pipeline kept running across items), the DEFAULT_*_CONFIG bits. On the H200 in alternation
+# (grouped_ab --variants stream_k, G8, M 16384, K = N = 4096): bf16 +1.7% balanced, +4.2%
+# skewed; FP8 rowwise +0.0% / +2.1% (docs/benchmarks.md, stop 45). Elsewhere
+# DEFAULT_*_CONFIG (`grouped_default_config`).
 STREAM_K_BF16_CONFIG = dataclasses.replace(
     DEFAULT_BF16_CONFIG,
     max_concurrent_steps=4,
