@@ -200,6 +200,23 @@ def test_mxfp8_kernel_refuses_clusters_along_m():
         )
 
 
+def test_mxfp8_kernel_refuses_stream_k():
+    # Not built for it: its RowKernelParts give no accumulate / finish (the in-kernel MXFP8
+    # path is not a default; the library dequantizes and runs the 16-bit kernel).
+    lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
+    with pytest.raises(ValueError, match="does not support stream_k"):
+        grouped_matmul_mxfp8(
+            lhs,
+            lhs_scale,
+            rhs,
+            rhs_scale,
+            sizes,
+            out_dtype=jnp.float32,
+            config=dataclasses.replace(TINY_MX, stream_k=True),
+            interpret=True,
+        )
+
+
 def test_mxfp8_kernel_refuses_consumers_that_split_rows():
     # Its K steps convert each consumer's rhs columns for the whole tile's rows.
     lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
