@@ -15,7 +15,7 @@ the jax wheel (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu`,
         [--sections=g8,quantized,wgrad,g64,dense_block,skewed,defaults]
 
 "defaults" (opt-in, not in the sections run by default) times only today's defaults and
-their predecessors, forward on both G8 shapes, with torch's grouped GEMMs and XLA's dense
+their alternatives, forward on both G8 shapes, with torch's grouped GEMMs and XLA's dense
 GEMMs, then the dense block-FP8 default: the target rows in one short call.
 
 writes OUT_DIR/bench_grouped_matmul.jsonl (one line per measurement, as they happen)
@@ -903,10 +903,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def defaults_suite(bench: Bench, shapes: dict, dense_size: int, small: bool) -> None:
-    """The 16-bit and FP8 rowwise defaults (stream-K over the persistent pipeline since stop
-    45) and the whole-item configs before them, forward on both G8 shapes with torch's
-    grouped GEMMs, XLA's dense GEMMs of G8 balanced's flops, then the dense block-FP8
-    default (the lhs scales streamed since stop 45) and its predecessor."""
+    """The 16-bit default (stream-K over the persistent pipeline since stop 45) and the
+    whole-item config before it, FP8 rowwise's stream-K config (opt-in) and its default,
+    forward on both G8 shapes with torch's grouped GEMMs, XLA's dense GEMMs of G8 balanced's
+    flops, then the dense block-FP8 default (the lhs scales streamed since stop 45) and its
+    predecessor."""
     from pallas_kernels import grouped_matmul_fwd as fwd
 
     pairs = [

@@ -138,8 +138,8 @@ class GroupedMatmulConfig:
       and a global semaphore; the second CTA starts its accumulators from the first one's,
       so the item's K steps are summed in the same order: the unsplit kernel's bits.
       `grouped_matmul` (16-bit and FP8 rowwise) and the block-FP8 kernels; needs
-      wgmma_in_flight=0 and no clusters. Part of the 16-bit and FP8 rowwise defaults where K
-      allows (`grouped_default_config`).
+      wgmma_in_flight=0 and no clusters. Part of the 16-bit default where K allows
+      (`grouped_default_config`).
     profile_dir: for diagnosis only: each call writes a Mosaic GPU profiler trace (Chrome /
       Perfetto JSON, one track per consumer warpgroup) of the ranges "k_loop", "epilogue" and
       "zero_tail" into this directory; benchmarks/profile_grouped.py summarizes it. Timing
@@ -361,12 +361,13 @@ DEFAULT_FP8_CONFIG = GroupedMatmulConfig(
     wgmma_in_flight=1,
     epilogue_buffers=1,
 )
-# The defaults where the K steps are whole rounds of four stages (stop 45): the same tiles
-# with stream-K over the persistent pipeline (the partial last round split along K, the
-# pipeline kept running across items), the DEFAULT_*_CONFIG bits. On the H200 in alternation
-# (grouped_ab --variants stream_k, G8, M 16384, K = N = 4096): bf16 +1.7% balanced, +4.2%
-# skewed; FP8 rowwise +0.0% / +2.1% (docs/benchmarks.md, stop 45). Elsewhere
-# DEFAULT_*_CONFIG (`grouped_default_config`).
+# Stream-K over the persistent pipeline (stop 45): the same tiles, the partial last round
+# split along K, the pipeline kept running across items; the DEFAULT_*_CONFIG bits. On the
+# H200 (G8, M 16384, K = N = 4096; docs/benchmarks.md, stop 45) bf16 +1.7% balanced / +4.2%
+# skewed in alternation, +1.9% / +7.4% in bench_grouped_matmul: the 16-bit default where the
+# K steps are whole rounds of four stages (`grouped_default_config`). FP8 rowwise +0.0% /
+# +2.1% in alternation but -4.5% / -2.7% in bench_grouped_matmul's sequential timing against
+# the default's wgmma in flight: opt-in (STREAM_K_FP8_CONFIG).
 STREAM_K_BF16_CONFIG = dataclasses.replace(
     DEFAULT_BF16_CONFIG,
     max_concurrent_steps=4,
@@ -442,20 +443,22 @@ def grouped_default_config(
     fp8: bool, k: int, out_dtype: jnp.dtype, *, vector_bytes: int = 0
 ) -> GroupedMatmulConfig:
     """`grouped_matmul`'s default for 16-bit (``fp8=False``) or FP8 rowwise operands with
-    contraction size ``k``, fitted to shared memory: STREAM_K_*_CONFIG where ``k``'s K steps
-    are whole rounds of its stages (the persistent pipeline needs that), else
-    DEFAULT_*_CONFIG. ``vector_bytes``: the row / column scale vectors the FP8 kernel
-    prefetches per tile."""
+    contraction size ``k``, fitted to shared memory: for 16-bit operands STREAM_K_BF16_CONFIG
+    where ``k``'s K steps are whole rounds of its stages (the persistent pipeline needs
+    that), else DEFAULT_BF16_CONFIG; for FP8 DEFAULT_FP8_CONFIG (see STREAM_K_FP8_CONFIG).
+    ``vector_bytes``: the row / column scale vectors the kernel prefetches per tile."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     itemsize = 1 if fp8 else 2
-    base = DEFAULT_FP8_CONFIG if fp8 else DEFAULT_BF16_CONFIG
 
     def fitted(config: GroupedMatmulConfig) -> GroupedMatmulConfig:
         stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * itemsize
         return fit_default_config(config, stage, out_dtype, vector_bytes)
 
-    streamed = fitted(STREAM_K_FP8_CONFIG if fp8 else STREAM_K_BF16_CONFIG)
+    if fp8:
+        return fitted(DEFAULT_FP8_CONFIG)
+    base = DEFAULT_BF16_CONFIG
+    streamed = fitted(STREAM_K_BF16_CONFIG)
     # K steps as the wrapper pads K (to whole swizzle atoms: tile_k elements here).
     num_k_steps = pl.cdiv(k, streamed.tile_k)
     if num_k_steps % min(streamed.max_concurrent_steps, num_k_steps) == 0:
@@ -506,8 +509,9 @@ def grouped_matmul(
         ((G,) int32, device values) and its output rows follow the previous groups' in an
         (out_rows, N) output, rows past the groups zero (sizes clamped against out_rows).
         Group g must end before group g + 1 starts; lhs rows past M read as zeros.
-      config: tiling; None: `grouped_default_config` for the dtype and K (stream-K over the
-        persistent pipeline where K's steps are whole rounds of its stages).
+      config: tiling; None: `grouped_default_config` for the dtype and K (for 16-bit
+        operands stream-K over the persistent pipeline where K's steps are whole rounds of
+        its stages).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:

@@ -1452,30 +1452,29 @@ def test_block_fp8_stream_k_matches_dequantized_reference(case):
     assert_close(out, ref, rel=1e-5)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
-def test_grouped_default_is_stream_k_over_the_persistent_pipeline_where_k_allows(fp8, out_dtype):
+def test_grouped_default_is_stream_k_over_the_persistent_pipeline_where_k_allows(out_dtype):
     from pallas_kernels import grouped_matmul_fwd as fwd
 
-    base = fwd.DEFAULT_FP8_CONFIG if fp8 else fwd.DEFAULT_BF16_CONFIG
-    vectors = fwd._vector_bytes(base)
+    vectors = fwd._vector_bytes(fwd.DEFAULT_BF16_CONFIG)
     for k in (4096, 2048, 1000, 256):  # whole rounds of 4 stages (1000 pads to 1024)
-        config = fwd.grouped_default_config(fp8, k, out_dtype, vector_bytes=vectors)
+        config = fwd.grouped_default_config(False, k, out_dtype, vector_bytes=vectors)
         assert config.stream_k and config.persistent_pipeline and config.wgmma_in_flight == 0
         assert config.max_concurrent_steps == 4 and config.epilogue_buffers == 1
-        stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * (1 if fp8 else 2)
+        stage = config.tile_k * (config.tile_m + 2 * config.tile_n) * 2
         assert fwd._smem_bytes(config, stage, out_dtype, vectors) <= fwd.SMEM_BYTES
-    # 1408 = 22 K steps of 64 (11 of 128): not whole rounds, the whole-item default.
-    config = fwd.grouped_default_config(fp8, 1408, out_dtype, vector_bytes=vectors)
+    # 1408 = 22 K steps of 64: not whole rounds, the whole-item default.
+    config = fwd.grouped_default_config(False, 1408, out_dtype, vector_bytes=vectors)
     assert not config.stream_k and not config.persistent_pipeline
-    assert (config.tile_m, config.tile_n, config.wgmma_in_flight) == (
-        base.tile_m,
-        base.tile_n,
-        base.wgmma_in_flight,
-    )
+    assert config.max_concurrent_steps == fwd.DEFAULT_BF16_CONFIG.max_concurrent_steps
+    # FP8 rowwise keeps its whole-item default with a wgmma in flight (stop 45's timings
+    # disagreed); stream-K is STREAM_K_FP8_CONFIG, opt-in.
+    for k in (4096, 1408):
+        config = fwd.grouped_default_config(True, k, out_dtype, vector_bytes=vectors)
+        assert not config.stream_k and config.wgmma_in_flight == 1
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="k must be a positive int"):
-            fwd.grouped_default_config(fp8, bad, out_dtype)
+            fwd.grouped_default_config(False, bad, out_dtype)
 
 
 def test_stream_k_bad_configs_and_kernels_raise():
