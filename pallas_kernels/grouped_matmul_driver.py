@@ -417,9 +417,12 @@ def ragged_rows_call(
                 in_specs=specs,
                 wg_axis="wg",
                 num_compute_wgs=num_consumers,
-                # (A static grid shrinks the depth to its steps; a stream-K piece's dynamic
-                # grid would not, and must use the slots allocated for the static one.)
-                max_concurrent_steps=pipeline_depth,
+                # (A static grid shrinks the depth to its steps itself; a stream-K piece's
+                # dynamic grid would not, and must use the slots allocated for the static
+                # one. Stream-K keeps no wgmma in flight, so the shrunk depth is valid.)
+                max_concurrent_steps=(
+                    schedule.max_concurrent_steps if num_steps is None else pipeline_depth
+                ),
                 compute_context=compute_context,
                 pipeline_state=pipeline_state,
             )
