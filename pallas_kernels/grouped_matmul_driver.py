@@ -368,15 +368,9 @@ def ragged_rows_call(
             )
     stream_k = schedule.stream_k
     num_ctas = schedule.num_sms // cluster_size
-    if stream_k:
-        if cluster_size > 1:
-            raise ValueError("config: stream_k needs cluster_n=1 and cluster_m=1")
-        if not parts.supports_stream_k:
-            raise ValueError(f"config: {name} does not support stream_k")
-        if any(getattr(spec, "delay_release", 0) for spec in in_specs):
-            raise ValueError(
-                "config: stream_k cannot keep a wgmma in flight (wgmma_in_flight must be 0)"
-            )
+    # (GroupedMatmulConfig refuses stream_k with clusters or a wgmma in flight.)
+    if stream_k and not parts.supports_stream_k:
+        raise ValueError(f"config: {name} does not support stream_k")
     num_prefetches = len(parts.prefetches)
     prefetch_types = []
     for prefetch in parts.prefetches:

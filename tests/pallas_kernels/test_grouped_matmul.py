@@ -1835,51 +1835,41 @@ def test_three_consumer_gpu_cases_lower_for_h200(case):
     rows, k, n, g = gpu_cases.ROWS, gpu_cases.K_DIM, gpu_cases.N_DIM, gpu_cases.NUM_GROUPS
     operands = gpu_cases.THREE_CONSUMER_CASES[case]["operands"]
     for config in gpu_cases.three_consumer_configs(case):
-        if operands == "fp8_block_dense":
-            avals = (S((rows, k), E4M3), S((rows, k // 128), F32))
-            avals += (S((n, k), E4M3), S((n // 128, k // 128), F32))
-            fn = functools.partial(dense_matmul_fp8_block, out_dtype=F32, config=config)
-        elif operands == "fp8_block":
-            avals = (S((rows, k), E4M3), S((rows, k // 128), F32), S((g, n, k), E4M3))
-            avals += (S((g, n // 128, k // 128), F32), S((g,), jnp.int32))
-            fn = functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config)
-        elif operands == "fp8":
-            avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
-            avals += (S((rows,), F32), S((g, n), F32))
-
-            def fn(a, b, sizes, sa, sb, config=config):
-                return grouped_matmul(
-                    a, b, sizes, lhs_scale=sa, rhs_scale=sb, out_dtype=F32, config=config
-                )
-        else:
-            avals = (S((rows, k), BF16), S((g, n, k), BF16), S((g,), jnp.int32))
-            fn = functools.partial(grouped_matmul, out_dtype=F32, config=config)
-        assert "mosaic_gpu" in _lower_for_h200(fn, *avals)
+        assert "mosaic_gpu" in _lower_for_h200(*_gpu_case_call(operands, config, rows, k, n, g))
 
 
 @pytest.mark.parametrize("case", sorted(gpu_cases.STREAM_K_CASES))
 def test_stream_k_gpu_cases_lower_for_h200(case):
-    rows, k, n = gpu_cases.STREAM_K_ROWS, gpu_cases.STREAM_K_K, gpu_cases.STREAM_K_N
+    rows, n = gpu_cases.STREAM_K_ROWS, gpu_cases.STREAM_K_N
     g = gpu_cases.STREAM_K_SIZES.shape[0]
     operands = gpu_cases.STREAM_K_CASES[case]["operands"]
+    k = gpu_cases.STREAM_K_BLOCK_K if operands == "fp8_block" else gpu_cases.STREAM_K_K
     for config in gpu_cases.stream_k_configs(case):
-        if operands == "fp8_block":
-            k = gpu_cases.STREAM_K_BLOCK_K
-            avals = (S((rows, k), E4M3), S((rows, k // 128), F32), S((g, n, k), E4M3))
-            avals += (S((g, -(-n // 128), k // 128), F32), S((g,), jnp.int32))
-            fn = functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config)
-        elif operands == "fp8":
-            avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
-            avals += (S((rows,), F32), S((g, n), F32))
+        assert "mosaic_gpu" in _lower_for_h200(*_gpu_case_call(operands, config, rows, k, n, g))
 
-            def fn(a, b, sizes, sa, sb, config=config):
-                return grouped_matmul(
-                    a, b, sizes, lhs_scale=sa, rhs_scale=sb, out_dtype=F32, config=config
-                )
-        else:
-            avals = (S((rows, k), BF16), S((g, n, k), BF16), S((g,), jnp.int32))
-            fn = functools.partial(grouped_matmul, out_dtype=F32, config=config)
-        assert "mosaic_gpu" in _lower_for_h200(fn, *avals)
+
+def _gpu_case_call(operands: str, config, rows: int, k: int, n: int, g: int) -> tuple:
+    """(kernel call, its avals) of a gpu case's operand kind at its shapes, f32 output."""
+    if operands == "fp8_block_dense":
+        avals = (S((rows, k), E4M3), S((rows, k // 128), F32))
+        avals += (S((n, k), E4M3), S((-(-n // 128), k // 128), F32))
+        return functools.partial(dense_matmul_fp8_block, out_dtype=F32, config=config), *avals
+    if operands == "fp8_block":
+        avals = (S((rows, k), E4M3), S((rows, k // 128), F32), S((g, n, k), E4M3))
+        avals += (S((g, -(-n // 128), k // 128), F32), S((g,), jnp.int32))
+        return functools.partial(grouped_matmul_fp8_block, out_dtype=F32, config=config), *avals
+    if operands == "fp8":
+        avals = (S((rows, k), E4M3), S((g, n, k), E5M2), S((g,), jnp.int32))
+        avals += (S((rows,), F32), S((g, n), F32))
+
+        def fn(a, b, sizes, sa, sb):
+            return grouped_matmul(
+                a, b, sizes, lhs_scale=sa, rhs_scale=sb, out_dtype=F32, config=config
+            )
+
+        return fn, *avals
+    avals = (S((rows, k), BF16), S((g, n, k), BF16), S((g,), jnp.int32))
+    return functools.partial(grouped_matmul, out_dtype=F32, config=config), *avals
 
 
 def test_fp8_operand_that_is_not_k_major_is_refused():

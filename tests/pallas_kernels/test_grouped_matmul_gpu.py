@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
@@ -574,12 +575,7 @@ def test_gpu_three_consumers_give_the_default_bits(case):
         rhs = random_fp8(k[1], (NUM_GROUPS, N_DIM, K_DIM), E5M2)
         lhs_scale = jax.random.uniform(k[2], (ROWS,), F32, 0.25, 4.0)
         rhs_scale = jax.random.uniform(k[3], (NUM_GROUPS, N_DIM), F32, 0.25, 4.0)
-
-        def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
-            return grouped_matmul(
-                lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
-            )
-
+        run = _grouped_matmul_with_scales
         args = (lhs, rhs, SIZES, lhs_scale, rhs_scale)
         ref = ref_ragged_rows(
             f64(lhs) * f64(lhs_scale)[:, None], f64(rhs) * f64(rhs_scale)[:, :, None], SIZES
@@ -598,57 +594,64 @@ def test_gpu_three_consumers_give_the_default_bits(case):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(default))
 
 
-def pl_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _grouped_matmul_with_scales(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
+    """FP8 rowwise `grouped_matmul` with its scales as positional arguments (for jit)."""
+    return grouped_matmul(lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs)
 
 
-def _small_integers(key, shape, dtype, bound: int):
-    return jax.random.randint(key, shape, -bound, bound + 1).astype(F32).astype(dtype)
+def stream_k_operands(operands: str, seed: int, exact: bool):
+    """(kernel, its arguments, float64 lhs and rhs it multiplies) of a STREAM_K_CASES
+    operand kind. `exact`: small integers and power-of-two scales, so that every f32 sum is
+    exact (|sums| <= 1000 codes for FP8, inside the tensor core's reduced-precision adds;
+    <= 9000 for bf16); else random values."""
+    rows, n_dim, sizes = STREAM_K_ROWS, STREAM_K_N, STREAM_K_SIZES
+    num_groups = sizes.shape[0]
+    k = keys(4, seed=seed)
+
+    def codes(key, shape, dtype, bound):
+        if exact:
+            return jax.random.randint(key, shape, -bound, bound + 1).astype(F32).astype(dtype)
+        if dtype == BF16:
+            return jax.random.normal(key, shape, F32).astype(BF16)
+        return random_fp8(key, shape, dtype)
+
+    def scales(key, shape):
+        if exact:
+            return 2.0 ** jax.random.randint(key, shape, -2, 3).astype(F32)
+        return jax.random.uniform(key, shape, F32, 0.25, 4.0)
+
+    if operands == "fp8_block":
+        k_dim, k_blocks = STREAM_K_BLOCK_K, STREAM_K_BLOCK_K // 128
+        lhs = codes(k[0], (rows, k_dim), E4M3, 1)
+        rhs = codes(k[1], (num_groups, n_dim, k_dim), E4M3, 1)
+        lhs_scale = scales(k[2], (rows, k_blocks))
+        rhs_scale = scales(k[3], (num_groups, pl.cdiv(n_dim, 128), k_blocks))
+        lhs_ref = dequant_fp8_block(lhs, lhs_scale, 1, 128)
+        rhs_ref = dequant_fp8_block(rhs, rhs_scale, 128, 128)
+        return grouped_matmul_fp8_block, (lhs, lhs_scale, rhs, rhs_scale, sizes), lhs_ref, rhs_ref
+    if operands == "fp8":
+        lhs = codes(k[0], (rows, STREAM_K_K), E4M3, 1)
+        rhs = codes(k[1], (num_groups, n_dim, STREAM_K_K), E5M2, 1)
+        lhs_scale = scales(k[2], (rows,))
+        rhs_scale = scales(k[3], (num_groups, n_dim))
+        lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
+        rhs_ref = f64(rhs) * f64(rhs_scale)[:, :, None]
+        args = (lhs, rhs, sizes, lhs_scale, rhs_scale)
+        return _grouped_matmul_with_scales, args, lhs_ref, rhs_ref
+    lhs = codes(k[0], (rows, STREAM_K_K), BF16, 3)
+    rhs = codes(k[1], (num_groups, n_dim, STREAM_K_K), BF16, 3)
+    return grouped_matmul, (lhs, rhs, sizes), f64(lhs), f64(rhs)
 
 
 @pytest.mark.parametrize("case", sorted(STREAM_K_CASES))
 def test_gpu_stream_k_gives_the_default_bits_on_exact_sums(case):
-    operands = STREAM_K_CASES[case]["operands"]
     base, split = stream_k_configs(case)
-    rows, n_dim, sizes = STREAM_K_ROWS, STREAM_K_N, STREAM_K_SIZES
-    num_groups = sizes.shape[0]
     for seed in (46, 47):
-        k = keys(4, seed=seed)
-        # Powers of two for the scales; |sums| <= 1000 codes for FP8 (inside the tensor
-        # core's reduced-precision adds), <= 9000 for bf16: every sum is exact.
-        if operands == "fp8_block":
-            k_dim, k_blocks = STREAM_K_BLOCK_K, STREAM_K_BLOCK_K // 128
-            lhs = _small_integers(k[0], (rows, k_dim), E4M3, 1)
-            rhs = _small_integers(k[1], (num_groups, n_dim, k_dim), E4M3, 1)
-            lhs_scale = 2.0 ** jax.random.randint(k[2], (rows, k_blocks), -2, 3).astype(F32)
-            rhs_scale = 2.0 ** jax.random.randint(
-                k[3], (num_groups, pl_cdiv(n_dim, 128), k_blocks), -2, 3
-            ).astype(F32)
-            args = (lhs, lhs_scale, rhs, rhs_scale, sizes)
-            run = grouped_matmul_fp8_block
-            lhs_ref = dequant_fp8_block(lhs, lhs_scale, 1, 128)
-            rhs_ref = dequant_fp8_block(rhs, rhs_scale, 128, 128)
-        elif operands == "fp8":
-            lhs = _small_integers(k[0], (rows, STREAM_K_K), E4M3, 1)
-            rhs = _small_integers(k[1], (num_groups, n_dim, STREAM_K_K), E5M2, 1)
-            lhs_scale = 2.0 ** jax.random.randint(k[2], (rows,), -2, 3).astype(F32)
-            rhs_scale = 2.0 ** jax.random.randint(k[3], (num_groups, n_dim), -2, 3).astype(F32)
-
-            def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
-                return grouped_matmul(
-                    lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
-                )
-
-            args = (lhs, rhs, sizes, lhs_scale, rhs_scale)
-            lhs_ref = f64(lhs) * f64(lhs_scale)[:, None]
-            rhs_ref = f64(rhs) * f64(rhs_scale)[:, :, None]
-        else:
-            lhs = _small_integers(k[0], (rows, STREAM_K_K), BF16, 3)
-            rhs = _small_integers(k[1], (num_groups, n_dim, STREAM_K_K), BF16, 3)
-            args, run = (lhs, rhs, sizes), grouped_matmul
-            lhs_ref, rhs_ref = f64(lhs), f64(rhs)
+        run, args, lhs_ref, rhs_ref = stream_k_operands(
+            STREAM_K_CASES[case]["operands"], seed, exact=True
+        )
         call = jax.jit(run, static_argnames=("out_dtype", "config"))
-        ref = ref_ragged_rows(lhs_ref, rhs_ref, sizes)
+        ref = ref_ragged_rows(lhs_ref, rhs_ref, STREAM_K_SIZES)
         default = call(*args, out_dtype=F32, config=base)
         out = call(*args, out_dtype=F32, config=split)
         np.testing.assert_array_equal(np.asarray(out, np.float64), ref)
@@ -660,36 +663,8 @@ def test_gpu_stream_k_gives_the_whole_item_bits_on_random_operands(case):
     # A split item's second CTA starts its accumulator from the first one's (Mosaic GPU's
     # preinitialized wgmma accumulators; block FP8's promoted sum): the same sums in the same
     # order as the whole item, so the same bits on any operands.
-    operands = STREAM_K_CASES[case]["operands"]
     base, split = stream_k_configs(case)
-    rows, n_dim, sizes = STREAM_K_ROWS, STREAM_K_N, STREAM_K_SIZES
-    num_groups = sizes.shape[0]
-    k = keys(4, seed=48)
-    if operands == "fp8_block":
-        k_dim, k_blocks = STREAM_K_BLOCK_K, STREAM_K_BLOCK_K // 128
-        lhs = random_fp8(k[0], (rows, k_dim), E4M3)
-        rhs = random_fp8(k[1], (num_groups, n_dim, k_dim), E4M3)
-        lhs_scale = jax.random.uniform(k[2], (rows, k_blocks), F32, 0.25, 4.0)
-        rhs_scale = jax.random.uniform(
-            k[3], (num_groups, pl_cdiv(n_dim, 128), k_blocks), F32, 0.25, 4.0
-        )
-        args, run = (lhs, lhs_scale, rhs, rhs_scale, sizes), grouped_matmul_fp8_block
-    elif operands == "fp8":
-        lhs = random_fp8(k[0], (rows, STREAM_K_K), E4M3)
-        rhs = random_fp8(k[1], (num_groups, n_dim, STREAM_K_K), E5M2)
-        lhs_scale = jax.random.uniform(k[2], (rows,), F32, 0.25, 4.0)
-        rhs_scale = jax.random.uniform(k[3], (num_groups, n_dim), F32, 0.25, 4.0)
-
-        def run(lhs, rhs, sizes, lhs_scale, rhs_scale, **kwargs):
-            return grouped_matmul(
-                lhs, rhs, sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **kwargs
-            )
-
-        args = (lhs, rhs, sizes, lhs_scale, rhs_scale)
-    else:
-        lhs = jax.random.normal(k[0], (rows, STREAM_K_K), F32).astype(BF16)
-        rhs = jax.random.normal(k[1], (num_groups, n_dim, STREAM_K_K), F32).astype(BF16)
-        args, run = (lhs, rhs, sizes), grouped_matmul
+    run, args, _, _ = stream_k_operands(STREAM_K_CASES[case]["operands"], 48, exact=False)
     call = jax.jit(run, static_argnames=("out_dtype", "config"))
     whole = call(*args, out_dtype=F32, config=base)
     first = call(*args, out_dtype=F32, config=split)

@@ -183,28 +183,28 @@ def test_mxfp8_bad_inputs_raise_naming_the_argument(change, error, needle):
         grouped_matmul_mxfp8(*(args[name] for name in names), interpret=True, config=TINY_MX)
 
 
-def test_mxfp8_kernel_refuses_clusters_along_m():
-    # Its scale streams are not declared multicastable (RowKernelParts.column_specs), even
-    # for one group.
-    lhs, lhs_scale, rhs, rhs_scale, _ = _operands()
-    with pytest.raises(ValueError, match="does not support cluster_m=2"):
-        grouped_matmul_mxfp8(
-            lhs,
-            lhs_scale,
-            rhs[:1],
-            rhs_scale[:1],
-            jnp.asarray([64], jnp.int32),
-            out_dtype=jnp.float32,
-            config=dataclasses.replace(TINY_MX, cluster_m=2),
-            interpret=True,
-        )
-
-
-def test_mxfp8_kernel_refuses_stream_k():
-    # Not built for it: its RowKernelParts give no accumulate / finish (the in-kernel MXFP8
-    # path is not a default; the library dequantizes and runs the 16-bit kernel).
+@pytest.mark.parametrize(
+    ("changes", "one_group", "needle"),
+    [
+        # Its scale streams are not declared multicastable (RowKernelParts.column_specs),
+        # even for one group.
+        (dict(cluster_m=2), True, "does not support cluster_m=2"),
+        # Not built for it: its RowKernelParts give no accumulate / finish (the in-kernel
+        # MXFP8 path is not a default; the library dequantizes and runs the 16-bit kernel).
+        (dict(stream_k=True), False, "does not support stream_k"),
+        # Its K steps convert each consumer's rhs columns for the whole tile's rows.
+        (
+            dict(tile_m=192, consumer_split="m", num_consumers=3),
+            False,
+            "grouped_matmul_mxfp8 needs consumer_split='n'",
+        ),
+    ],
+)
+def test_mxfp8_kernel_refuses_options_it_is_not_built_for(changes, one_group, needle):
     lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
-    with pytest.raises(ValueError, match="does not support stream_k"):
+    if one_group:
+        rhs, rhs_scale, sizes = rhs[:1], rhs_scale[:1], jnp.asarray([64], jnp.int32)
+    with pytest.raises(ValueError, match=needle):
         grouped_matmul_mxfp8(
             lhs,
             lhs_scale,
@@ -212,24 +212,7 @@ def test_mxfp8_kernel_refuses_stream_k():
             rhs_scale,
             sizes,
             out_dtype=jnp.float32,
-            config=dataclasses.replace(TINY_MX, stream_k=True),
-            interpret=True,
-        )
-
-
-def test_mxfp8_kernel_refuses_consumers_that_split_rows():
-    # Its K steps convert each consumer's rhs columns for the whole tile's rows.
-    lhs, lhs_scale, rhs, rhs_scale, sizes = _operands()
-    three = dataclasses.replace(TINY_MX, tile_m=192, consumer_split="m", num_consumers=3)
-    with pytest.raises(ValueError, match="grouped_matmul_mxfp8 needs consumer_split='n'"):
-        grouped_matmul_mxfp8(
-            lhs,
-            lhs_scale,
-            rhs,
-            rhs_scale,
-            sizes,
-            out_dtype=jnp.float32,
-            config=three,
+            config=dataclasses.replace(TINY_MX, **changes),
             interpret=True,
         )
 
