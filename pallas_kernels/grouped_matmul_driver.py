@@ -182,6 +182,9 @@ def stream_k_share(
 ) -> StreamKShare:
     """CTA ``cta``'s share of ``num_items`` items of ``num_k_steps`` K steps on ``num_ctas``
     CTAs (see StreamKShare). With fewer items than CTAs, or whole rounds, nothing is split."""
+    for arg, value in (("num_ctas", num_ctas), ("num_k_steps", num_k_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
     num_items = jnp.asarray(num_items, jnp.int32)
     cta = jnp.asarray(cta, jnp.int32)
     full_rounds = lax.div(num_items, jnp.int32(num_ctas))

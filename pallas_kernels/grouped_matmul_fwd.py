@@ -447,8 +447,14 @@ def grouped_default_config(
     where ``k``'s K steps are whole rounds of its stages (the persistent pipeline needs
     that), else DEFAULT_BF16_CONFIG; for FP8 DEFAULT_FP8_CONFIG (see STREAM_K_FP8_CONFIG).
     ``vector_bytes``: the row / column scale vectors the kernel prefetches per tile."""
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {fp8!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
+    if jnp.dtype(out_dtype) not in common.OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}")
+    if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 0:
+        raise ValueError(f"vector_bytes must be an int >= 0, got {vector_bytes!r}")
     itemsize = 1 if fp8 else 2
 
     def fitted(config: GroupedMatmulConfig) -> GroupedMatmulConfig:
@@ -544,6 +550,8 @@ def grouped_matmul(
         num_groups, k_rhs, num_cols = rhs.shape
     if k_rhs != k:
         raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
+    if k == 0:
+        raise ValueError("lhs and rhs must have a contraction size K >= 1, got K=0")
     common.check_group_sizes(group_sizes, num_groups)
     packed = _check_packed_output(group_starts, out_rows, num_groups)
     if lhs_scale is not None:

@@ -1475,6 +1475,26 @@ def test_grouped_default_is_stream_k_over_the_persistent_pipeline_where_k_allows
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="k must be a positive int"):
             fwd.grouped_default_config(False, bad, out_dtype)
+    with pytest.raises(TypeError, match="fp8 must be a bool, got 1"):
+        fwd.grouped_default_config(1, 4096, out_dtype)
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32, got float16"):
+        fwd.grouped_default_config(False, 4096, jnp.float16)
+    with pytest.raises(ValueError, match="vector_bytes must be an int >= 0, got -4"):
+        fwd.grouped_default_config(False, 4096, out_dtype, vector_bytes=-4)
+
+
+def test_empty_contraction_is_refused_by_name():
+    with pytest.raises(ValueError, match="contraction size K >= 1, got K=0"):
+        grouped_matmul(
+            jnp.zeros((64, 0), BF16), jnp.zeros((2, 64, 0), BF16), jnp.zeros((2,), jnp.int32)
+        )
+
+
+def test_stream_k_share_names_bad_sizes():
+    for arg, bad in (("num_ctas", 0), ("num_k_steps", 2.0)):
+        sizes = {"num_ctas": 132, "num_k_steps": 64} | {arg: bad}
+        with pytest.raises(ValueError, match=f"{arg} must be a positive int, got {bad!r}"):
+            driver.stream_k_share(jnp.int32(2048), jnp.int32(0), **sizes)
 
 
 def test_stream_k_bad_configs_and_kernels_raise():
