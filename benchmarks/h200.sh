@@ -131,26 +131,31 @@ elif [[ $STAGE == pending ]]; then
       "$OUT/bq" --cases="${PENDING_BENCH}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
   fi
 elif [[ $STAGE == ncu ]]; then
-  # Nsight Compute on one launch of each case of benchmarks/ncu_cases.py ($NCU_CASES), the
-  # sections first (always available), then the pipes' instruction shares, then the NVFP4
-  # kernels' PTX, ptxas report and SASS (kernel_resources' dump and log) in one archive.
+  # Nsight Compute on each case of benchmarks/ncu_cases.py ($NCU_CASES), the sections first
+  # (always available), then the pipes' instruction shares, then the NVFP4 kernels' PTX,
+  # ptxas report and SASS (kernel_resources' dump and log) in one archive ($SASS_CASES=none
+  # skips it). $NCU_REGEX picks the kernels (torch's CUTLASS GEMMs are "device_kernel"),
+  # $NCU_SKIP / $NCU_COUNT which launches of them.
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   PIPES=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  launches="--launch-skip ${NCU_SKIP:-1} --launch-count ${NCU_COUNT:-1}"
   for case in ${NCU_CASES:-nvfp4 nvfp4_sr mxfp8 fp8_block_gemm}; do
-    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"quantize|matmul" --launch-skip 1 \
-      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"${NCU_REGEX:-quantize|matmul}" $launches \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section InstructionStats --section SchedulerStats --section WarpStateStats \
       --section Occupancy python3 -m benchmarks.ncu_cases "$case" > "$OUT/ncu_$case.txt" 2>&1
-    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"quantize|matmul" --launch-skip 1 \
-      --launch-count 1 --metrics "$PIPES" python3 -m benchmarks.ncu_cases "$case" \
+    timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"${NCU_REGEX:-quantize|matmul}" $launches \
+      --metrics "${NCU_METRICS:-$PIPES}" python3 -m benchmarks.ncu_cases "$case" \
       >> "$OUT/ncu_$case.txt" 2>&1
     grep -E "Duration|Issue Slots Busy|Executed Ipc A|pipe_|issue_active|inst_executed.sum|Warp Cycles Per Issued|Stall|Registers|Achieved Occ|Compute \(SM\)|Memory Through" "$OUT/ncu_$case.txt" | head -40
   done
-  scratch=$(mktemp -d)
-  # Mosaic GPU prints the SASS (MOSAIC_GPU_DUMP_SASS) to stdout: kept in the archive's log.
-  timeout "${SASS_BUDGET:-120}" python3 benchmarks/kernel_resources.py "$scratch" "${SASS_CASES:-lean}" \
-    > "$scratch/kernel_resources.log" 2>&1
-  tar -czf "$OUT/sass_dump.tar.gz" -C "$scratch" .
+  if [[ ${SASS_CASES:-lean} != none ]]; then
+    scratch=$(mktemp -d)
+    # Mosaic GPU prints the SASS (MOSAIC_GPU_DUMP_SASS) to stdout: kept in the archive's log.
+    timeout "${SASS_BUDGET:-120}" python3 benchmarks/kernel_resources.py "$scratch" "${SASS_CASES:-lean}" \
+      > "$scratch/kernel_resources.log" 2>&1
+    tar -czf "$OUT/sass_dump.tar.gz" -C "$scratch" .
+  fi
 elif [[ $STAGE == split ]]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" tests &
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }

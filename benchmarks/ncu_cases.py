@@ -9,6 +9,10 @@ copy alone; MXFP8 row+col (a memory-bound kernel of the same tiles, for comparis
 dense block-FP8 GEMM, 8192³ (`dense_matmul_fp8_block`, bf16 output); and the NVFP4 dequantize
 kernel to bf16, with the float16 decode (the default) and with the integer one
 (`DequantizeConfig(scaled_e2m1_decode=False)`).
+`GROUPED_CASES` run issue 5's G8 balanced bf16 forward (16384 x 4096 x 4096, 8 groups of
+2048 rows) through our `grouped_matmul` default and through its peer `torch._grouped_mm`
+(CUTLASS) on the same operands, so that the two kernels' pipe, shared-memory and stall
+figures can be read side by side (`--kernel-name regex:"matmul|cutlass|gemm"`).
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
@@ -67,11 +71,44 @@ CASES = {
 }
 
 
+def _g8_balanced_bf16() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """lhs (16384, 4096), rhs (8, 4096, 4096) (G, N, K), group sizes 8 x 2048."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = jax.random.normal(keys[0], (16384, 4096), jnp.float32).astype(jnp.bfloat16)
+    rhs = jax.random.normal(keys[1], (8, 4096, 4096), jnp.float32).astype(jnp.bfloat16)
+    return lhs, rhs, jnp.full((8,), 2048, jnp.int32)
+
+
+def _ours_bf16_grouped(calls: int) -> None:
+    lhs, rhs, sizes = _g8_balanced_bf16()
+    fn = jax.jit(pk.grouped_matmul)
+    for _ in range(calls):
+        jax.block_until_ready(fn(lhs, rhs, sizes))
+
+
+def _torch_bf16_grouped(calls: int) -> None:
+    import torch  # the H200 image has it; the CPU CI does not run this case
+
+    lhs, rhs, sizes = _g8_balanced_bf16()
+    offsets = jnp.cumsum(sizes).astype(jnp.int32)
+    a, w, offs = (torch.from_dlpack(t) for t in (lhs, rhs, offsets))
+    for _ in range(calls):
+        torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    torch.cuda.synchronize()
+
+
+GROUPED_CASES = {"bf16_grouped": _ours_bf16_grouped, "torch_bf16_grouped": _torch_bf16_grouped}
+
+
 def main(case: str, calls: int, size: int = SIZE) -> None:
-    if case not in CASES:
-        raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
+    if case not in CASES and case not in GROUPED_CASES:
+        names = sorted(CASES) + sorted(GROUPED_CASES)
+        raise ValueError(f"case must be one of {names}, got {case!r}")
     if calls < 1:
         raise ValueError(f"calls must be at least 1, got {calls}")
+    if case in GROUPED_CASES:
+        GROUPED_CASES[case](calls)
+        return
     x = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(jnp.bfloat16)
     fn = jax.jit(CASES[case])
     for _ in range(calls):
@@ -80,7 +117,7 @@ def main(case: str, calls: int, size: int = SIZE) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("case", choices=sorted(CASES) + sorted(GROUPED_CASES))
     parser.add_argument("--calls", type=int, default=2)
     args = parser.parse_args()
     main(args.case, args.calls)

@@ -667,3 +667,23 @@ def test_grid_fill_counts_visits_items_and_the_last_wave():
     assert whole.fill == whole.stream_k_fill == 1.0
     with pytest.raises(ValueError, match="need rows and columns"):
         tile_traffic.grid_fill(fwd.DEFAULT_BF16_CONFIG, [0, 0], 64)
+
+
+def test_peers_ab_runs_small(tmp_path):
+    # Our grouped and dense kernels (interpreted) against XLA in alternation; torch's peers
+    # join only on a GPU.
+    from benchmarks import peers_ab
+
+    text = peers_ab.main(str(tmp_path), rounds=1, small=True)
+    rows = json.loads((tmp_path / "peers_ab.json").read_text())
+    assert {(r["case"], r["implementation"]) for r in rows} == {
+        ("G2 small fwd bf16", "ours grouped_matmul bf16 (default)"),
+        ("G2 small fwd bf16", "ours dense_matmul bf16 (same flops)"),
+        ("G2 small fwd bf16", "XLA dense bf16 (same flops)"),
+        ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
+        ("dense 128^3 bf16", "XLA dense bf16"),
+    }
+    assert all(r["ms"] > 0 and 0 < r["vs_fastest"] <= 1 for r in rows)
+    assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        peers_ab.main(str(tmp_path), rounds=0, small=True)

@@ -1,0 +1,234 @@
+"""Our grouped and dense GEMMs against their peers, timed in alternation (issue 5).
+
+`bench_grouped_matmul` times each implementation in a block of its own, one after another:
+on the H200, whose SM clock idles at 345 MHz and ramps up under load, the rows timed first
+ran slower, so its "ours vs torch" ratios mixed the clocks into the comparison (stop 45:
+bf16 G8 balanced 683 against torch's 777, where stop 41 had 738 against 765). Here every
+implementation of a case runs batch by batch in alternation
+(`benchmarks.timing.interleaved_seconds`), torch's on the *same* operands (shared through
+DLPack: a GEMM's power draw, and so its clock, depends on the data):
+
+* G8 balanced and skewed, forward, bf16: our `grouped_matmul` default, `torch._grouped_mm`,
+  jax's `ragged_dot_mgpu` (the Mosaic GPU kernel in the jax wheel), our `dense_matmul` and
+  XLA's dense GEMM at the same M, K, N on the first expert's weight (same flops);
+* the same, FP8 rowwise (E4M3, a scale per row and per output column):
+  `torch._scaled_grouped_mm` and XLA's dense FP8 GEMM;
+* dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
+
+    python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
+
+writes DIR/peers_ab.json and .md. `--small` runs tiny shapes, our kernels in the Pallas
+interpreter and no torch (a smoke test; the numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.bench_grouped_matmul import BF16, JAX_RAGGED_DOT_CONFIGS, random_operands
+from benchmarks.timing import device_description, interleaved_seconds, report
+from pallas_kernels.grouped_matmul_dense import dense_matmul
+from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
+
+# (G, M, K, N, group sizes), as benchmarks.grouped_ab.SHAPES.
+SHAPES = {
+    "G8 balanced": (8, 16384, 4096, 4096, [2048] * 8),
+    "G8 skewed": (8, 16384, 4096, 4096, [6000, 3100, 2050, 1500, 1100, 1000, 900, 734]),
+}
+DENSE_SIZE = 8192
+SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
+SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
+
+
+class _TorchResult:
+    """A torch output that `jax.block_until_ready` can wait for (it calls this method)."""
+
+    def __init__(self, torch_module) -> None:
+        self._torch = torch_module
+
+    def block_until_ready(self) -> _TorchResult:
+        self._torch.cuda.synchronize()
+        return self
+
+
+def _torch():
+    """torch when it can run on this machine's GPU, else None (the peers are then skipped)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        return None
+    return torch
+
+
+def _torch_candidate(torch, fn, arg_sets) -> tuple:
+    """An interleaved_seconds candidate running torch ``fn`` on jax arrays (via DLPack)."""
+    torch_sets = [tuple(torch.from_dlpack(a) for a in args) for args in arg_sets]
+
+    def call(*args):
+        fn(*args)
+        return _TorchResult(torch)
+
+    return call, torch_sets
+
+
+def grouped_candidates(sets, fp8: bool, small: bool) -> dict:
+    """Every implementation of one grouped forward case (and its dense yardsticks)."""
+    interpret = small
+    config = SMALL_CONFIG if small else None
+    sizes = sets[0]["sizes"]
+    if fp8:
+        ours = jax.jit(
+            lambda a, b, s, sa, sb: grouped_matmul(
+                a, b, s, lhs_scale=sa, rhs_scale=sb, config=config, interpret=interpret
+            )
+        )
+        candidates = {
+            "ours grouped_matmul FP8 rowwise (default)": (
+                ours,
+                [
+                    (x["lhs8"], x["rhs8"], sizes, x["lhs_row_scale"], x["rhs_col_scale"])
+                    for x in sets
+                ],
+            ),
+            "XLA dense FP8 (same flops)": (
+                jax.jit(
+                    lambda a, b: lax.dot_general(
+                        a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                    )
+                ),
+                [(x["lhs8"], x["rhs8"][0]) for x in sets],
+            ),
+        }
+    else:
+        candidates = {
+            "ours grouped_matmul bf16 (default)": (
+                jax.jit(
+                    lambda a, b, s: grouped_matmul(a, b, s, config=config, interpret=interpret)
+                ),
+                [(x["lhs"], x["rhs"], sizes) for x in sets],
+            ),
+            "ours dense_matmul bf16 (same flops)": (
+                jax.jit(lambda a, b: dense_matmul(a, b, config=config, interpret=interpret)),
+                [(x["lhs"], x["rhs"][0]) for x in sets],
+            ),
+            "XLA dense bf16 (same flops)": (
+                jax.jit(lambda a, b: a @ b.T),
+                [(x["lhs"], x["rhs"][0]) for x in sets],
+            ),
+        }
+        if not small:
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+            # One of bench_grouped_matmul's configs for it (its best were within ~1%).
+            candidates["jax ragged_dot_mgpu bf16"] = (
+                jax.jit(
+                    lambda a, b, s: ragged_dot_mgpu.ragged_dot(
+                        a, b, group_sizes=s, transpose_rhs=True, **JAX_RAGGED_DOT_CONFIGS[1]
+                    )
+                ),
+                [(x["lhs"], x["rhs"], sizes) for x in sets],
+            )
+    torch = None if small else _torch()
+    if torch is not None:
+        offsets = jnp.cumsum(sizes).astype(jnp.int32)
+        if fp8:
+            candidates["torch._scaled_grouped_mm FP8 rowwise"] = _torch_candidate(
+                torch,
+                lambda a, b, sa, sb, offs: torch._scaled_grouped_mm(
+                    a, b.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
+                ),
+                [
+                    (x["lhs8"], x["rhs8"], x["lhs_row_scale"], x["rhs_col_scale"], offsets)
+                    for x in sets
+                ],
+            )
+        else:
+            candidates["torch._grouped_mm bf16"] = _torch_candidate(
+                torch,
+                lambda a, b, offs: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs),
+                [(x["lhs"], x["rhs"], offsets) for x in sets],
+            )
+    return candidates
+
+
+def dense_candidates(size: int, small: bool) -> dict:
+    keys = jax.random.split(jax.random.key(8), 2)
+    a, b = (jax.random.normal(key, (size, size), jnp.float32).astype(BF16) for key in keys)
+    config = SMALL_CONFIG if small else None
+    candidates = {
+        "ours dense_matmul bf16 (default)": (
+            jax.jit(lambda a, b: dense_matmul(a, b, config=config, interpret=small)),
+            [(a, b)],
+        ),
+        "XLA dense bf16": (jax.jit(lambda a, b: a @ b.T), [(a, b)]),
+    }
+    torch = None if small else _torch()
+    if torch is not None:
+        candidates["torch.mm bf16 (cuBLAS)"] = _torch_candidate(
+            torch, lambda a, b: torch.mm(a, b.t()), [(a, b)]
+        )
+    return candidates
+
+
+def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> str:
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    shapes, dense_size = (SMALL_SHAPES, 128) if small else (SHAPES, DENSE_SIZE)
+    batch = dict(calls_per_batch=1, warmup_seconds=0.0) if small else {}
+    rows = []
+
+    def run_case(case: str, flops: float, candidates: dict) -> None:
+        seconds = interleaved_seconds(candidates, rounds=rounds, **batch)
+        fastest = min(seconds.values())
+        for name, value in seconds.items():
+            rows.append(
+                dict(
+                    case=case,
+                    implementation=name,
+                    ms=value * 1e3,
+                    tflops=flops / value / 1e12,
+                    vs_fastest=fastest / value,
+                )
+            )
+            print(f"{case:28s} {name:44s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
+
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
+        for fp8 in (False, True):
+            if small and fp8:
+                continue  # the interpreter's FP8 path is the kernel tests' business
+            kind = "FP8 rowwise" if fp8 else "bf16"
+            run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
+        del sets
+    run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
+
+    lines = [
+        f"Device: {device_description()}; {rounds} alternating rounds per case "
+        "(each a batch of back-to-back calls of every implementation).",
+        "",
+        "| case | implementation | ms | TFLOP/s | fastest / this |",
+        "|---|---|---:|---:|---:|",
+        *(
+            f"| {r['case']} | {r['implementation']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+            f"{r['vs_fastest']:.3f} |"
+            for r in rows
+        ),
+    ]
+    return report(out_dir, "peers_ab", rows, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    np.set_printoptions(precision=3)
+    main(args.out, rounds=args.rounds, small=args.small)
