@@ -94,6 +94,34 @@ def interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
+# Warpgroups per CTA that Mosaic GPU's interpreter runs on any CPU host; more need as many
+# host CPU devices (see check_interpreter_threads).
+MAX_INTERPRETED_THREADS_ANY_HOST = 3
+
+
+def check_interpreter_threads(num_threads: int, interpret: bool) -> None:
+    """Refuses, with the remedy, an interpreted kernel that would hang on this CPU host.
+
+    The interpreter runs each warpgroup of a CTA as a computation of its own on the CPU
+    backend, and they wait for each other at barriers. Measured with jax 0.11.2 (stop 46,
+    1- and 2-core runs alike): three warpgroups run with a single host device, but four (the
+    three-consumer tiles) hang, without an error, unless the CPU backend has at least four
+    devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`; tests/conftest.py sets 8).
+    """
+    if not quantize_common.interpreting(interpret) or jax.default_backend() != "cpu":
+        return
+    if num_threads <= MAX_INTERPRETED_THREADS_ANY_HOST:
+        return
+    devices = jax.local_device_count("cpu")
+    if devices < num_threads:
+        raise ValueError(
+            f"interpret: this kernel runs {num_threads} warpgroups per CTA, and Mosaic GPU's "
+            f"interpreter hangs with fewer host CPU devices than that (this process has "
+            f"{devices}); set XLA_FLAGS=--xla_force_host_platform_device_count={num_threads} "
+            "before jax starts, or use a config with fewer consumers (num_consumers=2)"
+        )
+
+
 def swizzle_elems(minor_dim_elems: int, dtype: jnp.dtype) -> int:
     """Elements per swizzle atom row of a tile whose minor dimension is ``minor_dim_elems``.
 

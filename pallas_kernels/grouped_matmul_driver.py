@@ -751,6 +751,7 @@ def ragged_rows_call(
             (num_ctas, num_consumers, part_rows, part_cols), jnp.float32
         )
         out_types = (out_types, partials)
+    common.check_interpreter_threads(num_consumers + 1, interpret)
     kernel = plgpu.kernel(
         body,
         out_type=out_types,

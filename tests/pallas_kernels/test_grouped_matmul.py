@@ -2008,3 +2008,30 @@ def test_fit_fp8_block_config_shrinks_to_shared_memory_and_rejects_bad_inputs():
         fit_fp8_block_config({"tile_m": 64}, 4096, BF16)
     with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
         fit_fp8_block_config(H200_BLOCK, 4096, jnp.float16)
+
+
+def test_interpreter_refuses_four_warpgroups_with_too_few_host_devices():
+    # Three consumers + the producer hang in the interpreter with fewer than four host CPU
+    # devices (stop 46); the wrapper names the remedy instead. A subprocess: this process
+    # already has conftest's eight devices. Its timeout turns a hang back into a failure.
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import jax.numpy as jnp\n"
+        "from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block\n"
+        "from tests.pallas_kernels.test_grouped_matmul import THREE_CONSUMER_BLOCK\n"
+        "lhs = jnp.ones((300, 256), jnp.float8_e4m3fn)\n"
+        "rhs = jnp.ones((1, 128, 256), jnp.float8_e4m3fn)\n"
+        "grouped_matmul_fp8_block(lhs, jnp.ones((300, 2)), rhs, jnp.ones((1, 1, 2)),\n"
+        "    jnp.asarray([300], jnp.int32), config=THREE_CONSUMER_BLOCK, interpret=True)\n"
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode != 0
+    assert "runs 4 warpgroups per CTA" in result.stderr
+    assert "xla_force_host_platform_device_count=4" in result.stderr
