@@ -13,6 +13,11 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   XLA's dense GEMM at the same M, K, N on the first expert's weight (same flops);
 * the same, FP8 rowwise (E4M3, a scale per row and per output column):
   `torch._scaled_grouped_mm` and XLA's dense FP8 GEMM;
+* G8 forward with MXFP8 tokens and weights: the library's path (both dequantized by the
+  Pallas kernel, then the 16-bit kernel) against the weights dequantized in registers
+  (`grouped_matmul_mxfp8_weights`, stop 46), checked bit for bit against it first; XLA's dense
+  bf16 GEMM and its dense MXFP8 `scaled_dot_general` of the same flops (issue 5's "≥ 0.95× XLA
+  dense bf16");
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
@@ -24,16 +29,19 @@ interpreter and no torch (a smoke test; the numbers mean nothing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.bench_grouped_matmul import BF16, JAX_RAGGED_DOT_CONFIGS, random_operands
+import pallas_kernels as pk
+from benchmarks.bench_grouped_matmul import BF16, E4M3, JAX_RAGGED_DOT_CONFIGS, random_operands
 from benchmarks.timing import device_description, interleaved_seconds, report
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
+from pallas_kernels.grouped_matmul_mx_weights import grouped_matmul_mxfp8_weights
 
 # (G, M, K, N, group sizes), as benchmarks.grouped_ab.SHAPES.
 SHAPES = {
@@ -158,6 +166,63 @@ def grouped_candidates(sets, fp8: bool, small: bool) -> dict:
     return candidates
 
 
+def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict:
+    """MXFP8 tokens and weights (random codes, scale bytes 120..134): the library's path
+    (both dequantized to bf16 by the Pallas kernel, then the 16-bit grouped kernel) against the
+    weights dequantized in registers (`grouped_matmul_mxfp8_weights`, the tokens still through
+    the dequantize kernel), XLA's dense bf16 GEMM of the same flops, and XLA's own dense MXFP8
+    `scaled_dot_general` (issue 5's peer: it quantizes bf16 operands itself)."""
+    keys = jax.random.split(jax.random.key(11), 4)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
+    rhs = jax.random.normal(keys[1], (g, n, k), jnp.float32).astype(E4M3)
+    lhs_scale = jax.random.randint(keys[2], (m, k // 32), 120, 135).astype(jnp.uint8)
+    rhs_scale = jax.random.randint(keys[3], (g, n, k // 32), 120, 135).astype(jnp.uint8)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    interpret = small
+    config = SMALL_CONFIG if small else None
+    weights_config = (
+        dataclasses.replace(SMALL_CONFIG, tile_n=64, epilogue_buffers=1) if small else None
+    )
+
+    def tokens_bf16(a, sa):
+        return pk.dequantize_mxfp8(a, sa, out_dtype=BF16, interpret=interpret)
+
+    def library_path(a, sa, b, sb, s):
+        weights = pk.dequantize_mxfp8(
+            b.reshape(g * n, k), sb.reshape(g * n, k // 32), out_dtype=BF16, interpret=interpret
+        ).reshape(g, n, k)
+        return grouped_matmul(tokens_bf16(a, sa), weights, s, config=config, interpret=interpret)
+
+    def weights_in_registers(a, sa, b, sb, s):
+        return grouped_matmul_mxfp8_weights(
+            tokens_bf16(a, sa), b, sb, s, config=weights_config, interpret=interpret
+        )
+
+    operands = [(lhs, lhs_scale, rhs, rhs_scale, sizes)]
+    dense = (lhs.astype(BF16), rhs[0].astype(BF16))
+    candidates = {
+        "ours: dequantize both + 16-bit kernel (library path)": (
+            jax.jit(library_path),
+            operands,
+        ),
+        "ours: dequantize tokens + MXFP8 weights in registers": (
+            jax.jit(weights_in_registers),
+            operands,
+        ),
+        "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
+    }
+    if not small and hasattr(jax.nn, "scaled_dot_general"):
+        candidates["XLA scaled_dot_general MXFP8 dense (same flops)"] = (
+            jax.jit(
+                lambda a, b: jax.nn.scaled_dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [dense],
+        )
+    return candidates
+
+
 def dense_candidates(size: int, small: bool) -> dict:
     keys = jax.random.split(jax.random.key(8), 2)
     a, b = (jax.random.normal(key, (size, size), jnp.float32).astype(BF16) for key in keys)
@@ -184,7 +249,17 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
     batch = dict(calls_per_batch=1, warmup_seconds=0.0) if small else {}
     rows = []
 
-    def run_case(case: str, flops: float, candidates: dict) -> None:
+    def run_case(case: str, flops: float, candidates: dict, same_bits=()) -> None:
+        # `same_bits`: names whose outputs must equal the first one's bit for bit (checked
+        # before timing, reported in the table).
+        bits = {}
+        if same_bits:
+            first_fn, first_args = candidates[same_bits[0]]
+            expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
+            for name in same_bits[1:]:
+                fn, args = candidates[name]
+                got = np.asarray(fn(*args[0]).astype(jnp.float32))
+                bits[name] = bool(np.array_equal(got, expected, equal_nan=True))
         seconds = interleaved_seconds(candidates, rounds=rounds, **batch)
         fastest = min(seconds.values())
         for name, value in seconds.items():
@@ -195,6 +270,7 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
                     ms=value * 1e3,
                     tflops=flops / value / 1e12,
                     vs_fastest=fastest / value,
+                    same_bits=bits.get(name),
                 )
             )
             print(f"{case:28s} {name:44s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
@@ -207,17 +283,21 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
             kind = "FP8 rowwise" if fp8 else "bf16"
             run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
         del sets
+        mx = mxfp8_candidates(g, m, k, n, sizes, small)
+        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:2])
+        del mx
     run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
 
     lines = [
         f"Device: {device_description()}; {rounds} alternating rounds per case "
         "(each a batch of back-to-back calls of every implementation).",
         "",
-        "| case | implementation | ms | TFLOP/s | fastest / this |",
-        "|---|---|---:|---:|---:|",
+        "| case | implementation | ms | TFLOP/s | fastest / this | same bits as the case's first |",
+        "|---|---|---:|---:|---:|---|",
         *(
             f"| {r['case']} | {r['implementation']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-            f"{r['vs_fastest']:.3f} |"
+            f"{r['vs_fastest']:.3f} | "
+            f"{'' if r['same_bits'] is None else ('yes' if r['same_bits'] else '**NO**')} |"
             for r in rows
         ),
     ]

@@ -267,17 +267,21 @@ def store_row_range(
     out_gmem_rows,
     tile: RowTile,
     tile_m: int,
+    *,
+    transposed: bool = False,
 ) -> None:
     """Writes rows ``[row_begin, row_begin + num_rows)`` of ``values`` to GMEM.
 
-    ``values`` is (tile_m, cols) in registers, ``out_smem`` an untransformed
-    (tile_m, cols) SMEM buffer and ``out_gmem_rows`` the GMEM window whose row 0 is
+    ``values`` is (tile_m, cols) in registers (``transposed``: (cols, tile_m), written
+    through the buffer's transposed view), ``out_smem`` an untransformed (tile_m, cols)
+    SMEM buffer and ``out_gmem_rows`` the GMEM window whose row 0 is
     the tile's first row, or for a packed output (``tile.out_row``) the visit's first
     output row. TMA boxes have static sizes, so a run-time row count is written as a sum
     of power-of-two row slabs (at most log2(tile_m) + 1 copies); a full tile takes one
     copy. The copies are committed as a single bulk group.
     """
-    out_smem[...] = values.astype(out_smem.dtype)
+    target = out_smem.transpose((1, 0)) if transposed else out_smem
+    target[...] = values.astype(out_smem.dtype)
     plgpu.commit_smem()
     offset = tile.row_begin
     packed = tile.out_row is not None

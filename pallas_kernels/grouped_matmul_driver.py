@@ -273,6 +273,9 @@ class RowKernelParts:
         ``TileContext.k_step``, which counts from the item's first, and the range's first
         from ``TileContext.k_begin``. A split item then sums its K steps in the same order
         into the same accumulator as a whole one: the same bits.
+    values_transposed: run_tile returns the consumer's part transposed, (consumer_cols,
+        consumer_rows): its wgmma had the rhs rows on the M side (the register A operand) and
+        the lhs rows on the N side. The epilogue stores it through transposed SMEM views.
     """
 
     in_specs: Sequence[Any]
@@ -286,6 +289,7 @@ class RowKernelParts:
     column_specs: tuple[int, ...] | None = None
     accumulate: Callable[..., Any] | None = None
     finish: Callable[..., jax.Array] | None = None
+    values_transposed: bool = False
 
     @property
     def supports_stream_k(self) -> bool:
@@ -482,6 +486,7 @@ def ragged_rows_call(
                         packed_window(row_tile.out_row) if packed else chunk_gmem,
                         row_tile,
                         part_rows,
+                        transposed=parts.values_transposed,
                     )
 
                 if not schedule.swizzled_epilogue:
@@ -496,7 +501,8 @@ def ragged_rows_call(
                 @pl.when(whole_tile)
                 def _store_whole_tile():
                     swizzled = swizzled_out_smem.at[consumer, slot]
-                    swizzled[...] = chunk_values.astype(out_dtype)
+                    target = swizzled.transpose((1, 0)) if parts.values_transposed else swizzled
+                    target[...] = chunk_values.astype(out_dtype)
                     plgpu.commit_smem()
                     if packed:
                         window = packed_window(pl.multiple_of(row_tile.out_row, 8))
@@ -516,7 +522,10 @@ def ragged_rows_call(
                 def store_chunks():
                     for chunk in range(num_epi_chunks):
                         plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
-                        chunk_values = values[:, chunk * epi_tile_n : (chunk + 1) * epi_tile_n]
+                        chunk_cols = slice(chunk * epi_tile_n, (chunk + 1) * epi_tile_n)
+                        chunk_values = (
+                            values[chunk_cols] if parts.values_transposed else values[:, chunk_cols]
+                        )
                         cols = pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)
                         chunk_gmem = None if packed else rows.at[:, cols]
                         store_chunk(
@@ -722,9 +731,12 @@ def ragged_rows_call(
 
                 @pl.when(stores)
                 def _zero_tile():
-                    zeros = plgpu.layout_cast(
-                        jnp.zeros((part_rows, part_cols), jnp.float32), plgpu.Layout.WGMMA
+                    shape = (
+                        (part_cols, part_rows)
+                        if parts.values_transposed
+                        else (part_rows, part_cols)
                     )
+                    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
                     with jax.named_scope(PROFILE_ZERO_TAIL):
                         store_tile(zeros, ctx)
 

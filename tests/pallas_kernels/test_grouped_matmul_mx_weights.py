@@ -1,0 +1,179 @@
+"""bf16 tokens x MXFP8 weights dequantized in registers (issue 5, stop 46): interpreter,
+cross-lowering, bad inputs. The GPU test (the register-operand wgmma, which the interpreter does
+not have) is in test_grouped_matmul_gpu.py.
+
+The interpreter runs the kernel with the converted weights staged through a bf16 SMEM tile
+(module docstring): the tiling, the conversion and the transposed epilogue are what these
+tests check. Exact sums (small integer tokens, power-of-two weights) make the f32 accumulation
+order irrelevant, so those outputs must equal the float64 reference rounded to bf16 bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.h200_lowering import mosaic_modules
+from pallas_kernels.grouped_matmul_mx_weights import (
+    DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    grouped_matmul_mxfp8_weights,
+)
+from tests.pallas_kernels.test_grouped_matmul import (
+    BF16,
+    E4M3,
+    E5M2,
+    assert_close,
+    keys,
+    ref_ragged_rows,
+)
+from tests.pallas_kernels.test_grouped_matmul_mx import dequant_mxfp8_bf16, random_mxfp8
+
+# 64-token tiles, two SMs: small interpreted grids.
+TINY = dataclasses.replace(
+    DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=64, max_concurrent_steps=2, num_sms=2, grid_tile_width=1
+)
+
+
+def run(lhs, rhs, rhs_scale, sizes, config=TINY):
+    return grouped_matmul_mxfp8_weights(
+        lhs, rhs, rhs_scale, jnp.asarray(sizes, jnp.int32), config=config, interpret=True
+    )
+
+
+def exact_operands(seed: int, rows: int, k: int, groups: int, cols: int, fp8_dtype):
+    """Integer tokens in [-3, 3] and codes in {0, ±0.5, ±1, ±2} with scale bytes 126..128: every
+    product and partial sum is exact in f32 (|sum| ≤ 3 · 8 · K)."""
+    k_lhs, k_codes, k_scale = keys(3, seed=seed)
+    lhs = jax.random.randint(k_lhs, (rows, k), -3, 4).astype(BF16)
+    choices = jnp.asarray([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0], jnp.float32)
+    codes = choices[jax.random.randint(k_codes, (groups, cols, k), 0, 7)].astype(fp8_dtype)
+    scale = jax.random.randint(k_scale, (groups, cols, k // 32), 126, 129).astype(jnp.uint8)
+    return lhs, codes, scale
+
+
+def reference(lhs, rhs, rhs_scale, sizes) -> np.ndarray:
+    return ref_ragged_rows(
+        np.asarray(lhs.astype(jnp.float32), np.float64), dequant_mxfp8_bf16(rhs, rhs_scale), sizes
+    )
+
+
+def bf16_bits(values) -> np.ndarray:
+    return np.asarray(jnp.asarray(values, jnp.float32).astype(BF16)).view(np.uint16)
+
+
+@pytest.mark.parametrize(
+    "sizes, rows, k, cols, fp8_dtype",
+    [
+        # An empty group, tiles shared by two groups, 33 tail rows; E4M3.
+        ([37, 0, 90], 160, 128, 128, E4M3),
+        # K = 3 MX blocks (a padded step), a partial CTA tile of weight rows, 128-token tiles.
+        ([0, 100, 0], 100, 96, 72, E5M2),
+    ],
+)
+def test_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, fp8_dtype):
+    lhs, rhs, rhs_scale = exact_operands(50, rows, k, len(sizes), cols, fp8_dtype)
+    config = TINY if k == 128 else dataclasses.replace(TINY, tile_m=128)
+    out = np.asarray(run(lhs, rhs, rhs_scale, sizes, config=config))
+    want = reference(lhs, rhs, rhs_scale, sizes)
+    np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
+    assert np.all(out[sum(sizes) :] == 0)
+
+
+def test_random_operands_and_the_default_tile():
+    # Random codes over 20 binades of scales, 256-token tiles (the default) on a grid of
+    # shared tiles: one bf16 rounding of an f32 sum.
+    k_lhs, k_rhs = keys(2, seed=51)
+    sizes = [300, 0, 150, 62]
+    lhs = jax.random.normal(k_lhs, (600, 128), jnp.float32).astype(BF16)
+    rhs, rhs_scale = random_mxfp8(k_rhs, (4, 128, 128), E4M3)
+    config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, num_sms=2, grid_tile_width=1)
+    out = run(lhs, rhs, rhs_scale, sizes, config=config)
+    assert_close(out, reference(lhs, rhs, rhs_scale, sizes), rel=2**-8)
+    assert np.all(np.asarray(out)[sum(sizes) :] == 0)
+
+
+def test_edge_scale_bytes():
+    # Scale byte 0 (2^-127), 254 (2^127) next to a tiny code, and a NaN-marking 0xFF block:
+    # its weight row's output column is NaN for the group's tokens and nowhere else.
+    lhs, rhs, rhs_scale = exact_operands(52, 64, 64, 1, 128, E4M3)
+    rhs_scale = rhs_scale.at[0, 3, 0].set(0).at[0, 5, 1].set(254).at[0, 9, 1].set(255)
+    rhs = rhs.at[0, 5, 32:].set(jnp.asarray(2.0**-9, E4M3))
+    lhs = lhs.at[:, 32:].set(jnp.clip(lhs[:, 32:], -1, 1))  # 2^118-scale sums stay finite
+    out = np.asarray(run(lhs, rhs, rhs_scale, [64]).astype(jnp.float32))
+    want = reference(lhs, rhs, rhs_scale, [64])
+    assert np.isnan(out[:, 9]).all() and not np.isnan(np.delete(out, 9, axis=1)).any()
+    finite = np.delete(np.arange(128), 9)
+    assert_close(out[:, finite], want[:, finite], rel=2**-8)
+
+
+S = jax.ShapeDtypeStruct
+
+
+def test_cross_lowers_for_h200_with_a_register_operand_wgmma():
+    # The default config on issue 5's G8 shape: each consumer's wgmma is m64n256k16 with its
+    # A operand in four registers (the RS form), and the epilogue's transposed stores lower.
+    g, m, k, n = 8, 16384, 4096, 4096
+    (module,) = mosaic_modules(
+        grouped_matmul_mxfp8_weights,
+        S((m, k), BF16),
+        S((g, n, k), E4M3),
+        S((g, n, k // 32), jnp.uint8),
+        S((g,), jnp.int32),
+    )
+    wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
+    assert wgmmas and all("m64n256k16.f32.bf16.bf16" in line for line in wgmmas)
+    # After the accumulator's registers: A as four registers (the RS form; an SMEM A operand
+    # would be a descriptor, like B's), then B's descriptor and the scale-d predicate.
+    register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
+    assert all(register_a.search(line) for line in wgmmas)
+
+
+def _operands():
+    lhs, rhs, rhs_scale = exact_operands(53, 64, 64, 2, 128, E4M3)
+    return lhs, rhs, rhs_scale, jnp.asarray([32, 32], jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "change, error, needle",
+    [
+        (lambda a: a | {"lhs": a["lhs"].astype(E4M3)}, TypeError, "lhs must have dtype"),
+        (lambda a: a | {"rhs": a["rhs"].astype(BF16)}, TypeError, "rhs must have dtype"),
+        (lambda a: a | {"rhs_scale": a["rhs_scale"].astype(jnp.int32)}, TypeError, "rhs_scale"),
+        (lambda a: a | {"rhs_scale": a["rhs_scale"][:, :, :1]}, ValueError, "rhs_scale"),
+        (lambda a: a | {"lhs": a["lhs"][:, :32]}, ValueError, "rhs contraction"),
+        (lambda a: a | {"sizes": jnp.asarray([1, 2, 3], jnp.int32)}, ValueError, "group_sizes"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(change, error, needle):
+    names = ("lhs", "rhs", "rhs_scale", "sizes")
+    args = change(dict(zip(names, _operands(), strict=True)))
+    with pytest.raises(error, match=needle):
+        run(*(args[name] for name in names))
+
+
+def test_float32_output_is_refused_with_the_reason():
+    with pytest.raises(TypeError, match="out_dtype must be bfloat16, got float32"):
+        grouped_matmul_mxfp8_weights(*_operands(), out_dtype=jnp.float32, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        (dict(wgmma_in_flight=1), "wgmma_in_flight must be 0"),
+        (dict(tile_m=64, tile_n=128), "tile_n must be 64"),
+        (dict(epi_tile_n=32), "epi_tile_n must be a multiple of 64, got 32"),
+        (dict(cluster_n=2), "without clusters"),
+        (dict(stream_k=True), "does not support stream_k"),
+        (dict(tile_k=128), "tile_k=64"),
+        (dict(max_concurrent_steps=8), "shared memory"),
+    ],
+)
+def test_bad_configs_raise(changes, needle):
+    config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, **changes)
+    with pytest.raises(ValueError, match=needle):
+        grouped_matmul_mxfp8_weights(*_operands(), config=config, interpret=True)
