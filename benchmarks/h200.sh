@@ -21,6 +21,10 @@
 #                                      parts among them, ptxas on those parts, then grouped_ab
 #                                      three_consumers --dense-only, stream_k and
 #                                      wide_three_consumers while time is left)
+#   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 GEMMs against torch, jax's
+#                                      Mosaic GPU kernels and XLA in alternation
+#                                      (benchmarks/peers_ab.py), then Nsight Compute on our G8
+#                                      bf16 forward and torch._grouped_mm's (stop 46's plan)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
@@ -96,7 +100,7 @@ elif [[ $STAGE == pending ]]; then
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-three_consumers or stream_k}" ${PENDING_FILES:-\
+    -rfE -k "${PENDING_TESTS:-weights_in_registers or stream_k}" ${PENDING_FILES:-\
     tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
@@ -130,6 +134,11 @@ elif [[ $STAGE == pending ]]; then
     BENCH_BUDGET_S=${BENCH_BUDGET_S:-90} timeout 120 python3 benchmarks/bench_quantize.py \
       "$OUT/bq" --cases="${PENDING_BENCH}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
   fi
+elif [[ $STAGE == peers ]]; then
+  timeout "${PEERS_BUDGET:-300}" python3 -m benchmarks.peers_ab --out "$OUT" \
+    --rounds "${PEERS_ROUNDS:-15}" 2>&1 | tee "$OUT/peers_ab.log" | tail -40
+  NCU_CASES="bf16_grouped torch_bf16_grouped" NCU_REGEX="matmul|device_kernel" NCU_SKIP=0 \
+    NCU_COUNT=${NCU_COUNT:-2} SASS_CASES=none NCU_BUDGET=${NCU_BUDGET:-110} bash "$0" ncu
 elif [[ $STAGE == ncu ]]; then
   # Nsight Compute on each case of benchmarks/ncu_cases.py ($NCU_CASES), the sections first
   # (always available), then the pipes' instruction shares, then the NVFP4 kernels' PTX,
@@ -161,6 +170,6 @@ elif [[ $STAGE == split ]]; then
   { [[ -z ${SPLIT_AB:-} ]] || CUDA_VISIBLE_DEVICES=1 bash "$0" ab; CUDA_VISIBLE_DEVICES=1 bash "$0" train; }
   wait
 else
-  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, quantize, pending, ncu, sharding or split)" >&2
+  echo "unknown stage '$STAGE' (expected tests, bench, train, ab, quantize, pending, peers, ncu, sharding or split)" >&2
   exit 2
 fi
