@@ -84,6 +84,24 @@ def test_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, fp8_dt
     assert np.all(out[sum(sizes) :] == 0)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(persistent_pipeline=True),  # the pipeline kept running across tiles
+        dict(swizzled_epilogue=False),  # every tile through the plain transposed view
+        dict(tile_m=192, grid_minor_dim=1),  # 192-token tiles, weight-row tiles walked first
+    ],
+    ids=["persistent", "plain epilogue", "192 tokens, columns minor"],
+)
+def test_schedules_give_the_exact_sums(changes):
+    sizes = [70, 0, 130, 1]
+    lhs, rhs, rhs_scale = exact_operands(54, 240, 256, len(sizes), 256, E4M3)
+    out = np.asarray(run(lhs, rhs, rhs_scale, sizes, config=dataclasses.replace(TINY, **changes)))
+    want = reference(lhs, rhs, rhs_scale, sizes)
+    np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
+    assert np.all(out[sum(sizes) :] == 0)
+
+
 def test_random_operands_and_the_default_tile():
     # Random codes over 20 binades of scales, 256-token tiles (the default) on a grid of
     # shared tiles: one bf16 rounding of an f32 sum.
