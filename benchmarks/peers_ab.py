@@ -75,9 +75,19 @@ def _torch():
     return torch
 
 
+def _to_torch(torch, array: jax.Array):
+    """A torch view of a jax GPU array (DLPack; FP8 as its bytes, viewed back as FP8, since
+    DLPack's FP8 support varies between versions)."""
+    fp8 = {jnp.dtype(jnp.float8_e4m3fn): "float8_e4m3fn", jnp.dtype(jnp.float8_e5m2): "float8_e5m2"}
+    if array.dtype in fp8:
+        as_bytes = torch.from_dlpack(lax.bitcast_convert_type(array, jnp.uint8))
+        return as_bytes.view(getattr(torch, fp8[array.dtype]))
+    return torch.from_dlpack(array)
+
+
 def _torch_candidate(torch, fn, arg_sets) -> tuple:
     """An interleaved_seconds candidate running torch ``fn`` on jax arrays (via DLPack)."""
-    torch_sets = [tuple(torch.from_dlpack(a) for a in args) for args in arg_sets]
+    torch_sets = [tuple(_to_torch(torch, a) for a in args) for args in arg_sets]
 
     def call(*args):
         fn(*args)
