@@ -110,7 +110,7 @@ DEQUANT_ARITHMETIC = ("float32", "bfloat16")
 DEQUANT_LAYOUTS = {"wgmma": plgpu.Layout.WGMMA, "wgmma_8bit": plgpu.Layout.WGMMA_8BIT}
 
 
-def _dequantize_block(codes_ref, scale_ref, fp8_dtype, arithmetic: str, layout_name: str):
+def dequantize_block(codes_ref, scale_ref, fp8_dtype, arithmetic: str, layout_name: str):
     """bf16 values of a (rows, 32) block of codes whose row scales are scale_ref (rows,).
 
     "float32": the reference's own arithmetic (float32 products, 2^-127 as 2^-63 · 2^-64, NaN
@@ -166,7 +166,7 @@ def grouped_matmul_mxfp8(
       out_dtype: bfloat16 or float32 (the accumulator is always f32).
       config: tiling (tile_k must be 64); None picks a default that fits shared memory.
       dequant_arithmetic: "float32" (the reference's arithmetic) or "bfloat16" (one packed
-        multiply per pair of values); the same bits (see `_dequantize_block`).
+        multiply per pair of values); the same bits (see `dequantize_block`).
       dequant_layout: register layout of the conversion: "wgmma" (pairs of codes per load) or
         "wgmma_8bit" (four codes per 32-bit load).
       lhs_in_registers: convert the lhs tile straight into the wgmma's register operand (no
@@ -292,17 +292,17 @@ def grouped_matmul_mxfp8(
         blocks = [pl.ds(block * MX_BLOCK, MX_BLOCK) for block in range(STEP_K // MX_BLOCK)]
         for block, cols in enumerate(blocks):
             if not lhs_in_registers:
-                lhs_tile.at[:, cols][...] = _dequantize_block(
+                lhs_tile.at[:, cols][...] = dequantize_block(
                     lhs_codes.at[:, cols], lhs_scales.at[block], lhs.dtype, *dequant
                 )
-            rhs_tile.at[:, cols][...] = _dequantize_block(
+            rhs_tile.at[:, cols][...] = dequantize_block(
                 rhs_codes.at[my_rows, cols], rhs_scales.at[block, my_rows], rhs.dtype, *dequant
             )
         plgpu.commit_smem()
         if lhs_in_registers:
             # One 32-wide MX block at a time: its values are the register A operand.
             for block, cols in enumerate(blocks):
-                lhs_values = _dequantize_block(
+                lhs_values = dequantize_block(
                     lhs_codes.at[:, cols],
                     lhs_scales.at[block],
                     lhs.dtype,

@@ -25,7 +25,7 @@ the consumers, 2 x 32 KB of tokens read by the wgmmas: 112 KB per 1024 tensor-co
 than the 16-bit kernel's 128-144 KB.
 
 The values are those of the dequantize-then-GEMM path bit for bit: each weight is
-``bf16(code · 2^(byte − 127))`` exactly as `grouped_matmul_mx._dequantize_block` computes it
+``bf16(code · 2^(byte − 127))`` exactly as `grouped_matmul_mx.dequantize_block` computes it
 (packed bfloat16 arithmetic; byte 0xFF → NaN) and the products accumulate in f32.
 
 A register-operand wgmma must not see its A registers change before it completes, so no wgmma
@@ -47,7 +47,7 @@ from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import quantize_common
 from pallas_kernels.grouped_matmul_fwd import SMEM_BYTES, GroupedMatmulConfig
-from pallas_kernels.grouped_matmul_mx import MX_BLOCK, STEP_K, _dequantize_block
+from pallas_kernels.grouped_matmul_mx import MX_BLOCK, STEP_K, dequantize_block
 
 _SCALE_IDENTITY = 127  # E8M0 byte of 2^0: pads K without turning zero codes into NaN
 
@@ -81,10 +81,11 @@ def grouped_matmul_mxfp8_weights(
         along K).
       rhs_scale: (G, N, K/32) uint8 E8M0 bytes, one per 1x32 block of rhs; K a multiple of 32.
       group_sizes: (G,) int32 rows per group (device values; rows past the sum are zero).
-      out_dtype: bfloat16 (the accumulator is f32; see the check below for float32).
+      out_dtype: bfloat16 only (the f32 accumulator is stored transposed, which Mosaic GPU
+        lowers for 16-bit values only).
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
         m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
-        weight rows, no clusters, no stream-K; None picks a default that fits shared memory.
+        weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG`.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -170,7 +171,7 @@ def grouped_matmul_mxfp8_weights(
         lhs_smem, codes_smem, scales_smem = smem_refs
         for block in range(STEP_K // MX_BLOCK):
             cols = pl.ds(block * MX_BLOCK, MX_BLOCK)
-            weights = _dequantize_block(
+            weights = dequantize_block(
                 codes_smem.at[ctx.col_slice, cols],
                 scales_smem.at[block, ctx.col_slice],
                 rhs.dtype,
