@@ -280,8 +280,10 @@ def store_row_range(
     of power-of-two row slabs (at most log2(tile_m) + 1 copies); a full tile takes one
     copy. The copies are committed as a single bulk group.
     """
-    target = out_smem.transpose((1, 0)) if transposed else out_smem
-    target[...] = values.astype(out_smem.dtype)
+    if transposed:
+        store_transposed(out_smem, values)
+    else:
+        out_smem[...] = values.astype(out_smem.dtype)
     plgpu.commit_smem()
     offset = tile.row_begin
     packed = tile.out_row is not None
@@ -300,6 +302,17 @@ def store_row_range(
         offset = offset + jnp.where(take, jnp.int32(slab), jnp.int32(0))
         slab //= 2
     plgpu.commit_smem_to_gmem_group()
+
+
+def store_transposed(out_smem, values: jax.Array) -> None:
+    """Writes wgmma-layout ``values`` (cols, rows) into the (rows, cols) SMEM buffer
+    ``out_smem`` through its transposed view. 16-bit values go as they are (``stmatrix``);
+    32-bit ones are first moved to the WGMMA_TRANSPOSED layout (a shuffle), without which
+    Mosaic GPU 0.11.2's layout inference finds no store for them."""
+    values = values.astype(out_smem.dtype)
+    if jnp.dtype(out_smem.dtype).itemsize == 4:
+        values = plgpu.layout_cast(values, plgpu.Layout.WGMMA_TRANSPOSED)
+    out_smem.transpose((1, 0))[...] = values
 
 
 def e8m0_to_f32(byte_values: jax.Array) -> jax.Array:

@@ -501,8 +501,10 @@ def ragged_rows_call(
                 @pl.when(whole_tile)
                 def _store_whole_tile():
                     swizzled = swizzled_out_smem.at[consumer, slot]
-                    target = swizzled.transpose((1, 0)) if parts.values_transposed else swizzled
-                    target[...] = chunk_values.astype(out_dtype)
+                    if parts.values_transposed:
+                        common.store_transposed(swizzled, chunk_values)
+                    else:
+                        swizzled[...] = chunk_values.astype(out_dtype)
                     plgpu.commit_smem()
                     if packed:
                         window = packed_window(pl.multiple_of(row_tile.out_row, 8))

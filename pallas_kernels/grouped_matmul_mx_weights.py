@@ -38,6 +38,8 @@ path).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -81,11 +83,11 @@ def grouped_matmul_mxfp8_weights(
         along K).
       rhs_scale: (G, N, K/32) uint8 E8M0 bytes, one per 1x32 block of rhs; K a multiple of 32.
       group_sizes: (G,) int32 rows per group (device values; rows past the sum are zero).
-      out_dtype: bfloat16 only (the f32 accumulator is stored transposed, which Mosaic GPU
-        lowers for 16-bit values only).
+      out_dtype: bfloat16 or float32 (the accumulator is always f32).
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
         m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
-        weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG`.
+        weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
+        128-token tiles for float32 outputs).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -98,10 +100,8 @@ def grouped_matmul_mxfp8_weights(
     common.check_dtype("rhs", rhs, common.FP8_DTYPES)
     common.check_dtype("rhs_scale", rhs_scale, (jnp.dtype(jnp.uint8),))
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype != jnp.dtype(jnp.bfloat16):
-        # The transposed accumulator is stored through transposed SMEM views, which Mosaic GPU
-        # (jax 0.11.2) lowers for 16-bit values only (stmatrix); f32 fails layout inference.
-        raise TypeError(f"out_dtype must be bfloat16, got {out_dtype.name}")
+    if out_dtype not in common.OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
     num_rows, k = lhs.shape
     num_groups, num_cols, k_rhs = rhs.shape
     if k_rhs != k:
@@ -112,6 +112,9 @@ def grouped_matmul_mxfp8_weights(
     common.check_shape("rhs_scale", rhs_scale, (num_groups, num_cols, k // MX_BLOCK))
     if config is None:
         config = DEFAULT_MXFP8_WEIGHTS_CONFIG
+        if out_dtype == jnp.float32:
+            # f32 epilogue chunks are twice the bytes: 128-token tiles keep four stages.
+            config = dataclasses.replace(config, tile_m=128)
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     _check_config(config, out_dtype)

@@ -132,19 +132,21 @@ def test_edge_scale_bytes():
 S = jax.ShapeDtypeStruct
 
 
-def test_cross_lowers_for_h200_with_a_register_operand_wgmma():
-    # The default config on issue 5's G8 shape: each consumer's wgmma is m64n256k16 with its
+@pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
+def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype):
+    # The default config on issue 5's G8 shape: each consumer's wgmma is m64nNk16 with its
     # A operand in four registers (the RS form), and the epilogue's transposed stores lower.
     g, m, k, n = 8, 16384, 4096, 4096
     (module,) = mosaic_modules(
-        grouped_matmul_mxfp8_weights,
+        lambda a, b, s, sizes: grouped_matmul_mxfp8_weights(a, b, s, sizes, out_dtype=out_dtype),
         S((m, k), BF16),
         S((g, n, k), E4M3),
         S((g, n, k // 32), jnp.uint8),
         S((g,), jnp.int32),
     )
     wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
-    assert wgmmas and all("m64n256k16.f32.bf16.bf16" in line for line in wgmmas)
+    tokens = 256 if out_dtype == BF16 else 128  # the default tiles
+    assert wgmmas and all(f"m64n{tokens}k16.f32.bf16.bf16" in line for line in wgmmas)
     # After the accumulator's registers: A as four registers (the RS form; an SMEM A operand
     # would be a descriptor, like B's), then B's descriptor and the scale-d predicate.
     register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
@@ -174,9 +176,34 @@ def test_bad_inputs_raise_naming_the_argument(change, error, needle):
         run(*(args[name] for name in names))
 
 
-def test_float32_output_is_refused_with_the_reason():
-    with pytest.raises(TypeError, match="out_dtype must be bfloat16, got float32"):
-        grouped_matmul_mxfp8_weights(*_operands(), out_dtype=jnp.float32, interpret=True)
+def test_float32_output_matches_the_reference():
+    # f32 parts are stored through the WGMMA_TRANSPOSED layout (grouped_matmul_common.
+    # store_transposed); both epilogue views, and the default (128-token) tile.
+    k_lhs, k_rhs = keys(2, seed=55)
+    sizes = [37, 0, 150, 60]
+    lhs = jax.random.normal(k_lhs, (300, 128), jnp.float32).astype(BF16)
+    rhs, rhs_scale = random_mxfp8(k_rhs, (4, 128, 128), E5M2)
+    want = reference(lhs, rhs, rhs_scale, sizes)
+    for config in (TINY, dataclasses.replace(TINY, swizzled_epilogue=False), None):
+        if config is None:
+            config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=128, num_sms=2)
+        out = grouped_matmul_mxfp8_weights(
+            lhs,
+            rhs,
+            rhs_scale,
+            jnp.asarray(sizes, jnp.int32),
+            out_dtype=jnp.float32,
+            config=config,
+            interpret=True,
+        )
+        assert out.dtype == jnp.float32
+        assert_close(out, want, rel=1e-5)
+        assert np.all(np.asarray(out)[sum(sizes) :] == 0)
+
+
+def test_out_dtype_must_be_bfloat16_or_float32():
+    with pytest.raises(TypeError, match="out_dtype must be bfloat16 or float32, got float16"):
+        grouped_matmul_mxfp8_weights(*_operands(), out_dtype=jnp.float16, interpret=True)
 
 
 @pytest.mark.parametrize(
