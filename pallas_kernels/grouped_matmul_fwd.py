@@ -553,7 +553,7 @@ def grouped_matmul(
     if k == 0:
         raise ValueError("lhs and rhs must have a contraction size K >= 1, got K=0")
     common.check_group_sizes(group_sizes, num_groups)
-    packed = _check_packed_output(group_starts, out_rows, num_groups)
+    packed = check_packed_output(group_starts, out_rows, num_groups)
     if lhs_scale is not None:
         common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
         if lhs_scale.shape not in ((), (num_rows,)):
@@ -765,7 +765,7 @@ def grouped_matmul(
     return out
 
 
-def _check_packed_output(group_starts, out_rows, num_groups: int) -> bool:
+def check_packed_output(group_starts, out_rows, num_groups: int) -> bool:
     """Whether `grouped_matmul` writes a packed output; its arguments checked."""
     if (group_starts is None) != (out_rows is None):
         raise ValueError(
@@ -926,7 +926,7 @@ def grouped_matmul_fp8_block(
     if k % 128:
         raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
     common.check_group_sizes(group_sizes, num_groups)
-    packed = _check_packed_output(group_starts, out_rows, num_groups)
+    packed = check_packed_output(group_starts, out_rows, num_groups)
     if not isinstance(lhs_scale_k_major, bool):
         raise TypeError(f"lhs_scale_k_major must be a bool, got {lhs_scale_k_major!r}")
     lhs_scale_shape = (k // 128, num_rows) if lhs_scale_k_major else (num_rows, k // 128)

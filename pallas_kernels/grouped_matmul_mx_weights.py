@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import quantize_common
-from pallas_kernels.grouped_matmul_fwd import SMEM_BYTES, GroupedMatmulConfig
+from pallas_kernels.grouped_matmul_fwd import SMEM_BYTES, GroupedMatmulConfig, check_packed_output
 from pallas_kernels.grouped_matmul_mx import MX_BLOCK, STEP_K, dequantize_block
 
 _SCALE_IDENTITY = 127  # E8M0 byte of 2^0: pads K without turning zero codes into NaN
@@ -72,6 +72,8 @@ def grouped_matmul_mxfp8_weights(
     group_sizes: jax.Array,
     *,
     out_dtype: jnp.dtype = jnp.bfloat16,
+    group_starts: jax.Array | None = None,
+    out_rows: int | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -84,6 +86,8 @@ def grouped_matmul_mxfp8_weights(
       rhs_scale: (G, N, K/32) uint8 E8M0 bytes, one per 1x32 block of rhs; K a multiple of 32.
       group_sizes: (G,) int32 rows per group (device values; rows past the sum are zero).
       out_dtype: bfloat16 or float32 (the accumulator is always f32).
+      group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s: group g
+        reads lhs rows from ``group_starts[g]`` and writes its rows after the previous groups'.
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
         m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
         weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
@@ -91,7 +95,8 @@ def grouped_matmul_mxfp8_weights(
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
-      (M, N) array of out_dtype: ``lhs[rows of g] @ bf16(rhs[g] · 2^(rhs_scale[g] − 127))ᵀ``.
+      (M, N) array of out_dtype: ``lhs[rows of g] @ bf16(rhs[g] · 2^(rhs_scale[g] − 127))ᵀ``
+      ((out_rows, N) for a packed output); rows past the groups are zero.
     """
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 3)
@@ -110,6 +115,7 @@ def grouped_matmul_mxfp8_weights(
         raise ValueError(f"lhs: K={k} must be a multiple of {MX_BLOCK} (1x32 MX blocks)")
     common.check_group_sizes(group_sizes, num_groups)
     common.check_shape("rhs_scale", rhs_scale, (num_groups, num_cols, k // MX_BLOCK))
+    packed = check_packed_output(group_starts, out_rows, num_groups)
     if config is None:
         config = DEFAULT_MXFP8_WEIGHTS_CONFIG
         if out_dtype == jnp.float32:
@@ -221,9 +227,12 @@ def grouped_matmul_mxfp8_weights(
         parts=parts,
         interpret=interpret,
         name="grouped_matmul_mxfp8_weights",
+        group_starts=group_starts,
+        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
     )
-    if (rows_p, cols_p) != (num_rows, num_cols):
-        out = out[:num_rows, :num_cols]
+    result_rows = out_rows if packed else num_rows
+    if out.shape != (result_rows, num_cols):
+        out = out[:result_rows, :num_cols]
     return out
 
 

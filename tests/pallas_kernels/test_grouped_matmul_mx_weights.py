@@ -27,8 +27,11 @@ from tests.pallas_kernels.test_grouped_matmul import (
     BF16,
     E4M3,
     E5M2,
+    PACKED_CASES,
     assert_close,
+    f64,
     keys,
+    ref_packed_rows,
     ref_ragged_rows,
 )
 from tests.pallas_kernels.test_grouped_matmul_mx import dequant_mxfp8_bf16, random_mxfp8
@@ -115,6 +118,35 @@ def test_random_operands_and_the_default_tile():
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+@pytest.mark.parametrize("swizzled_epilogue", [True, False])
+def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
+    # The library's token-order output: group g reads lhs rows from group_starts[g] and its
+    # output rows follow the previous groups'; rows in the gaps are huge, so a read shows.
+    sizes, starts, rows, out_rows = PACKED_CASES[case]
+    k_lhs, k_rhs = keys(2, seed=56)
+    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
+    in_groups = np.zeros(rows, bool)
+    for start, size in zip(starts, sizes, strict=True):
+        in_groups[start : start + size] = True
+    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+    rhs, rhs_scale = random_mxfp8(k_rhs, (len(sizes), 128, 128), E4M3)
+    out = grouped_matmul_mxfp8_weights(
+        lhs,
+        rhs,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+        config=dataclasses.replace(TINY, swizzled_epilogue=swizzled_epilogue),
+        interpret=True,
+    )
+    want = ref_packed_rows(f64(lhs), dequant_mxfp8_bf16(rhs, rhs_scale), sizes, starts, out_rows)
+    assert out.shape == (out_rows, 128)
+    assert_close(out, want, rel=1e-5)
+
+
 def test_edge_scale_bytes():
     # Scale byte 0 (2^-127), 254 (2^127) next to a tiny code, and a NaN-marking 0xFF block:
     # its weight row's output column is NaN for the group's tokens and nowhere else.
@@ -133,15 +165,23 @@ S = jax.ShapeDtypeStruct
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
-def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype):
+@pytest.mark.parametrize("packed", [False, True])
+def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed):
     # The default config on issue 5's G8 shape: each consumer's wgmma is m64nNk16 with its
-    # A operand in four registers (the RS form), and the epilogue's transposed stores lower.
+    # A operand in four registers (the RS form), and the epilogue's transposed stores lower,
+    # into the aligned or the packed (token-order) output.
     g, m, k, n = 8, 16384, 4096, 4096
+
+    def call(a, b, s, sizes, starts):
+        rows = dict(group_starts=starts, out_rows=m - 100) if packed else {}
+        return grouped_matmul_mxfp8_weights(a, b, s, sizes, out_dtype=out_dtype, **rows)
+
     (module,) = mosaic_modules(
-        lambda a, b, s, sizes: grouped_matmul_mxfp8_weights(a, b, s, sizes, out_dtype=out_dtype),
+        call,
         S((m, k), BF16),
         S((g, n, k), E4M3),
         S((g, n, k // 32), jnp.uint8),
+        S((g,), jnp.int32),
         S((g,), jnp.int32),
     )
     wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
