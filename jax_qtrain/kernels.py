@@ -369,7 +369,11 @@ def gemm_kernels_enabled() -> bool:
 # Also verified: the block-FP8 GEMM reading the 1×128 scales of the dense layer's lhs in the
 # "tiles" layout ("fp8_block_tiled_scales", ops/gemm.py::lhs_scale_layout), bits equal to the
 # "lines" path (tests/jax_qtrain/test_scale_layout.py::test_gpu_*, 2026-12-03).
-_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = set()
+# Awaiting: the MXFP8 fprop / dgrad with the weights dequantized in registers
+# ("mxfp8_weights_in_registers", stop 46: pallas_kernels.grouped_matmul_mxfp8_weights, built
+# while no GPU was lent; its layer-level check is test_gemm_kernels.py::
+# test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits).
+_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {"mxfp8_weights_in_registers"}
 
 
 def gemm_path_enabled(path: str) -> bool:
@@ -461,6 +465,28 @@ def grouped_half_gemm(
         rhs_scale=rhs_scale,
         out_dtype=jnp.float32,
         rhs_layout=rhs_layout,
+        group_starts=group_starts,
+        out_rows=out_rows,
+    )
+
+
+def grouped_mxfp8_weights_gemm(
+    lhs, rhs_codes, rhs_scale_bytes, group_sizes, *, group_starts, out_rows: int
+):
+    """float32 grouped GEMM of bf16 tokens (P, K) and MXFP8 weights (G, N, K) codes with their
+    (G, N, K/32) E8M0 bytes, the weights dequantized in the kernel's registers, written in the
+    tokens' order (the packed output); None where the kernel does not cover the operands."""
+    if lhs.dtype != jnp.bfloat16 or not _is_fp8(rhs_codes) or rhs_scale_bytes.dtype != jnp.uint8:
+        return None
+    k = lhs.shape[-1]
+    if rhs_codes.ndim != 3 or rhs_codes.shape[-1] != k or k % 32:
+        return None
+    return _pallas().grouped_matmul_mxfp8_weights(
+        lhs,
+        rhs_codes,
+        rhs_scale_bytes,
+        group_sizes,
+        out_dtype=jnp.float32,
         group_starts=group_starts,
         out_rows=out_rows,
     )

@@ -220,6 +220,10 @@ def grouped_matmul_nt(
             out, in_token_order = on_kernel
             return out if in_token_order else in_order(out)
     a_values, a_factor = _activation_operand(lhs, lhs_usage)
+    if token_order:
+        out = _weights_in_registers_gemm(a_values, rhs, rhs_usage, layout, cols)
+        if out is not None:
+            return out
     b_values, b_factor = _expert_operand(rhs, rhs_usage)
     depth = min(a_values.shape[1], b_values.shape[2])
     a_values = a_values[:, :depth]
@@ -233,6 +237,33 @@ def grouped_matmul_nt(
         out, a_factor, b_factor, lambda f: layout.per_slot(f)[:, None], lhs.spec.format
     )
     return in_order(out)
+
+
+def _weights_in_registers_gemm(a_values, rhs: QuantizedTensor, rhs_usage: Usage, layout, cols):
+    """MXFP8 fprop / dgrad with the experts' weights dequantized inside the GEMM kernel (their
+    codes and E8M0 bytes as stored; the tokens' bf16 values as the 16-bit path reads them),
+    written in token order: no bf16 copy of the weights. The same values as
+    `_token_order_values_gemm` (MXFP8 has no per-tensor factors). None where the path is not
+    enabled (kernels.gemm_path_enabled) or does not apply."""
+    if rhs.spec.format != "mxfp8" or tuple(rhs.spec.block_shape) != (1, 32):
+        return None
+    if a_values.dtype != jnp.bfloat16 or not rhs.has_usage(rhs_usage):
+        return None  # (a missing copy is _expert_operand's error to raise)
+    if not pallas_dispatch.gemm_path_enabled("mxfp8_weights_in_registers"):
+        return None
+    codes = getattr(rhs, f"{rhs_usage}_data")  # (G, N', C'')
+    scale_bytes = rhs.line_scale_inv(rhs_usage)  # (G, N', C''/32)
+    depth = min(a_values.shape[1], codes.shape[2])  # (padding is zeros; both multiples of 32)
+    if depth % 32:
+        return None
+    return pallas_dispatch.grouped_mxfp8_weights_gemm(
+        a_values[:, :depth],
+        codes[:, :cols, :depth],
+        scale_bytes[:, :cols, : depth // 32],
+        layout.group_sizes,
+        group_starts=layout.aligned_starts,
+        out_rows=layout.num_rows,
+    )
 
 
 def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spec):

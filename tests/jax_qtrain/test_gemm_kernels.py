@@ -122,11 +122,17 @@ GROUPED_KERNELS = {
         jq.Float8BlockScaling(),
         ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm", "grouped_wgrad_gemm"],
     ),
-    # no native kernel: the 16-bit ones on bf16 operands from the dequantize kernels (x and W
-    # for fprop, dy and W for dgrad, x and dy for wgrad)
+    # no native kernel. Under gemm_backend("pallas") (the interpreter here), which takes the
+    # paths awaiting GPU verification: fprop and dgrad with the weights dequantized in the GEMM
+    # kernel, the tokens (x, dy) on the dequantize kernel, wgrad's x and dy too; on the GPU
+    # ("auto") the 16-bit kernel on bf16 operands from the dequantize kernels (x and W for
+    # fprop, dy and W for dgrad, x and dy for wgrad) until that path is verified.
     "mxfp8": (
         jq.MXFP8BlockScaling(),
-        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"] + ["dequantize_bf16"] * 6,
+        ["grouped_mxfp8_weights_gemm"] * 2 + ["grouped_wgrad_gemm"] + ["dequantize_bf16"] * 4
+        if not ON_GPU
+        else ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"]
+        + ["dequantize_bf16"] * 6,
     ),
     "nvfp4": (
         jq.NVFP4BlockScaling(),
@@ -158,13 +164,13 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
     # fprop and dgrad read the aligned layout and write the tokens' order (no gather after
     # them): the 16-bit kernel on MXFP8 / NVFP4 values, the block-FP8 kernel on its codes.
-    packed_adapter = {"mxfp8": "grouped_half_gemm", "nvfp4": "grouped_half_gemm"}.get(name)
+    packed_adapter = {"mxfp8": expected[0], "nvfp4": "grouped_half_gemm"}.get(name)
     if name == "fp8_block":
         packed_adapter = "grouped_fp8_block_gemm"
     if packed_adapter is not None:
         packed = [kw.get("group_starts") is not None for kw in keywords[packed_adapter]]
         assert packed == [True, True]
-    if name in ("mxfp8", "nvfp4"):  # NVFP4's S_dec in the kernel's epilogue
+    if name == "nvfp4" or (name == "mxfp8" and ON_GPU):  # NVFP4's S_dec in the epilogue
         scaled = [kw.get("rhs_scale") is not None for kw in keywords["grouped_half_gemm"]]
         assert scaled == [name == "nvfp4"] * 2
     assert_close(got, want)
@@ -180,6 +186,29 @@ def test_grouped_dense_on_the_kernels(monkeypatch, name):
 @pytest.mark.parametrize("name", sorted(GROUPED_KERNELS))
 def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
     _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatch):
+    # The check that takes "mxfp8_weights_in_registers" out of kernels'
+    # _GEMMS_AWAITING_GPU_VERIFICATION: the MoE layer's y, dx and dw under "pallas" (fprop and
+    # dgrad with the weights dequantized in the GEMM kernel) equal those under "auto" (the
+    # 16-bit kernel on dequantized weights) bit for bit: the same k16 products, same order.
+    recipe = jq.MXFP8BlockScaling()
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (4096, 1024), jnp.bfloat16)
+    w = (jax.random.normal(kw, (3, 1024, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (4096, 768), jnp.bfloat16)
+    sizes = jnp.asarray([1000, 0, 1700], jnp.int32)
+    run = jax.jit(grouped_fwd_bwd, static_argnums=4)
+    with kernels.gemm_backend("auto"):
+        want = run(x, w, sizes, dy, recipe)
+    calls = count_calls(monkeypatch, "grouped_mxfp8_weights_gemm")
+    with kernels.gemm_backend("pallas"):
+        got = run(x, w, sizes, dy, recipe)
+    assert calls == [True, True]  # fprop and dgrad
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
 
 
 def test_public_grouped_matmul_pallas_option():
