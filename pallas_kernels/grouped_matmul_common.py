@@ -94,8 +94,8 @@ def interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
-# Warpgroups per CTA that Mosaic GPU's interpreter runs on any CPU host; more need as many
-# host CPU devices (see check_interpreter_threads).
+# Warpgroups per CTA that Mosaic GPU's interpreter ran with a single host CPU device (stop 46);
+# more needed as many host CPU devices (see check_interpreter_threads).
 MAX_INTERPRETED_THREADS_ANY_HOST = 3
 
 
