@@ -222,13 +222,14 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
     }
     if not small and hasattr(jax.nn, "scaled_dot_general"):
+        # (M, K) · (K, N), as bench_grouped_matmul's quantized suite calls it.
         candidates["XLA scaled_dot_general MXFP8 dense (same flops)"] = (
             jax.jit(
                 lambda a, b: jax.nn.scaled_dot_general(
-                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                    a, b, (((1,), (0,)), ((), ())), preferred_element_type=BF16
                 )
             ),
-            [dense],
+            [(dense[0], dense[1].T)],
         )
     return candidates
 
