@@ -97,13 +97,25 @@ def _e8m0_factors(scale_bytes: jax.Array):
     return first, second, exponent == 128
 
 
-def _e8m0_to_bf16(scale_bytes: jax.Array) -> jax.Array:
+def e8m0_to_bf16(scale_bytes: jax.Array) -> jax.Array:
     """2^(byte − 127) as bfloat16, exactly: byte << 7 for bytes 1..254, the subnormal 2^-127
     (0x0040) for byte 0, and NaN for 0xFF (so that the whole block's products are NaN)."""
     byte = scale_bytes.astype(jnp.int32)
     bits = jnp.where(byte == 0, jnp.int32(0x0040), byte << 7)
     bits = jnp.where(byte == 255, jnp.int32(0x7FC0), bits)
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def fp8_codes_as_bf16(codes: jax.Array) -> jax.Array:
+    """The exact bfloat16 values of FP8 codes (in registers, any layout).
+
+    Hopper converts FP8 to float16 only (cvt.rn.f16x2.e4m3x2 / e5m2x2: exact, two at a time).
+    Shifting a float16's exponent and mantissa right by 3 reads its bits as the bfloat16 of
+    value · 2^-112 (zero and subnormals included: FP8 values have ≤ 3 mantissa bits); times
+    2^112 is exact again."""
+    half_bits = lax.bitcast_convert_type(codes.astype(jnp.float16), jnp.uint16)
+    shifted = (half_bits & jnp.uint16(0x8000)) | ((half_bits & jnp.uint16(0x7FF8)) >> 3)
+    return lax.bitcast_convert_type(shifted, jnp.bfloat16) * jnp.bfloat16(2.0**112)
 
 
 DEQUANT_ARITHMETIC = ("float32", "bfloat16")
@@ -126,14 +138,8 @@ def dequantize_block(codes_ref, scale_ref, fp8_dtype, arithmetic: str, layout_na
         return lax.broadcast_in_dim(row_values, codes.shape, (0,))
 
     if arithmetic == "bfloat16":
-        # Hopper converts FP8 to float16 only (cvt.rn.f16x2.e4m3x2 / e5m2x2: exact, two at a
-        # time). Shifting a float16's exponent and mantissa right by 3 reads its bits as the
-        # bfloat16 of value · 2^-112 (zero and subnormals included: FP8 values have ≤ 3
-        # mantissa bits); times 2^112 is exact again, times the scale rounds once.
-        half_bits = lax.bitcast_convert_type(codes.astype(jnp.float16), jnp.uint16)
-        shifted = (half_bits & jnp.uint16(0x8000)) | ((half_bits & jnp.uint16(0x7FF8)) >> 3)
-        values = lax.bitcast_convert_type(shifted, jnp.bfloat16) * jnp.bfloat16(2.0**112)
-        return values * spread(_e8m0_to_bf16(scale_bytes))
+        # Times the scale rounds once (the code is exact in bfloat16).
+        return fp8_codes_as_bf16(codes) * spread(e8m0_to_bf16(scale_bytes))
     values = codes.astype(jnp.float32)
     first, second, is_nan = _e8m0_factors(scale_bytes)
     values = (values * spread(first)) * spread(second)

@@ -42,6 +42,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -49,7 +50,13 @@ from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import quantize_common
 from pallas_kernels.grouped_matmul_fwd import SMEM_BYTES, GroupedMatmulConfig, check_packed_output
-from pallas_kernels.grouped_matmul_mx import MX_BLOCK, STEP_K, dequantize_block
+from pallas_kernels.grouped_matmul_mx import (
+    MX_BLOCK,
+    STEP_K,
+    dequantize_block,
+    e8m0_to_bf16,
+    fp8_codes_as_bf16,
+)
 
 _SCALE_IDENTITY = 127  # E8M0 byte of 2^0: pads K without turning zero codes into NaN
 
@@ -75,6 +82,7 @@ def grouped_matmul_mxfp8_weights(
     group_starts: jax.Array | None = None,
     out_rows: int | None = None,
     config: GroupedMatmulConfig | None = None,
+    wgmma_k: int = MX_BLOCK,
     interpret: bool = False,
 ) -> jax.Array:
     """Ragged-row GEMM of bf16 tokens and MXFP8 weights, the weights dequantized in registers.
@@ -92,6 +100,11 @@ def grouped_matmul_mxfp8_weights(
         m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
         weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
         128-token tiles for float32 outputs).
+      wgmma_k: K per wgmma call: 32 (one MX block: its weights scaled by one scale each;
+        the SMEM tiles 32 wide) or 64 (the whole step: each column picks its block's scale,
+        one select per value; 64-wide tiles with the 16-bit kernel's 128-byte swizzle). The
+        same k16 instructions in the same order either way (stop 46: which is faster is for
+        the H200 to say).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -124,6 +137,8 @@ def grouped_matmul_mxfp8_weights(
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     _check_config(config, out_dtype)
+    if wgmma_k not in (MX_BLOCK, STEP_K) or isinstance(wgmma_k, bool):
+        raise ValueError(f"wgmma_k must be {MX_BLOCK} or {STEP_K}, got {wgmma_k!r}")
     tile_m, tile_n = config.tile_m, config.tile_n
 
     # Zero padding to whole TMA tiles: token rows to at least one tile and multiples of 16,
@@ -140,17 +155,19 @@ def grouped_matmul_mxfp8_weights(
         common.pad_axis(rhs_scale, 2, blocks_p, _SCALE_IDENTITY), 1, cols_p
     ).transpose(0, 2, 1)
 
-    # 32-wide tiles, so that each MX block's columns are a whole tile of both operands.
+    # wgmma_k = 32: 32-wide tiles, so that each MX block's columns are a whole tile of both
+    # operands (the tokens in 64-byte swizzled rows); 64: the step's whole width (128-byte
+    # rows, as the 16-bit kernel's tiles).
     in_specs = (
         plgpu.BlockSpec(
             (tile_m, STEP_K),
             lambda kk: (0, kk),
-            transforms=common.smem_transforms(MX_BLOCK, jnp.bfloat16),
+            transforms=common.smem_transforms(wgmma_k, jnp.bfloat16),
         ),
         plgpu.BlockSpec(
             (2 * tile_n, STEP_K),
             lambda kk: (0, kk),
-            transforms=common.smem_transforms(MX_BLOCK, rhs.dtype),
+            transforms=common.smem_transforms(wgmma_k, rhs.dtype),
         ),
         plgpu.BlockSpec((STEP_K // MX_BLOCK, 2 * tile_n), lambda kk: (kk, 0)),
     )
@@ -170,23 +187,45 @@ def grouped_matmul_mxfp8_weights(
     if interpreting:  # (SMEM is not budgeted for it: the interpreter has no limit)
         scratch = (
             plgpu.SMEM(
-                (driver.NUM_CONSUMERS, tile_n, MX_BLOCK),
+                (driver.NUM_CONSUMERS, tile_n, wgmma_k),
                 jnp.bfloat16,
-                transforms=common.smem_transforms(MX_BLOCK, jnp.bfloat16),
+                transforms=common.smem_transforms(wgmma_k, jnp.bfloat16),
             ),
         )
 
-    def step(refs, ctx, smem_refs, acc_ref):
-        lhs_smem, codes_smem, scales_smem = smem_refs
-        for block in range(STEP_K // MX_BLOCK):
-            cols = pl.ds(block * MX_BLOCK, MX_BLOCK)
-            weights = dequantize_block(
-                codes_smem.at[ctx.col_slice, cols],
-                scales_smem.at[block, ctx.col_slice],
+    def weights_of(codes_smem, scales_smem, ctx, first_block: int):
+        """This consumer's weight rows of the step's columns [32 first_block, + wgmma_k), in
+        bf16 (the wgmma register layout)."""
+        rows = ctx.col_slice
+        if wgmma_k == MX_BLOCK:
+            cols = pl.ds(first_block * MX_BLOCK, MX_BLOCK)
+            return dequantize_block(
+                codes_smem.at[rows, cols],
+                scales_smem.at[first_block, rows],
                 rhs.dtype,
                 "bfloat16",
                 "wgmma",
             )
+        # Both MX blocks at once: each column picks its block's scale.
+        layout = plgpu.Layout.WGMMA
+        codes = lax.bitcast_convert_type(plgpu.load(codes_smem.at[rows], layout=layout), rhs.dtype)
+        block_scales = [
+            lax.broadcast_in_dim(
+                e8m0_to_bf16(plgpu.load(scales_smem.at[block, rows], layout=layout.reduce(1))),
+                codes.shape,
+                (0,),
+            )
+            for block in range(STEP_K // MX_BLOCK)
+        ]
+        column = lax.broadcasted_iota(jnp.int32, codes.shape, 1)
+        scale = jnp.where(column < MX_BLOCK, block_scales[0], block_scales[1])
+        return fp8_codes_as_bf16(codes) * scale
+
+    def step(refs, ctx, smem_refs, acc_ref):
+        lhs_smem, codes_smem, scales_smem = smem_refs
+        for wgmma_index in range(STEP_K // wgmma_k):
+            cols = pl.ds(wgmma_index * wgmma_k, wgmma_k)
+            weights = weights_of(codes_smem, scales_smem, ctx, wgmma_index)
             tokens = lhs_smem.at[:, cols].transpose((1, 0))
             if interpreting:
                 weights_tile = ctx.scratch[0].at[ctx.consumer]

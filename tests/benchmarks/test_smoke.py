@@ -682,6 +682,7 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd bf16", "XLA dense bf16 (same flops)"),
         ("G2 small fwd MXFP8", "ours: dequantize both + 16-bit kernel (library path)"),
         ("G2 small fwd MXFP8", "ours: dequantize tokens + MXFP8 weights in registers"),
+        ("G2 small fwd MXFP8", "ours: the same, one wgmma per 64-wide K step"),
         ("G2 small fwd MXFP8", "XLA dense bf16 (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),

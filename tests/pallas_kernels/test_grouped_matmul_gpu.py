@@ -767,8 +767,11 @@ def test_gpu_mxfp8_dequant_variants_give_the_same_bits():
 
 # bf16 tokens x MXFP8 weights dequantized in registers (stop 46, register-operand wgmma; the
 # interpreter stages the weights through SMEM instead, so only the GPU runs this path).
-@pytest.mark.parametrize("tile_m, out_dtype", [(256, BF16), (128, BF16), (128, F32)])
-def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype):
+@pytest.mark.parametrize(
+    "tile_m, out_dtype, wgmma_k",
+    [(256, BF16, 32), (128, BF16, 32), (128, F32, 32), (256, BF16, 64)],
+)
+def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype, wgmma_k):
     from pallas_kernels.grouped_matmul_mx_weights import (
         DEFAULT_MXFP8_WEIGHTS_CONFIG,
         grouped_matmul_mxfp8_weights,
@@ -781,8 +784,8 @@ def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype):
     rhs, rhs_scale = random_mxfp8(k_rhs, (NUM_GROUPS, N_DIM, K_DIM), E4M3, 0, 140)
     rhs_scale = rhs_scale.at[4, 9, 3].set(255)
     config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=tile_m)
-    out = jax.jit(grouped_matmul_mxfp8_weights, static_argnames=("config", "out_dtype"))(
-        lhs, rhs, rhs_scale, SIZES, config=config, out_dtype=out_dtype
+    out = jax.jit(grouped_matmul_mxfp8_weights, static_argnames=("config", "out_dtype", "wgmma_k"))(
+        lhs, rhs, rhs_scale, SIZES, config=config, out_dtype=out_dtype, wgmma_k=wgmma_k
     )
     out = np.asarray(out.astype(F32))
     want = ref_ragged_rows(f64(lhs), dequant_mxfp8_bf16(rhs, rhs_scale), SIZES)

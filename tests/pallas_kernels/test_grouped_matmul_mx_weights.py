@@ -78,10 +78,20 @@ def bf16_bits(values) -> np.ndarray:
         ([0, 100, 0], 100, 96, 72, E5M2),
     ],
 )
-def test_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, fp8_dtype):
+@pytest.mark.parametrize("wgmma_k", [32, 64])
+def test_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, fp8_dtype, wgmma_k):
     lhs, rhs, rhs_scale = exact_operands(50, rows, k, len(sizes), cols, fp8_dtype)
     config = TINY if k == 128 else dataclasses.replace(TINY, tile_m=128)
-    out = np.asarray(run(lhs, rhs, rhs_scale, sizes, config=config))
+    out = grouped_matmul_mxfp8_weights(
+        lhs,
+        rhs,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        config=config,
+        wgmma_k=wgmma_k,
+        interpret=True,
+    )
+    out = np.asarray(out)
     want = reference(lhs, rhs, rhs_scale, sizes)
     np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
     assert np.all(out[sum(sizes) :] == 0)
@@ -147,14 +157,24 @@ def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
     assert_close(out, want, rel=1e-5)
 
 
-def test_edge_scale_bytes():
+@pytest.mark.parametrize("wgmma_k", [32, 64])
+def test_edge_scale_bytes(wgmma_k):
     # Scale byte 0 (2^-127), 254 (2^127) next to a tiny code, and a NaN-marking 0xFF block:
     # its weight row's output column is NaN for the group's tokens and nowhere else.
     lhs, rhs, rhs_scale = exact_operands(52, 64, 64, 1, 128, E4M3)
     rhs_scale = rhs_scale.at[0, 3, 0].set(0).at[0, 5, 1].set(254).at[0, 9, 1].set(255)
     rhs = rhs.at[0, 5, 32:].set(jnp.asarray(2.0**-9, E4M3))
     lhs = lhs.at[:, 32:].set(jnp.clip(lhs[:, 32:], -1, 1))  # 2^118-scale sums stay finite
-    out = np.asarray(run(lhs, rhs, rhs_scale, [64]).astype(jnp.float32))
+    out = grouped_matmul_mxfp8_weights(
+        lhs,
+        rhs,
+        rhs_scale,
+        jnp.asarray([64], jnp.int32),
+        config=TINY,
+        wgmma_k=wgmma_k,
+        interpret=True,
+    )
+    out = np.asarray(out.astype(jnp.float32))
     want = reference(lhs, rhs, rhs_scale, [64])
     assert np.isnan(out[:, 9]).all() and not np.isnan(np.delete(out, 9, axis=1)).any()
     finite = np.delete(np.arange(128), 9)
@@ -164,9 +184,18 @@ def test_edge_scale_bytes():
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("out_dtype", [BF16, jnp.float32])
-@pytest.mark.parametrize("packed", [False, True])
-def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed):
+@pytest.mark.parametrize(
+    "out_dtype, packed, wgmma_k",
+    [
+        (BF16, False, 32),
+        (BF16, True, 32),
+        (jnp.float32, False, 32),
+        (jnp.float32, True, 32),
+        (BF16, True, 64),
+        (jnp.float32, False, 64),
+    ],
+)
+def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed, wgmma_k):
     # The default config on issue 5's G8 shape: each consumer's wgmma is m64nNk16 with its
     # A operand in four registers (the RS form), and the epilogue's transposed stores lower,
     # into the aligned or the packed (token-order) output.
@@ -174,7 +203,9 @@ def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed):
 
     def call(a, b, s, sizes, starts):
         rows = dict(group_starts=starts, out_rows=m - 100) if packed else {}
-        return grouped_matmul_mxfp8_weights(a, b, s, sizes, out_dtype=out_dtype, **rows)
+        return grouped_matmul_mxfp8_weights(
+            a, b, s, sizes, out_dtype=out_dtype, wgmma_k=wgmma_k, **rows
+        )
 
     (module,) = mosaic_modules(
         call,
@@ -239,6 +270,12 @@ def test_float32_output_matches_the_reference():
         assert out.dtype == jnp.float32
         assert_close(out, want, rel=1e-5)
         assert np.all(np.asarray(out)[sum(sizes) :] == 0)
+
+
+@pytest.mark.parametrize("wgmma_k", [16, 128, True])
+def test_wgmma_k_must_be_32_or_64(wgmma_k):
+    with pytest.raises(ValueError, match="wgmma_k must be 32 or 64"):
+        grouped_matmul_mxfp8_weights(*_operands(), wgmma_k=wgmma_k, interpret=True)
 
 
 def test_out_dtype_must_be_bfloat16_or_float32():
