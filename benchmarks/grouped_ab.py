@@ -104,7 +104,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import bench_grouped_matmul
 from benchmarks.bench_grouped_matmul import (
@@ -114,7 +113,12 @@ from benchmarks.bench_grouped_matmul import (
     fwd_config,
     random_operands,
 )
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.timing import (
+    device_description,
+    interleaved_seconds,
+    report,
+    same_bits_as_first,
+)
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
@@ -685,18 +689,7 @@ def main(
                 rows.append(dict(case=case, variant=name, ms=None, tflops=None, same_bits=None))
                 del candidates[name]
                 kernels = [k for k in kernels if k != name]
-        first_fn, first_args = candidates[kernels[0]]
-        expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
-        same_bits = {
-            name: bool(
-                np.array_equal(
-                    np.asarray(candidates[name][0](*candidates[name][1][0]).astype(jnp.float32)),
-                    expected,
-                    equal_nan=True,
-                )
-            )
-            for name in kernels
-        }
+        same_bits = same_bits_as_first(candidates, kernels)
         seconds = interleaved_seconds(
             candidates,
             rounds=rounds,

@@ -35,22 +35,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import pallas_kernels as pk
 from benchmarks.bench_grouped_matmul import BF16, E4M3, JAX_RAGGED_DOT_CONFIGS, random_operands
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.grouped_ab import DENSE_SIZE, SHAPES
+from benchmarks.timing import (
+    device_description,
+    interleaved_seconds,
+    report,
+    same_bits_as_first,
+)
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
 from pallas_kernels.grouped_matmul_mx_weights import grouped_matmul_mxfp8_weights
 
-# (G, M, K, N, group sizes), as benchmarks.grouped_ab.SHAPES.
-SHAPES = {
-    "G8 balanced": (8, 16384, 4096, 4096, [2048] * 8),
-    "G8 skewed": (8, 16384, 4096, 4096, [6000, 3100, 2050, 1500, 1100, 1000, 900, 734]),
-}
-DENSE_SIZE = 8192
 SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
 
@@ -277,12 +276,8 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
         # before timing, reported in the table).
         bits = {}
         if same_bits:
-            first_fn, first_args = candidates[same_bits[0]]
-            expected = np.asarray(first_fn(*first_args[0]).astype(jnp.float32))
-            for name in same_bits[1:]:
-                fn, args = candidates[name]
-                got = np.asarray(fn(*args[0]).astype(jnp.float32))
-                bits[name] = bool(np.array_equal(got, expected, equal_nan=True))
+            bits = same_bits_as_first(candidates, same_bits)
+            del bits[same_bits[0]]  # (the yardstick: no entry of its own)
         seconds = interleaved_seconds(candidates, rounds=rounds, **batch)
         fastest = min(seconds.values())
         for name, value in seconds.items():
@@ -333,5 +328,4 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
-    np.set_printoptions(precision=3)
     main(args.out, rounds=args.rounds, small=args.small)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -37,6 +38,18 @@ def alternation(names: list[str], rounds: int) -> Iterator[str]:
     for round_index in range(rounds):
         shift = round_index % len(names)
         yield from names[shift:] + names[:shift]
+
+
+def same_bits_as_first(candidates: dict[str, tuple[Callable, Sequence[tuple]]], names) -> dict:
+    """{name: whether its output on its first argument set equals that of ``names[0]`` bit
+    for bit (as float32; NaN equal to NaN)} for each of ``names``, the first included."""
+
+    def output(name):
+        fn, argument_sets = candidates[name]
+        return np.asarray(fn(*argument_sets[0]).astype(jax.numpy.float32))
+
+    expected = output(names[0])
+    return {name: bool(np.array_equal(output(name), expected, equal_nan=True)) for name in names}
 
 
 def interleaved_seconds(

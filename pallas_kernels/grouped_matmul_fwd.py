@@ -553,7 +553,7 @@ def grouped_matmul(
     if k == 0:
         raise ValueError("lhs and rhs must have a contraction size K >= 1, got K=0")
     common.check_group_sizes(group_sizes, num_groups)
-    packed = check_packed_output(group_starts, out_rows, num_groups)
+    check_packed_output(group_starts, out_rows, num_groups)
     if lhs_scale is not None:
         common.check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
         if lhs_scale.shape not in ((), (num_rows,)):
@@ -745,19 +745,58 @@ def grouped_matmul(
         accumulate=accumulate,
         finish=finish,
     )
+    return run_row_kernel(
+        parts,
+        group_sizes,
+        operands,
+        config=config,
+        name="grouped_matmul_fp8" if is_fp8 else "grouped_matmul_bf16",
+        num_groups=num_groups,
+        num_rows=num_rows,
+        num_cols=num_cols,
+        padded_rows=rows_p,
+        padded_cols=cols_p,
+        out_dtype=out_dtype,
+        interpret=interpret,
+        group_starts=group_starts,
+        out_rows=out_rows,
+    )
+
+
+def run_row_kernel(
+    parts: driver.RowKernelParts,
+    group_sizes: jax.Array,
+    operands: list[jax.Array],
+    *,
+    config: GroupedMatmulConfig,
+    name: str,
+    num_groups: int,
+    num_rows: int,
+    num_cols: int,
+    padded_rows: int,
+    padded_cols: int,
+    out_dtype: jnp.dtype,
+    interpret: bool,
+    group_starts: jax.Array | None = None,
+    out_rows: int | None = None,
+) -> jax.Array:
+    """A ragged-row wrapper's last step: `parts` on the padded operands through the driver,
+    and the (num_rows, num_cols) result (or a packed (out_rows, num_cols) one, with
+    `group_starts`) cut out of the padded output."""
+    packed = group_starts is not None
     out = driver.ragged_rows_call(
         group_sizes,
         operands,
-        num_rows=rows_p,
-        num_cols=cols_p,
+        num_rows=padded_rows,
+        num_cols=padded_cols,
         num_groups=num_groups,
         out_dtype=out_dtype,
         schedule=config.schedule(),
         parts=parts,
         interpret=interpret,
-        name="grouped_matmul_fp8" if is_fp8 else "grouped_matmul_bf16",
+        name=name,
         group_starts=group_starts,
-        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
+        num_out_rows=common.round_up(max(out_rows, config.tile_m), 8) if packed else None,
     )
     result_rows = out_rows if packed else num_rows
     if out.shape != (result_rows, num_cols):
@@ -926,7 +965,7 @@ def grouped_matmul_fp8_block(
     if k % 128:
         raise ValueError(f"lhs: K={k} must be a multiple of 128 for 1x128 block scaling")
     common.check_group_sizes(group_sizes, num_groups)
-    packed = check_packed_output(group_starts, out_rows, num_groups)
+    check_packed_output(group_starts, out_rows, num_groups)
     if not isinstance(lhs_scale_k_major, bool):
         raise TypeError(f"lhs_scale_k_major must be a bool, got {lhs_scale_k_major!r}")
     lhs_scale_shape = (k // 128, num_rows) if lhs_scale_k_major else (num_rows, k // 128)
@@ -1105,21 +1144,19 @@ def grouped_matmul_fp8_block(
         accumulate=accumulate,
         finish=lambda refs, ctx, main: main,  # the scales are applied per K block
     )
-    out = driver.ragged_rows_call(
+    return run_row_kernel(
+        parts,
         group_sizes,
         [lhs_p, rhs_p, lhs_scale_t, rhs_scale],
-        num_rows=rows_p,
-        num_cols=cols_p,
-        num_groups=num_groups,
-        out_dtype=out_dtype,
-        schedule=config.schedule(),
-        parts=parts,
-        interpret=interpret,
+        config=config,
         name="grouped_matmul_fp8_block",
+        num_groups=num_groups,
+        num_rows=num_rows,
+        num_cols=num_cols,
+        padded_rows=rows_p,
+        padded_cols=cols_p,
+        out_dtype=out_dtype,
+        interpret=interpret,
         group_starts=group_starts,
-        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
+        out_rows=out_rows,
     )
-    result_rows = out_rows if packed else num_rows
-    if out.shape != (result_rows, num_cols):
-        out = out[:result_rows, :num_cols]
-    return out

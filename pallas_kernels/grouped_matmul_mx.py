@@ -49,6 +49,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     SMEM_BYTES,
     GroupedMatmulConfig,
     fit_default_config,
+    run_row_kernel,
 )
 
 MX_BLOCK = 32  # elements per E8M0 scale along K
@@ -104,6 +105,17 @@ def e8m0_to_bf16(scale_bytes: jax.Array) -> jax.Array:
     bits = jnp.where(byte == 0, jnp.int32(0x0040), byte << 7)
     bits = jnp.where(byte == 255, jnp.int32(0x7FC0), bits)
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def padded_rhs(rhs: jax.Array, rhs_scale: jax.Array, cols_p: int, k_p: int):
+    """MXFP8 rhs codes (G, N, K) zero-padded to (G, cols_p, k_p), and their E8M0 bytes padded
+    with identity scales (a zero code times a NaN-marking 0xFF would be NaN) and transposed to
+    (G, k_p/32, cols_p): a K step's two bytes per rhs row are two TMA rows."""
+    rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p)
+    rhs_scale_t = common.pad_axis(
+        common.pad_axis(rhs_scale, 2, k_p // MX_BLOCK, _SCALE_IDENTITY), 1, cols_p
+    ).transpose(0, 2, 1)
+    return rhs_p, rhs_scale_t
 
 
 def fp8_codes_as_bf16(codes: jax.Array) -> jax.Array:
@@ -238,14 +250,11 @@ def grouped_matmul_mxfp8(
     blocks_p = k_p // MX_BLOCK
 
     lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, k_p)
-    rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p)
+    rhs_p, rhs_scale_t = padded_rhs(rhs, rhs_scale, cols_p, k_p)
     # Scales transposed to (K/32, rows): a step's two bytes per row become two TMA rows.
     lhs_scale_t = common.pad_axis(
         common.pad_axis(lhs_scale, 1, blocks_p, _SCALE_IDENTITY), 0, rows_p
     ).T
-    rhs_scale_t = common.pad_axis(
-        common.pad_axis(rhs_scale, 2, blocks_p, _SCALE_IDENTITY), 1, cols_p
-    ).transpose(0, 2, 1)
 
     codes_transforms = common.smem_transforms(MX_BLOCK, lhs.dtype)  # whole 32-wide blocks
     bf16_transforms = common.smem_transforms(MX_BLOCK, jnp.bfloat16)
@@ -339,18 +348,17 @@ def grouped_matmul_mxfp8(
         num_k_steps=k_p // STEP_K,
         scratch=scratch,
     )
-    out = driver.ragged_rows_call(
+    return run_row_kernel(
+        parts,
         group_sizes,
         [lhs_p, rhs_p, lhs_scale_t, rhs_scale_t],
-        num_rows=rows_p,
-        num_cols=cols_p,
-        num_groups=num_groups,
-        out_dtype=out_dtype,
-        schedule=config.schedule(),
-        parts=parts,
-        interpret=interpret,
+        config=config,
         name="grouped_matmul_mxfp8",
+        num_groups=num_groups,
+        num_rows=num_rows,
+        num_cols=num_cols,
+        padded_rows=rows_p,
+        padded_cols=cols_p,
+        out_dtype=out_dtype,
+        interpret=interpret,
     )
-    if (rows_p, cols_p) != (num_rows, num_cols):
-        out = out[:num_rows, :num_cols]
-    return out

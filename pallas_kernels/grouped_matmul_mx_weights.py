@@ -49,16 +49,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import quantize_common
-from pallas_kernels.grouped_matmul_fwd import SMEM_BYTES, GroupedMatmulConfig, check_packed_output
+from pallas_kernels.grouped_matmul_fwd import (
+    SMEM_BYTES,
+    GroupedMatmulConfig,
+    check_packed_output,
+    run_row_kernel,
+)
 from pallas_kernels.grouped_matmul_mx import (
     MX_BLOCK,
     STEP_K,
     dequantize_block,
     e8m0_to_bf16,
     fp8_codes_as_bf16,
+    padded_rhs,
 )
-
-_SCALE_IDENTITY = 127  # E8M0 byte of 2^0: pads K without turning zero codes into NaN
 
 # 256 tokens x 64 weight rows per consumer: one m64n256 accumulator (128 registers a thread).
 DEFAULT_MXFP8_WEIGHTS_CONFIG = GroupedMatmulConfig(
@@ -128,7 +132,7 @@ def grouped_matmul_mxfp8_weights(
         raise ValueError(f"lhs: K={k} must be a multiple of {MX_BLOCK} (1x32 MX blocks)")
     common.check_group_sizes(group_sizes, num_groups)
     common.check_shape("rhs_scale", rhs_scale, (num_groups, num_cols, k // MX_BLOCK))
-    packed = check_packed_output(group_starts, out_rows, num_groups)
+    check_packed_output(group_starts, out_rows, num_groups)
     if config is None:
         config = DEFAULT_MXFP8_WEIGHTS_CONFIG
         if out_dtype == jnp.float32:
@@ -147,13 +151,8 @@ def grouped_matmul_mxfp8_weights(
     rows_p = common.round_up(max(num_rows, tile_m), 16)
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
     k_p = common.round_up(k, STEP_K)
-    blocks_p = k_p // MX_BLOCK
     lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, k_p)
-    rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p)
-    # Scales transposed to (G, K/32, N): a step's two bytes per weight row are two TMA rows.
-    rhs_scale_t = common.pad_axis(
-        common.pad_axis(rhs_scale, 2, blocks_p, _SCALE_IDENTITY), 1, cols_p
-    ).transpose(0, 2, 1)
+    rhs_p, rhs_scale_t = padded_rhs(rhs, rhs_scale, cols_p, k_p)
 
     # wgmma_k = 32: 32-wide tiles, so that each MX block's columns are a whole tile of both
     # operands (the tokens in 64-byte swizzled rows); 64: the step's whole width (128-byte
@@ -255,24 +254,22 @@ def grouped_matmul_mxfp8_weights(
         scratch=scratch,
         values_transposed=True,
     )
-    out = driver.ragged_rows_call(
+    return run_row_kernel(
+        parts,
         group_sizes,
         [lhs_p, rhs_p, rhs_scale_t],
-        num_rows=rows_p,
-        num_cols=cols_p,
-        num_groups=num_groups,
-        out_dtype=out_dtype,
-        schedule=config.schedule(),
-        parts=parts,
-        interpret=interpret,
+        config=config,
         name="grouped_matmul_mxfp8_weights",
+        num_groups=num_groups,
+        num_rows=num_rows,
+        num_cols=num_cols,
+        padded_rows=rows_p,
+        padded_cols=cols_p,
+        out_dtype=out_dtype,
+        interpret=interpret,
         group_starts=group_starts,
-        num_out_rows=common.round_up(max(out_rows, tile_m), 8) if packed else None,
+        out_rows=out_rows,
     )
-    result_rows = out_rows if packed else num_rows
-    if out.shape != (result_rows, num_cols):
-        out = out[:result_rows, :num_cols]
-    return out
 
 
 def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype) -> None:

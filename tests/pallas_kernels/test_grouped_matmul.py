@@ -413,16 +413,21 @@ PACKED_CASES = {
 }
 
 
+def gapped_lhs(key, rows: int, k: int, sizes, starts) -> jax.Array:
+    """Random bf16 (rows, k) lhs whose rows in the gaps between the groups (rows
+    [starts[g], starts[g] + sizes[g]) are theirs) are huge: any read of them shows."""
+    lhs = jax.random.normal(key, (rows, k), jnp.float32)
+    in_groups = np.zeros(rows, bool)
+    for start, size in zip(starts, sizes, strict=True):
+        in_groups[start : start + size] = True
+    return jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+
+
 def packed_case_output(case: str, config: GroupedMatmulConfig, seed: int):
     """(kernel output, float64 reference) of a PACKED_CASES case in the interpreter."""
     sizes, starts, rows, out_rows = PACKED_CASES[case]
     k_lhs, k_rhs = keys(2, seed=seed)
-    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
-    # Rows in the gaps between groups are huge: any read of them shows in the output.
-    in_groups = np.zeros(rows, bool)
-    for start, size in zip(starts, sizes, strict=True):
-        in_groups[start : start + size] = True
-    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+    lhs = gapped_lhs(k_lhs, rows, 128, sizes, starts)
     rhs = jax.random.normal(k_rhs, (len(sizes), 64, 128), jnp.float32).astype(BF16)
     out = grouped_matmul(
         lhs,

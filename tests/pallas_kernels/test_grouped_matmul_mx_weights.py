@@ -30,6 +30,7 @@ from tests.pallas_kernels.test_grouped_matmul import (
     PACKED_CASES,
     assert_close,
     f64,
+    gapped_lhs,
     keys,
     ref_packed_rows,
     ref_ragged_rows,
@@ -135,11 +136,7 @@ def test_packed_output_reads_groups_with_gaps(case, swizzled_epilogue):
     # output rows follow the previous groups'; rows in the gaps are huge, so a read shows.
     sizes, starts, rows, out_rows = PACKED_CASES[case]
     k_lhs, k_rhs = keys(2, seed=56)
-    lhs = jax.random.normal(k_lhs, (rows, 128), jnp.float32)
-    in_groups = np.zeros(rows, bool)
-    for start, size in zip(starts, sizes, strict=True):
-        in_groups[start : start + size] = True
-    lhs = jnp.where(jnp.asarray(in_groups)[:, None], lhs, 1e30).astype(BF16)
+    lhs = gapped_lhs(k_lhs, rows, 128, sizes, starts)
     rhs, rhs_scale = random_mxfp8(k_rhs, (len(sizes), 128, 128), E4M3)
     out = grouped_matmul_mxfp8_weights(
         lhs,
