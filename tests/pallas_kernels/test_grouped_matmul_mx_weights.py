@@ -235,6 +235,16 @@ def _operands():
         (lambda a: a | {"rhs_scale": a["rhs_scale"][:, :, :1]}, ValueError, "rhs_scale"),
         (lambda a: a | {"lhs": a["lhs"][:, :32]}, ValueError, "rhs contraction"),
         (lambda a: a | {"sizes": jnp.asarray([1, 2, 3], jnp.int32)}, ValueError, "group_sizes"),
+        (lambda a: a | {"lhs": a["lhs"][0]}, ValueError, "lhs"),  # rank 1
+        (lambda a: a | {"rhs": a["rhs"][0]}, ValueError, "rhs"),  # rank 2
+        (  # K = 48: not whole 1x32 MX blocks
+            lambda a: (
+                a
+                | {"lhs": a["lhs"][:, :48], "rhs": a["rhs"][:, :, :48], "rhs_scale": a["rhs_scale"]}
+            ),
+            ValueError,
+            "K=48 must be a multiple of 32",
+        ),
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(change, error, needle):
@@ -273,6 +283,22 @@ def test_float32_output_matches_the_reference():
 def test_wgmma_k_must_be_32_or_64(wgmma_k):
     with pytest.raises(ValueError, match="wgmma_k must be 32 or 64"):
         grouped_matmul_mxfp8_weights(*_operands(), wgmma_k=wgmma_k, interpret=True)
+
+
+def test_packed_output_needs_group_starts_and_out_rows_together():
+    lhs, rhs, rhs_scale, sizes = _operands()
+    with pytest.raises(ValueError, match="group_starts and out_rows go together"):
+        grouped_matmul_mxfp8_weights(lhs, rhs, rhs_scale, sizes, out_rows=64, interpret=True)
+    with pytest.raises(ValueError, match="out_rows must be a positive int"):
+        grouped_matmul_mxfp8_weights(
+            lhs,
+            rhs,
+            rhs_scale,
+            sizes,
+            group_starts=jnp.zeros(2, jnp.int32),
+            out_rows=0,
+            interpret=True,
+        )
 
 
 def test_out_dtype_must_be_bfloat16_or_float32():
