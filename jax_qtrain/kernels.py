@@ -373,7 +373,13 @@ def gemm_kernels_enabled() -> bool:
 # ("mxfp8_weights_in_registers", stop 46: pallas_kernels.grouped_matmul_mxfp8_weights, built
 # while no GPU was lent; its layer-level check is test_gemm_kernels.py::
 # test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits).
-_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {"mxfp8_weights_in_registers"}
+# Awaiting too: the NVFP4 one ("nvfp4_weights_in_registers", stop 47: pallas_kernels.
+# grouped_matmul_nvfp4_weights, built while no GPU was lent; the same layer-level check,
+# test_gpu_nvfp4_weights_in_registers_match_the_dequantize_path).
+_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {
+    "mxfp8_weights_in_registers",
+    "nvfp4_weights_in_registers",
+}
 
 
 def gemm_path_enabled(path: str) -> bool:
@@ -492,19 +498,27 @@ def grouped_mxfp8_weights_gemm(
     )
 
 
-def dequantize_bf16(spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array):
+def dequantize_bf16(
+    spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array, *, column_order: str = "natural"
+):
     """bfloat16 values of stored MXFP8 or NVFP4 copies on the Pallas dequantize kernels, or None
     where none covers them: data (..., R, C') and scale_inv (..., R/r, C/c) as stored, leading
-    axes (the experts) batched into one launch. NVFP4 without its per-tensor factor S_dec.
+    axes (the experts) batched into one launch. NVFP4 without its per-tensor factor S_dec;
+    NVFP4 with `column_order="even_odd"`: each 64 columns' even-indexed values, then its odd
+    ones (the token order of `grouped_nvfp4_weights_gemm`; C a multiple of 64).
 
     These are the operands the grouped GEMMs read (ops/grouped_gemm.py): the same bits as the
     reference's `(codes · scales).astype(bfloat16)` (e4m3·2^k and e2m1·e4m3 are exact in
     bfloat16), written in one pass instead of XLA's fusions."""
-    if spec.format == "mxfp8" and tuple(spec.block_shape) == (1, 32):
+    if spec.format == "mxfp8" and tuple(spec.block_shape) == (1, 32) and column_order == "natural":
         values_per_byte, scale_cols, kernel = 1, 32, _pallas().dequantize_mxfp8
     elif spec.format == "nvfp4" and tuple(spec.block_shape) in ((1, 16), (16, 16)):
         values_per_byte, scale_cols = 2, 16
-        kernel = functools.partial(_pallas().dequantize_nvfp4, global_amax=None)
+        kernel = functools.partial(
+            _pallas().dequantize_nvfp4, global_amax=None, column_order=column_order
+        )
+        if column_order == "even_odd" and (data.shape[-1] * 2) % 64:
+            return None
     else:
         return None
     if data.ndim < 2:
@@ -523,6 +537,36 @@ def dequantize_bf16(spec: QuantizerSpec, data: jax.Array, scale_inv: jax.Array):
         out_dtype=jnp.bfloat16,
     )
     return values.reshape(*data.shape[:-2], rows, cols)
+
+
+def grouped_nvfp4_weights_gemm(
+    lhs, rhs_codes, rhs_scale, group_sizes, *, block_rows: int, group_starts, out_rows: int
+):
+    """float32 grouped GEMM of bf16 tokens (P, K) in the even/odd column order (see
+    `dequantize_bf16`) and NVFP4 weights: (G, N, K/2) packed codes with their E4M3 scales,
+    (G, N / block_rows, K/16) (block_rows 1 or 16), the weights dequantized in the kernel's
+    registers, written in the tokens' order (the packed output); no per-tensor factors. None
+    where the kernel does not cover the operands."""
+    if lhs.dtype != jnp.bfloat16 or rhs_codes.dtype != jnp.uint8 or rhs_codes.ndim != 3:
+        return None
+    k = lhs.shape[-1]
+    num_groups, num_cols, packed_k = rhs_codes.shape
+    if packed_k * 2 != k or k % 64 or block_rows not in (1, 16) or num_cols % block_rows:
+        return None
+    if rhs_scale.shape != (num_groups, num_cols // block_rows, k // 16):
+        return None
+    if block_rows > 1:  # the kernel takes one scale per weight row
+        rhs_scale = jnp.repeat(rhs_scale, block_rows, axis=1)
+    return _pallas().grouped_matmul_nvfp4_weights(
+        lhs,
+        rhs_codes,
+        rhs_scale,
+        group_sizes,
+        lhs_order="even_odd",
+        out_dtype=jnp.float32,
+        group_starts=group_starts,
+        out_rows=out_rows,
+    )
 
 
 def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, *, lhs_scale_k_major: bool = False):

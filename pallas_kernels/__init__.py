@@ -19,6 +19,9 @@ from pallas_kernels.grouped_matmul_mx import grouped_matmul_mxfp8 as grouped_mat
 from pallas_kernels.grouped_matmul_mx_weights import (
     grouped_matmul_mxfp8_weights as grouped_matmul_mxfp8_weights,
 )
+from pallas_kernels.grouped_matmul_mx_weights import (
+    grouped_matmul_nvfp4_weights as grouped_matmul_nvfp4_weights,
+)
 from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig as GroupedWgradConfig
 from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad as grouped_matmul_wgrad
 from pallas_kernels.quantize_fp8_block import FP8BlockQuantizeConfig as FP8BlockQuantizeConfig

@@ -244,7 +244,33 @@ def e2m1_half_bits(byte: jax.Array, nibble: int) -> jax.Array:
     return (magnitude | sign).astype(jnp.uint16)
 
 
-def _nvfp4_body(codes_smem, out_smem, scale_gmem, s_dec_gmem, *, m0, k0, config, out_dtype):
+def _nvfp4_block_values(packed, block_scales, s_dec, block: int, nibbles, config):
+    """Values of the given nibbles (0: element 2i, 1: element 2i + 1 of byte i) of the 16-value
+    block whose bytes are `packed`'s columns 8·(block % 4) + [0, 8), byte by byte, and
+    whose scale is `block_scales`' column `block`."""
+    codes = []
+    first_byte = 8 * (block % 4)
+    for i in range(first_byte, first_byte + 8):
+        byte = packed[:, i : i + 1]
+        for nibble in nibbles:
+            if config.scaled_e2m1_decode:
+                codes.append(e2m1_half_bits(byte, nibble))
+            else:
+                codes.append(byte & jnp.uint32(0xF) if nibble == 0 else byte >> 4)
+    block_scale = _per_row(block_scales, block)
+    if config.scaled_e2m1_decode:
+        halves = lax.bitcast_convert_type(qc.concat_columns(codes), jnp.float16)
+        q = halves.astype(jnp.float32)  # e2m1 · 2^-14
+        block_scale = block_scale * jnp.float32(2.0**14)  # exact
+    else:
+        q = qc.f32_from_bits(e2m1_value_bits(qc.concat_columns(codes)))
+    scale = qc.broadcast_rows(block_scale, q.shape, qc.RPT1)
+    return (q * scale) * s_dec
+
+
+def _nvfp4_body(
+    codes_smem, out_smem, scale_gmem, s_dec_gmem, *, m0, k0, config, out_dtype, column_order
+):
     tm, tk = config.tile_m, config.tile_k
     s_dec = s_dec_gmem[0]
     block_scales = _load(scale_gmem.at[pl.ds(m0, tm), pl.ds(k0 // 16, tk // 16)], jnp.uint8)
@@ -252,26 +278,23 @@ def _nvfp4_body(codes_smem, out_smem, scale_gmem, s_dec_gmem, *, m0, k0, config,
     block_scales = plgpu.layout_cast(block_scales, qc.RPT1)
     for g in range(tk // 64):  # 64 values = 32 packed bytes at a time
         packed = plgpu.layout_cast(_codes(codes_smem, 32 * g, 32).astype(jnp.uint32), qc.RPT1)
-        for pair in range(2):  # two 16-value blocks per 32-column store
-            values = []
-            for b in (2 * pair, 2 * pair + 1):
-                codes = []
-                for i in range(8 * b, 8 * b + 8):  # element 2i in the low nibble
-                    byte = packed[:, i : i + 1]
-                    if config.scaled_e2m1_decode:
-                        codes += [e2m1_half_bits(byte, 0), e2m1_half_bits(byte, 1)]
-                    else:
-                        codes += [byte & jnp.uint32(0xF), byte >> 4]
-                block_scale = _per_row(block_scales, 4 * g + b)
-                if config.scaled_e2m1_decode:
-                    halves = lax.bitcast_convert_type(qc.concat_columns(codes), jnp.float16)
-                    q = halves.astype(jnp.float32)  # e2m1 · 2^-14
-                    block_scale = block_scale * jnp.float32(2.0**14)  # exact
-                else:
-                    q = qc.f32_from_bits(e2m1_value_bits(qc.concat_columns(codes)))
-                scale = qc.broadcast_rows(block_scale, q.shape, qc.RPT1)
-                values.append((q * scale) * s_dec)
-            _store(out_smem, 64 * g + 32 * pair, jnp.concatenate(values, axis=1), out_dtype)
+        if column_order == "natural":
+            for pair in range(2):  # two 16-value blocks per 32-column store
+                values = [
+                    _nvfp4_block_values(packed, block_scales, s_dec, 4 * g + b, (0, 1), config)
+                    for b in (2 * pair, 2 * pair + 1)
+                ]
+                _store(out_smem, 64 * g + 32 * pair, jnp.concatenate(values, axis=1), out_dtype)
+        else:  # "even_odd": the low nibbles of the 32 bytes, then their high nibbles
+            for nibble in (0, 1):
+                values = [
+                    _nvfp4_block_values(packed, block_scales, s_dec, 4 * g + b, (nibble,), config)
+                    for b in range(4)
+                ]
+                _store(out_smem, 64 * g + 32 * nibble, jnp.concatenate(values, axis=1), out_dtype)
+
+
+COLUMN_ORDERS = ("natural", "even_odd")
 
 
 def dequantize_nvfp4(
@@ -280,6 +303,7 @@ def dequantize_nvfp4(
     global_amax: jax.Array | None,
     *,
     out_dtype=jnp.float32,
+    column_order: str = "natural",
     config: DequantizeConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -288,7 +312,12 @@ def dequantize_nvfp4(
 
     ``global_amax=None`` leaves out the per-tensor factor S_dec (the values are then
     e2m1 · e4m3 products, exact in bfloat16): what a GEMM that applies S_dec to its output reads.
+    ``column_order="even_odd"`` writes each 64 columns' 32 even-indexed values, then its 32 odd
+    ones (C a multiple of 64): the token order `grouped_matmul_nvfp4_weights` contracts in,
+    at no cost here (each byte's two nibbles go to two stores instead of one).
     """
+    if column_order not in COLUMN_ORDERS:
+        raise ValueError(f"column_order must be one of {COLUMN_ORDERS}, got {column_order!r}")
     _check_2d(data, "data", (jnp.uint8,))
     _check_2d(scale, "scale", (jnp.float8_e4m3fn,))
     rows, half_cols = data.shape
@@ -297,6 +326,11 @@ def dequantize_nvfp4(
         raise ValueError(
             f"scale must have shape (R, C/16) = ({rows}, {cols // 16}) for packed data of "
             f"shape {data.shape} (C = {cols} a multiple of 16), got {scale.shape}"
+        )
+    if column_order == "even_odd" and cols % 64:
+        raise ValueError(
+            f"data: column_order='even_odd' reorders whole 64-column runs, but the copy has "
+            f"C = {cols} columns"
         )
     if global_amax is None:
         s_dec = jnp.ones((1,), jnp.float32)
@@ -313,7 +347,9 @@ def dequantize_nvfp4(
     pr, pc = config.padded_shape(rows, cols)
     scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8)
     out = _run(
-        functools.partial(_nvfp4_body, config=config, out_dtype=out_dtype),
+        functools.partial(
+            _nvfp4_body, config=config, out_dtype=out_dtype, column_order=column_order
+        ),
         (pr, pc),
         out_dtype,
         _padded(data, pr, pc // 2),

@@ -119,7 +119,8 @@ def padded_rhs(rhs: jax.Array, rhs_scale: jax.Array, cols_p: int, k_p: int):
 
 
 def fp8_codes_as_bf16(codes: jax.Array) -> jax.Array:
-    """The exact bfloat16 values of FP8 codes (in registers, any layout).
+    """The exact bfloat16 values of finite FP8 codes (in registers, any layout; a NaN or Inf
+    code reads as a large finite value).
 
     Hopper converts FP8 to float16 only (cvt.rn.f16x2.e4m3x2 / e5m2x2: exact, two at a time).
     Shifting a float16's exponent and mantissa right by 3 reads its bits as the bfloat16 of

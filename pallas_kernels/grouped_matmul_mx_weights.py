@@ -39,6 +39,7 @@ path).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
 from pallas_kernels import quantize_common
+from pallas_kernels.dequantize import e2m1_half_bits
 from pallas_kernels.grouped_matmul_fwd import (
     SMEM_BYTES,
     GroupedMatmulConfig,
@@ -64,16 +66,27 @@ from pallas_kernels.grouped_matmul_mx import (
     padded_rhs,
 )
 
+NVFP4_BLOCK = 16  # elements per E4M3 scale along K
+_E4M3_ONE = 0x38  # E4M3 byte of 1.0: pads K
+LHS_ORDERS = ("natural", "even_odd")
+
 # 256 tokens x 64 weight rows per consumer: one m64n256 accumulator (128 registers a thread).
+# Both formats' default.
 DEFAULT_MXFP8_WEIGHTS_CONFIG = GroupedMatmulConfig(
     tile_m=256, tile_n=64, tile_k=STEP_K, max_concurrent_steps=4, epi_tile_n=64, epilogue_buffers=1
 )
 
 
-def _stage_bytes(config: GroupedMatmulConfig) -> int:
+def _mxfp8_stage_bytes(config: GroupedMatmulConfig) -> int:
     """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of weight codes and their
     scale bytes."""
     return config.tile_m * STEP_K * 2 + 2 * config.tile_n * (STEP_K + STEP_K // MX_BLOCK)
+
+
+def _nvfp4_stage_bytes(config: GroupedMatmulConfig) -> int:
+    """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of packed E2M1 bytes and
+    their E4M3 scale bytes."""
+    return config.tile_m * STEP_K * 2 + 2 * config.tile_n * (STEP_K // 2 + STEP_K // NVFP4_BLOCK)
 
 
 def grouped_matmul_mxfp8_weights(
@@ -113,50 +126,339 @@ def grouped_matmul_mxfp8_weights(
 
     Returns:
       (M, N) array of out_dtype: ``lhs[rows of g] @ bf16(rhs[g] · 2^(rhs_scale[g] − 127))ᵀ``
-      ((out_rows, N) for a packed output); rows past the groups are zero.
+      ((out_rows, N) for a packed output); rows past the groups are zero. A finite code in a
+      block whose scale byte is 0xFF gives NaN, as the reference; an FP8 NaN or Inf code (which
+      the quantizer writes only for NaN or Inf inputs) reads as a large finite value.
     """
+    num_groups, num_cols, k = _check_operands(
+        lhs,
+        rhs,
+        rhs_scale,
+        common.FP8_DTYPES,
+        (jnp.dtype(jnp.uint8),),
+        values_per_byte=1,
+        block=MX_BLOCK,
+    )
+    out_dtype = _check_out_dtype(out_dtype)
+    config = _checked_config(
+        config,
+        out_dtype,
+        group_sizes,
+        num_groups,
+        group_starts,
+        out_rows,
+        "grouped_matmul_mxfp8_weights",
+    )
+    if wgmma_k not in (MX_BLOCK, STEP_K) or isinstance(wgmma_k, bool):
+        raise ValueError(f"wgmma_k must be {MX_BLOCK} or {STEP_K}, got {wgmma_k!r}")
+    _check_smem(config, out_dtype, _mxfp8_stage_bytes(config))
+
+    # Zero padding to whole TMA tiles: weight rows to whole CTA tiles, K to whole steps (zero
+    # codes and tokens; identity scales, since a zero code times a NaN-marking 0xFF is NaN).
+    cols_p = config.padded_cols(num_cols, out_dtype, 16)
+    k_p = common.round_up(k, STEP_K)
+    rhs_p, rhs_scale_t = padded_rhs(rhs, rhs_scale, cols_p, k_p)
+
+    def weight_parts(codes_smem, scales_smem, ctx):
+        """This consumer's weights of the step as (bf16 values in the wgmma register layout,
+        first token column) pairs, each converted when its wgmma is issued: one per MX block
+        (wgmma_k = 32) or one for the whole step."""
+        rows = ctx.col_slice
+        if wgmma_k == MX_BLOCK:
+            return [
+                (
+                    functools.partial(
+                        dequantize_block,
+                        codes_smem.at[rows, pl.ds(block * MX_BLOCK, MX_BLOCK)],
+                        scales_smem.at[block, rows],
+                        rhs.dtype,
+                        "bfloat16",
+                        "wgmma",
+                    ),
+                    block * MX_BLOCK,
+                )
+                for block in range(STEP_K // MX_BLOCK)
+            ]
+        # Both MX blocks at once: each column picks its block's scale.
+        layout = plgpu.Layout.WGMMA
+
+        def both_blocks():
+            codes = lax.bitcast_convert_type(
+                plgpu.load(codes_smem.at[rows], layout=layout), rhs.dtype
+            )
+            block_scales = [
+                _spread(e8m0_to_bf16(_row_bytes(scales_smem, block, rows)), codes.shape)
+                for block in range(STEP_K // MX_BLOCK)
+            ]
+            column = lax.broadcasted_iota(jnp.int32, codes.shape, 1)
+            scale = jnp.where(column < MX_BLOCK, block_scales[0], block_scales[1])
+            return fp8_codes_as_bf16(codes) * scale
+
+        return [(both_blocks, 0)]
+
+    return _weights_in_registers_gemm(
+        lhs,
+        rhs_p,
+        rhs_scale_t,
+        group_sizes,
+        codes_width=STEP_K,
+        codes_dtype=rhs.dtype,
+        wgmma_k=wgmma_k,
+        weight_parts=weight_parts,
+        num_cols=num_cols,
+        padded_cols=cols_p,
+        padded_k=k_p,
+        out_dtype=out_dtype,
+        group_starts=group_starts,
+        out_rows=out_rows,
+        config=config,
+        name="grouped_matmul_mxfp8_weights",
+        interpret=interpret,
+    )
+
+
+def grouped_matmul_nvfp4_weights(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_order: str = "natural",
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    group_starts: jax.Array | None = None,
+    out_rows: int | None = None,
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged-row GEMM of bf16 tokens and NVFP4 weights, the weights dequantized in registers.
+
+    The weights' global (per-tensor) decode scale is not applied: the result is what the
+    16-bit GEMM on exactly dequantized bfloat16 operands gives, for the caller to scale.
+
+    Args:
+      lhs: (M, K) bfloat16 tokens, rows sorted by group, in the order `lhs_order` says.
+      rhs: (G, N, K/2) uint8, two E2M1 codes a byte (element 2i in the low nibble), K-major.
+      rhs_scale: (G, N, K/16) float8_e4m3fn (or its uint8 bytes), one per 1x16 block of rhs
+        (a 16x16 block's scale repeated on its 16 rows); K a multiple of 16.
+      group_sizes: (G,) int32 rows per group (device values; rows past the sum are zero).
+      lhs_order: "natural" (the wrapper reorders lhs's columns into "even_odd" with one XLA
+        pass) or "even_odd": within each 64 columns, the 32 even-indexed ones, then the 32
+        odd ones (`even_odd_columns`; what `dequantize_nvfp4(..., column_order="even_odd")`
+        writes); K a multiple of 64 then.
+      out_dtype, group_starts, out_rows, config, interpret: as `grouped_matmul_mxfp8_weights`
+        (the same default config).
+
+    Returns:
+      (M, N) array of out_dtype: ``lhs[rows of g] @ bf16(e2m1(rhs[g]) · rhs_scale[g])ᵀ`` ((out_rows,
+      N) packed); rows past the groups are zero.
+
+    Why the even/odd order (docs/kernels_grouped_matmul.md, stop 47). A wgmma A fragment
+    holds each row's columns 2q, 2q + 1, 8 + 2q, 9 + 2q of a k16 slab (q = lane % 4); loaded
+    in that layout, a thread's packed bytes are columns 2q, 2q + 1, ... of the *byte* array,
+    and their low nibbles are then exactly the A fragment of the even-indexed values, their
+    high nibbles that of the odd ones. So each step's 64 values are two k32 wgmmas, one on the
+    low nibbles against the step's even token columns and one on the high nibbles against its
+    odd columns: the same products, the contraction visited in another order (so the f32 sums
+    may differ from the natural-order GEMM's in the last bits, not in value).
+    """
+    if lhs_order not in LHS_ORDERS:
+        raise ValueError(f"lhs_order must be one of {LHS_ORDERS}, got {lhs_order!r}")
+    scale_dtypes = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8))
+    num_groups, num_cols, k = _check_operands(
+        lhs,
+        rhs,
+        rhs_scale,
+        (jnp.dtype(jnp.uint8),),
+        scale_dtypes,
+        values_per_byte=2,
+        block=NVFP4_BLOCK,
+    )
+    if lhs_order == "even_odd" and k % STEP_K:
+        raise ValueError(
+            f"lhs: K={k} must be a multiple of {STEP_K} for lhs_order='even_odd' (its columns "
+            "are reordered within each 64)"
+        )
+    out_dtype = _check_out_dtype(out_dtype)
+    config = _checked_config(
+        config,
+        out_dtype,
+        group_sizes,
+        num_groups,
+        group_starts,
+        out_rows,
+        "grouped_matmul_nvfp4_weights",
+    )
+    _check_smem(config, out_dtype, _nvfp4_stage_bytes(config))
+
+    cols_p = config.padded_cols(num_cols, out_dtype, 16)
+    k_p = common.round_up(k, STEP_K)
+    if lhs_order == "natural":
+        lhs = even_odd_columns(common.pad_axis(lhs, 1, k_p))
+    rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p // 2)
+    # (G, k_p/16, cols_p): a step's four scale bytes per weight row are four TMA rows; 1.0
+    # pads K (zero codes times any finite scale are zero).
+    scale_bytes = lax.bitcast_convert_type(rhs_scale, jnp.uint8)
+    rhs_scale_t = common.pad_axis(
+        common.pad_axis(scale_bytes, 2, k_p // NVFP4_BLOCK, _E4M3_ONE), 1, cols_p
+    ).transpose(0, 2, 1)
+
+    def weight_parts(codes_smem, scales_smem, ctx):
+        """This consumer's weights of the step: the low nibbles (even columns) and the high
+        nibbles (odd columns) of its (64, 32) packed bytes, in bf16 in the wgmma register
+        layout, each against its half of the token tile."""
+        rows = ctx.col_slice
+        layout = plgpu.Layout.WGMMA
+        packed = plgpu.load(codes_smem.at[rows], layout=layout)
+        # Byte c holds values 2c and 2c + 1, both in the 1x16 block c // 8.
+        block_scales = [
+            _spread(_e4m3_times_2_to_14(_row_bytes(scales_smem, block, rows)), packed.shape)
+            for block in range(STEP_K // NVFP4_BLOCK)
+        ]
+        column = lax.broadcasted_iota(jnp.int32, packed.shape, 1)
+        scale = jnp.where(
+            column < 16,
+            jnp.where(column < 8, block_scales[0], block_scales[1]),
+            jnp.where(column < 24, block_scales[2], block_scales[3]),
+        )
+        packed_words = packed.astype(jnp.uint32)
+
+        def nibbles(nibble: int):
+            # The dequantize kernel's arithmetic (exact): the code as float16 e2m1 · 2^-14,
+            # widened to float32, times s · 2^14, rounded to bf16 (e2m1 · s is exact there).
+            halves = lax.bitcast_convert_type(e2m1_half_bits(packed_words, nibble), jnp.float16)
+            return (halves.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+        return [(functools.partial(nibbles, nibble), nibble * (STEP_K // 2)) for nibble in (0, 1)]
+
+    return _weights_in_registers_gemm(
+        lhs,
+        rhs_p,
+        rhs_scale_t,
+        group_sizes,
+        codes_width=STEP_K // 2,
+        codes_dtype=jnp.dtype(jnp.uint8),
+        wgmma_k=STEP_K // 2,
+        weight_parts=weight_parts,
+        num_cols=num_cols,
+        padded_cols=cols_p,
+        padded_k=k_p,
+        out_dtype=out_dtype,
+        group_starts=group_starts,
+        out_rows=out_rows,
+        config=config,
+        name="grouped_matmul_nvfp4_weights",
+        interpret=interpret,
+    )
+
+
+def even_odd_columns(x: jax.Array) -> jax.Array:
+    """x (..., K) with each 64 columns reordered: its 32 even-indexed columns, then its 32 odd
+    ones (K a multiple of 64): the token order `grouped_matmul_nvfp4_weights` contracts in."""
+    k = x.shape[-1]
+    if k % STEP_K:
+        raise ValueError(f"x: the last axis ({k}) must be a multiple of {STEP_K}")
+    pairs = x.reshape(*x.shape[:-1], k // STEP_K, STEP_K // 2, 2)
+    return jnp.swapaxes(pairs, -1, -2).reshape(x.shape)
+
+
+def _e4m3_times_2_to_14(scale_bytes: jax.Array) -> jax.Array:
+    """float32 s · 2^14 for E4M3 scale bytes s (exact; NaN bytes stay NaN): the factor that
+    turns `e2m1_half_bits`' e2m1 · 2^-14 into e2m1 · s, as the dequantize kernel scales."""
+    scale = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
+    return scale * jnp.float32(2.0**14)
+
+
+def _row_bytes(scales_smem, block: int, rows) -> jax.Array:
+    """One scale byte per weight row of this consumer, in the wgmma layout's row vector."""
+    return plgpu.load(scales_smem.at[block, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def _spread(row_values: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return lax.broadcast_in_dim(row_values, shape, (0,))
+
+
+def _check_operands(lhs, rhs, rhs_scale, code_dtypes, scale_dtypes, *, values_per_byte, block):
+    """(G, N, K) of bf16 tokens and (G, N, K / values_per_byte) weights with (G, N, K / block)
+    scales, or a TypeError / ValueError naming the argument."""
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 3)
     common.check_rank("rhs_scale", rhs_scale, 3)
     common.check_dtype("lhs", lhs, (jnp.dtype(jnp.bfloat16),))
-    common.check_dtype("rhs", rhs, common.FP8_DTYPES)
-    common.check_dtype("rhs_scale", rhs_scale, (jnp.dtype(jnp.uint8),))
+    common.check_dtype("rhs", rhs, code_dtypes)
+    common.check_dtype("rhs_scale", rhs_scale, scale_dtypes)
+    k = lhs.shape[1]
+    num_groups, num_cols, rhs_bytes = rhs.shape
+    if rhs_bytes * values_per_byte != k:
+        raise ValueError(
+            f"rhs contraction size {rhs_bytes * values_per_byte} ({rhs_bytes} bytes of "
+            f"{values_per_byte} values) does not match lhs K={k}"
+            if values_per_byte > 1
+            else f"rhs contraction size {rhs_bytes} does not match lhs K={k}"
+        )
+    if k % block:
+        raise ValueError(f"lhs: K={k} must be a multiple of {block} (1x{block} blocks)")
+    common.check_shape("rhs_scale", rhs_scale, (num_groups, num_cols, k // block))
+    return num_groups, num_cols, k
+
+
+def _check_out_dtype(out_dtype) -> jnp.dtype:
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in common.OUT_DTYPES:
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}")
-    num_rows, k = lhs.shape
-    num_groups, num_cols, k_rhs = rhs.shape
-    if k_rhs != k:
-        raise ValueError(f"rhs contraction size {k_rhs} does not match lhs K={k}")
-    if k % MX_BLOCK:
-        raise ValueError(f"lhs: K={k} must be a multiple of {MX_BLOCK} (1x32 MX blocks)")
+    return out_dtype
+
+
+def _checked_config(config, out_dtype, group_sizes, num_groups, group_starts, out_rows, name):
+    """The group sizes and packed-output arguments checked, and the config (the default for
+    None: 128-token tiles for float32 outputs, whose epilogue chunks are twice the bytes)."""
     common.check_group_sizes(group_sizes, num_groups)
-    common.check_shape("rhs_scale", rhs_scale, (num_groups, num_cols, k // MX_BLOCK))
     check_packed_output(group_starts, out_rows, num_groups)
     if config is None:
         config = DEFAULT_MXFP8_WEIGHTS_CONFIG
         if out_dtype == jnp.float32:
-            # f32 epilogue chunks are twice the bytes: 128-token tiles keep four stages.
             config = dataclasses.replace(config, tile_m=128)
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
-    _check_config(config, out_dtype)
-    if wgmma_k not in (MX_BLOCK, STEP_K) or isinstance(wgmma_k, bool):
-        raise ValueError(f"wgmma_k must be {MX_BLOCK} or {STEP_K}, got {wgmma_k!r}")
+    _check_config(config, out_dtype, name)
+    return config
+
+
+def _weights_in_registers_gemm(
+    lhs,
+    rhs_p,
+    rhs_scale_t,
+    group_sizes,
+    *,
+    codes_width: int,
+    codes_dtype,
+    wgmma_k: int,
+    weight_parts,
+    num_cols: int,
+    padded_cols: int,
+    padded_k: int,
+    out_dtype,
+    group_starts,
+    out_rows,
+    config: GroupedMatmulConfig,
+    name: str,
+    interpret: bool,
+) -> jax.Array:
+    """The kernel both formats share: the pipeline brings a step's tile_m x 64 bf16 tokens,
+    its 2 x tile_n weight rows of codes (codes_width bytes each) and their scale bytes
+    (rhs_scale_t (G, k_p / block, cols_p): one TMA row per block); each consumer turns its
+    weight rows into register operands (`weight_parts(codes_smem, scales_smem, ctx)`: a list
+    of (thunk, first token column)) and runs one wgmma per part against wgmma_k token
+    columns."""
+    num_rows = lhs.shape[0]
+    num_groups = rhs_p.shape[0]
     tile_m, tile_n = config.tile_m, config.tile_n
-
-    # Zero padding to whole TMA tiles: token rows to at least one tile and multiples of 16,
-    # weight rows to whole CTA tiles, K to whole steps (zero codes and tokens; identity scales,
-    # since a zero code times a NaN-marking 0xFF would be NaN).
+    # Token rows padded to at least one tile and to multiples of 16; K to whole steps.
     rows_p = common.round_up(max(num_rows, tile_m), 16)
-    cols_p = config.padded_cols(num_cols, out_dtype, 16)
-    k_p = common.round_up(k, STEP_K)
-    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, k_p)
-    rhs_p, rhs_scale_t = padded_rhs(rhs, rhs_scale, cols_p, k_p)
+    lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, padded_k)
+    scale_rows = rhs_scale_t.shape[1] // (padded_k // STEP_K)
 
-    # wgmma_k = 32: 32-wide tiles, so that each MX block's columns are a whole tile of both
-    # operands (the tokens in 64-byte swizzled rows); 64: the step's whole width (128-byte
-    # rows, as the 16-bit kernel's tiles).
+    # The tokens in wgmma_k-wide tiles (32: 64-byte swizzled rows, so that each part's columns
+    # are whole tiles; 64: 128-byte rows, as the 16-bit kernel's tiles).
     in_specs = (
         plgpu.BlockSpec(
             (tile_m, STEP_K),
@@ -164,11 +466,11 @@ def grouped_matmul_mxfp8_weights(
             transforms=common.smem_transforms(wgmma_k, jnp.bfloat16),
         ),
         plgpu.BlockSpec(
-            (2 * tile_n, STEP_K),
+            (2 * tile_n, codes_width),
             lambda kk: (0, kk),
-            transforms=common.smem_transforms(wgmma_k, rhs.dtype),
+            transforms=common.smem_transforms(min(wgmma_k, codes_width), codes_dtype),
         ),
-        plgpu.BlockSpec((STEP_K // MX_BLOCK, 2 * tile_n), lambda kk: (kk, 0)),
+        plgpu.BlockSpec((scale_rows, 2 * tile_n), lambda kk: (kk, 0)),
     )
 
     def pipeline_refs(refs, ctx: driver.TileContext):
@@ -192,40 +494,11 @@ def grouped_matmul_mxfp8_weights(
             ),
         )
 
-    def weights_of(codes_smem, scales_smem, ctx, first_block: int):
-        """This consumer's weight rows of the step's columns [32 first_block, + wgmma_k), in
-        bf16 (the wgmma register layout)."""
-        rows = ctx.col_slice
-        if wgmma_k == MX_BLOCK:
-            cols = pl.ds(first_block * MX_BLOCK, MX_BLOCK)
-            return dequantize_block(
-                codes_smem.at[rows, cols],
-                scales_smem.at[first_block, rows],
-                rhs.dtype,
-                "bfloat16",
-                "wgmma",
-            )
-        # Both MX blocks at once: each column picks its block's scale.
-        layout = plgpu.Layout.WGMMA
-        codes = lax.bitcast_convert_type(plgpu.load(codes_smem.at[rows], layout=layout), rhs.dtype)
-        block_scales = [
-            lax.broadcast_in_dim(
-                e8m0_to_bf16(plgpu.load(scales_smem.at[block, rows], layout=layout.reduce(1))),
-                codes.shape,
-                (0,),
-            )
-            for block in range(STEP_K // MX_BLOCK)
-        ]
-        column = lax.broadcasted_iota(jnp.int32, codes.shape, 1)
-        scale = jnp.where(column < MX_BLOCK, block_scales[0], block_scales[1])
-        return fp8_codes_as_bf16(codes) * scale
-
     def step(refs, ctx, smem_refs, acc_ref):
         lhs_smem, codes_smem, scales_smem = smem_refs
-        for wgmma_index in range(STEP_K // wgmma_k):
-            cols = pl.ds(wgmma_index * wgmma_k, wgmma_k)
-            weights = weights_of(codes_smem, scales_smem, ctx, wgmma_index)
-            tokens = lhs_smem.at[:, cols].transpose((1, 0))
+        for convert, first_column in weight_parts(codes_smem, scales_smem, ctx):
+            weights = convert()
+            tokens = lhs_smem.at[:, pl.ds(first_column, wgmma_k)].transpose((1, 0))
             if interpreting:
                 weights_tile = ctx.scratch[0].at[ctx.consumer]
                 weights_tile[...] = weights
@@ -250,7 +523,7 @@ def grouped_matmul_mxfp8_weights(
         allocation_refs=allocation_refs,
         run_tile=run_tile,
         step=step,
-        num_k_steps=k_p // STEP_K,
+        num_k_steps=padded_k // STEP_K,
         scratch=scratch,
         values_transposed=True,
     )
@@ -259,12 +532,12 @@ def grouped_matmul_mxfp8_weights(
         group_sizes,
         [lhs_p, rhs_p, rhs_scale_t],
         config=config,
-        name="grouped_matmul_mxfp8_weights",
+        name=name,
         num_groups=num_groups,
         num_rows=num_rows,
         num_cols=num_cols,
         padded_rows=rows_p,
-        padded_cols=cols_p,
+        padded_cols=padded_cols,
         out_dtype=out_dtype,
         interpret=interpret,
         group_starts=group_starts,
@@ -272,10 +545,10 @@ def grouped_matmul_mxfp8_weights(
     )
 
 
-def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype) -> None:
+def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype, name: str) -> None:
     """What this kernel's steps and epilogue are written for; refused by name otherwise."""
     if config.tile_k != STEP_K:
-        raise ValueError(f"config: MXFP8 needs tile_k={STEP_K}, got tile_k={config.tile_k}")
+        raise ValueError(f"config: {name} needs tile_k={STEP_K}, got tile_k={config.tile_k}")
     if config.tile_n != 64:
         raise ValueError(
             f"config: tile_n must be 64 (one m64 wgmma of weight rows per consumer), "
@@ -291,16 +564,19 @@ def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype) -> None:
             "rewritten by the next step): wgmma_in_flight must be 0"
         )
     if config.cluster_n > 1 or config.cluster_m > 1:
-        raise ValueError("config: grouped_matmul_mxfp8_weights runs without clusters")
+        raise ValueError(f"config: {name} runs without clusters")
     if config.stream_k:
-        raise ValueError("config: grouped_matmul_mxfp8_weights does not support stream_k")
+        raise ValueError(f"config: {name} does not support stream_k")
     config.check_out_dtype(out_dtype)
     config.check_not_block_fp8_only()
-    config.check_consumers_split_columns("grouped_matmul_mxfp8_weights")
+    config.check_consumers_split_columns(name)
     if config.num_consumers != driver.NUM_CONSUMERS:
         raise ValueError(f"config: num_consumers must be {driver.NUM_CONSUMERS}")
+
+
+def _check_smem(config: GroupedMatmulConfig, out_dtype: jnp.dtype, stage_bytes: int) -> None:
     total = (
-        config.max_concurrent_steps * _stage_bytes(config)
+        config.max_concurrent_steps * stage_bytes
         + driver.NUM_CONSUMERS
         * config.epilogue_buffers
         * config.tile_m
@@ -310,6 +586,6 @@ def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype) -> None:
     if total > SMEM_BYTES:
         raise ValueError(
             f"config needs {total} bytes of shared memory ({config.max_concurrent_steps} "
-            f"stages x {_stage_bytes(config)} and the epilogue), more than {SMEM_BYTES}; "
+            f"stages x {stage_bytes} and the epilogue), more than {SMEM_BYTES}; "
             "lower max_concurrent_steps, tile_m, epi_tile_n or epilogue_buffers"
         )

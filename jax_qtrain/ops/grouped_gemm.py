@@ -219,11 +219,11 @@ def grouped_matmul_nt(
         if on_kernel is not None:
             out, in_token_order = on_kernel
             return out if in_token_order else in_order(out)
-    a_values, a_factor = _activation_operand(lhs, lhs_usage)
     if token_order:
-        out = _weights_in_registers_gemm(a_values, rhs, rhs_usage, layout, cols)
+        out = _weights_in_registers_gemm(lhs, lhs_usage, rhs, rhs_usage, layout, cols)
         if out is not None:
             return out
+    a_values, a_factor = _activation_operand(lhs, lhs_usage)
     b_values, b_factor = _expert_operand(rhs, rhs_usage)
     depth = min(a_values.shape[1], b_values.shape[2])
     a_values = a_values[:, :depth]
@@ -239,30 +239,75 @@ def grouped_matmul_nt(
     return in_order(out)
 
 
-def _weights_in_registers_gemm(a_values, rhs: QuantizedTensor, rhs_usage: Usage, layout, cols):
-    """MXFP8 fprop / dgrad with the experts' weights dequantized inside the GEMM kernel (their
-    codes and E8M0 bytes as stored; the tokens' bf16 values as the 16-bit path reads them),
-    written in token order: no bf16 copy of the weights. The same values as
-    `_token_order_values_gemm` (MXFP8 has no per-tensor factors). None where the path is not
-    enabled (kernels.gemm_path_enabled) or does not apply."""
-    if rhs.spec.format != "mxfp8" or tuple(rhs.spec.block_shape) != (1, 32):
+# The weights-in-registers kernel paths (kernels.gemm_path_enabled names) and the weight
+# blocks they cover.
+_WEIGHTS_IN_REGISTERS = {
+    "mxfp8": ("mxfp8_weights_in_registers", ((1, 32),)),
+    "nvfp4": ("nvfp4_weights_in_registers", ((1, 16), (16, 16))),
+}
+
+
+def _weights_in_registers_gemm(
+    lhs: GroupedQuantizedTensor,
+    lhs_usage: Usage,
+    rhs: QuantizedTensor,
+    rhs_usage: Usage,
+    layout: GroupLayout,
+    cols: int,
+):
+    """MXFP8 / NVFP4 fprop / dgrad with the experts' weights dequantized inside the GEMM kernel
+    (their codes and scale bytes as stored; the tokens' bf16 values from the dequantize
+    kernel), written in token order: no bf16 copy of the weights. MXFP8: the values of
+    `_token_order_values_gemm`. NVFP4: the tokens in the kernel's even/odd column order, so the
+    same products summed in another order; the per-group factors (S_dec) applied to the f32
+    output in `_apply_factors`' order. None where the path is not enabled
+    (kernels.gemm_path_enabled) or does not apply."""
+    fmt = rhs.spec.format
+    if fmt not in _WEIGHTS_IN_REGISTERS or lhs.spec.format != fmt:
         return None
-    if a_values.dtype != jnp.bfloat16 or not rhs.has_usage(rhs_usage):
+    path, weight_blocks = _WEIGHTS_IN_REGISTERS[fmt]
+    if tuple(rhs.spec.block_shape) not in weight_blocks or not rhs.has_usage(rhs_usage):
         return None  # (a missing copy is _expert_operand's error to raise)
-    if not pallas_dispatch.gemm_path_enabled("mxfp8_weights_in_registers"):
+    if not pallas_dispatch.gemm_path_enabled(path):
         return None
-    codes = getattr(rhs, f"{rhs_usage}_data")  # (G, N', C'')
-    scale_bytes = rhs.line_scale_inv(rhs_usage)  # (G, N', C''/32)
-    # (The padding is zeros; the adapter declines a depth that is not whole MX blocks.)
-    depth = min(a_values.shape[1], codes.shape[2])
-    return pallas_dispatch.grouped_mxfp8_weights_gemm(
-        a_values[:, :depth],
-        codes[:, :cols, :depth],
-        scale_bytes[:, :cols, : depth // 32],
-        layout.group_sizes,
-        group_starts=layout.aligned_starts,
-        out_rows=layout.num_rows,
+    codes = getattr(rhs, f"{rhs_usage}_data")  # (G, N', C'') (MXFP8) or (G, N', C''/2)
+    scale_inv = rhs.line_scale_inv(rhs_usage)
+    rows = dict(group_starts=layout.aligned_starts, out_rows=layout.num_rows)
+    if fmt == "mxfp8":
+        a_values, _ = _activation_operand(lhs, lhs_usage)
+        if a_values.dtype != jnp.bfloat16:
+            return None
+        # (The padding is zeros; the adapter declines a depth that is not whole MX blocks.)
+        depth = min(a_values.shape[1], codes.shape[2])
+        return pallas_dispatch.grouped_mxfp8_weights_gemm(
+            a_values[:, :depth],
+            codes[:, :cols, :depth],
+            scale_inv[:, :cols, : depth // 32],
+            layout.group_sizes,
+            **rows,
+        )
+    a_data, a_scale_inv, a_amax = lhs.copy(lhs_usage)
+    # The tokens' columns even/odd within each 64: the order the kernel contracts in.
+    a_values = pallas_dispatch.dequantize_bf16(
+        lhs.spec, a_data, a_scale_inv, column_order="even_odd"
     )
+    depth = None if a_values is None else min(a_values.shape[1], 2 * codes.shape[2])
+    if depth is None or depth % 64 or cols % rhs.spec.block_shape[0]:
+        return None  # (the reordering needs whole 64-column runs of both operands)
+    block_rows = rhs.spec.block_shape[0]
+    out = pallas_dispatch.grouped_nvfp4_weights_gemm(
+        a_values[:, :depth],
+        codes[:, :cols, : depth // 2],
+        scale_inv[:, : cols // block_rows, : depth // 16],
+        layout.group_sizes,
+        block_rows=block_rows,
+        **rows,
+    )
+    if out is None:
+        return None
+    a_factor = nvfp4.global_decode_scale(a_amax)
+    b_factor = nvfp4.global_decode_scale(getattr(rhs, f"{rhs_usage}_amax"))
+    return _apply_factors(out, a_factor, b_factor, lambda f: layout.per_row(f)[:, None], fmt)
 
 
 def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spec):

@@ -116,6 +116,11 @@ class GroupLayout:
         they hold zeros, so any finite value will do)."""
         return group_values[jnp.minimum(self.slot_group, self.num_groups - 1)]
 
+    def per_row(self, group_values: jax.Array) -> jax.Array:
+        """(G,) per-group values → (M,) one per row of x, the token order (rows past the
+        groups get group G−1's value: they hold zeros)."""
+        return group_values[jnp.minimum(self.row_group, self.num_groups - 1)]
+
     def group_amax(self, source: jax.Array, token_axis: int) -> jax.Array:
         """(G,) float32 amax of each group's slots of `source` (P along `token_axis`), taken on
         bit patterns like `formats.common.amax` (NaN propagates; empty groups give 0)."""

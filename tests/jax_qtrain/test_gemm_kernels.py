@@ -134,9 +134,14 @@ GROUPED_KERNELS = {
         else ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"]
         + ["dequantize_bf16"] * 6,
     ),
+    # NVFP4 likewise (stop 47); its tokens' dequantization for fprop and dgrad writes the even/odd
+    # column order the weights-in-registers kernel contracts in.
     "nvfp4": (
         jq.NVFP4BlockScaling(),
-        ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"] + ["dequantize_bf16"] * 6,
+        ["grouped_nvfp4_weights_gemm"] * 2 + ["grouped_wgrad_gemm"] + ["dequantize_bf16"] * 4
+        if not ON_GPU
+        else ["grouped_half_gemm", "grouped_half_gemm", "grouped_wgrad_gemm"]
+        + ["dequantize_bf16"] * 6,
     ),
 }
 
@@ -164,15 +169,20 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
     # fprop and dgrad read the aligned layout and write the tokens' order (no gather after
     # them): the 16-bit kernel on MXFP8 / NVFP4 values, the block-FP8 kernel on its codes.
-    packed_adapter = {"mxfp8": expected[0], "nvfp4": "grouped_half_gemm"}.get(name)
+    packed_adapter = {"mxfp8": expected[0], "nvfp4": expected[0]}.get(name)
     if name == "fp8_block":
         packed_adapter = "grouped_fp8_block_gemm"
     if packed_adapter is not None:
         packed = [kw.get("group_starts") is not None for kw in keywords[packed_adapter]]
         assert packed == [True, True]
-    if name == "nvfp4" or (name == "mxfp8" and ON_GPU):  # NVFP4's S_dec in the epilogue
+    if name in ("nvfp4", "mxfp8") and ON_GPU:  # NVFP4's S_dec in the epilogue
         scaled = [kw.get("rhs_scale") is not None for kw in keywords["grouped_half_gemm"]]
         assert scaled == [name == "nvfp4"] * 2
+    if name == "nvfp4" and not ON_GPU:  # the tokens in the kernel's order, the weights' blocks
+        orders = [kw.get("column_order", "natural") for kw in keywords["dequantize_bf16"]]
+        assert sorted(orders) == ["even_odd"] * 2 + ["natural"] * 2
+        blocks = [kw["block_rows"] for kw in keywords["grouped_nvfp4_weights_gemm"]]
+        assert blocks == [16, 16]
     assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 
@@ -209,6 +219,30 @@ def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatc
     assert calls == [True, True]  # fprop and dgrad
     for g, w_ in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_weights_in_registers_match_the_dequantize_path(monkeypatch):
+    # The check that takes "nvfp4_weights_in_registers" out of kernels'
+    # _GEMMS_AWAITING_GPU_VERIFICATION: the MoE layer's y, dx and dw under "pallas" (fprop and
+    # dgrad with the weights dequantized in the GEMM kernel, the tokens in its even/odd order)
+    # against "auto" (the 16-bit kernel on dequantized operands): the same products summed in
+    # another order, so float32 rounding apart (dw is the same path in both).
+    recipe = jq.NVFP4BlockScaling()
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (4096, 1024), jnp.bfloat16)
+    w = (jax.random.normal(kw, (3, 1024, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (4096, 768), jnp.bfloat16)
+    sizes = jnp.asarray([1000, 0, 1700], jnp.int32)
+    run = jax.jit(grouped_fwd_bwd, static_argnums=4)
+    with kernels.gemm_backend("auto"):
+        want = run(x, w, sizes, dy, recipe)
+    calls = count_calls(monkeypatch, "grouped_nvfp4_weights_gemm")
+    with kernels.gemm_backend("pallas"):
+        got = run(x, w, sizes, dy, recipe)
+    assert calls == [True, True]  # fprop and dgrad
+    assert_close(got, want)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
 def test_public_grouped_matmul_pallas_option():

@@ -806,3 +806,69 @@ def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype, wgmma_k):
     path = np.asarray(path.astype(F32))
     assert np.isnan(path[group4, 9]).all()
     np.testing.assert_array_equal(out[finite].view(np.uint32), path[finite].view(np.uint32))
+
+
+# bf16 tokens x NVFP4 weights dequantized in registers (stop 47, register-operand wgmma, the
+# contraction in the even/odd order; the interpreter stages the weights through SMEM instead).
+@pytest.mark.parametrize("tile_m, out_dtype", [(256, BF16), (128, F32)])
+def test_gpu_nvfp4_weights_in_registers(tile_m, out_dtype):
+    from pallas_kernels.dequantize import dequantize_nvfp4
+    from pallas_kernels.grouped_matmul_mx_weights import (
+        DEFAULT_MXFP8_WEIGHTS_CONFIG,
+        even_odd_columns,
+        grouped_matmul_nvfp4_weights,
+    )
+    from tests.pallas_kernels.test_grouped_matmul_mx_weights import dequant_nvfp4, nvfp4_weights
+
+    k_lhs, k_rhs, k_exact = keys(3, seed=47)
+    lhs = jax.random.normal(k_lhs, (ROWS, K_DIM), jnp.float32).astype(BF16)
+    # Scales over E4M3's range, its subnormals included, and a NaN scale.
+    scales = (2.0**-9, 2.0**-7 * 1.625, 0.0, 0.375, 1.0, 13.0, 448.0)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, NUM_GROUPS, N_DIM, K_DIM, scales)
+    scale_bytes = jax.lax.bitcast_convert_type(rhs_scale, jnp.uint8).at[4, 9, 3].set(0x7F)
+    config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=tile_m)
+    run = jax.jit(
+        grouped_matmul_nvfp4_weights, static_argnames=("config", "out_dtype", "lhs_order")
+    )
+    out = run(lhs, rhs, scale_bytes, SIZES, config=config, out_dtype=out_dtype)
+    out = np.asarray(out.astype(F32))
+    weights = dequant_nvfp4(rhs, jax.lax.bitcast_convert_type(scale_bytes, E4M3))
+    want = ref_ragged_rows(f64(lhs), weights, SIZES)
+    group4 = slice(301, 851)  # rows of group 4 (sizes 0, 300, 1, 0, 550)
+    assert np.isnan(out[group4, 9]).all()
+    finite = np.ones(out.shape, bool)
+    finite[group4, 9] = False
+    assert not np.isnan(out[finite]).any()
+    rel = 2**-8 if out_dtype == BF16 else 1e-5
+    assert_close(np.where(finite, out, 0), np.where(finite, want, 0), rel=rel)
+    assert np.all(out[851:] == 0)
+    # Tokens already in the even/odd order (what the dequantize kernel writes): the same call.
+    reordered = run(
+        even_odd_columns(lhs),
+        rhs,
+        scale_bytes,
+        SIZES,
+        config=config,
+        out_dtype=out_dtype,
+        lhs_order="even_odd",
+    )
+    reordered = np.asarray(reordered.astype(F32))
+    np.testing.assert_array_equal(out[finite].view(np.uint32), reordered[finite].view(np.uint32))
+    # Exact sums (integer tokens, scales 0.25 .. 2): the reference's bits, whatever the order.
+    exact_lhs = jax.random.randint(k_exact, (ROWS, K_DIM), -3, 4).astype(BF16)
+    exact_rhs, exact_scale = nvfp4_weights(k_rhs, NUM_GROUPS, N_DIM, K_DIM)
+    exact = run(exact_lhs, exact_rhs, exact_scale, SIZES, config=config, out_dtype=out_dtype)
+    exact_want = ref_ragged_rows(f64(exact_lhs), dequant_nvfp4(exact_rhs, exact_scale), SIZES)
+    np.testing.assert_array_equal(
+        np.asarray(exact.astype(F32)), exact_want.astype(np.float32).astype(out_dtype).astype(F32)
+    )
+    # The dequantize-then-GEMM path (the library's default): the same values, the contraction
+    # in another order, so f32 rounding apart.
+    values = jax.vmap(lambda d, s: dequantize_nvfp4(d, s, None, out_dtype=BF16))(
+        rhs, jax.lax.bitcast_convert_type(scale_bytes, E4M3)
+    )
+    path = jax.jit(grouped_matmul, static_argnames=("out_dtype",))(
+        lhs, values, SIZES, out_dtype=out_dtype
+    )
+    path = np.asarray(path.astype(F32))
+    assert_close(np.where(finite, out, 0), np.where(finite, path, 0), rel=rel)

@@ -1,6 +1,6 @@
-"""bf16 tokens x MXFP8 weights dequantized in registers (issue 5, stop 46): interpreter,
-cross-lowering, bad inputs. The GPU test (the register-operand wgmma, which the interpreter does
-not have) is in test_grouped_matmul_gpu.py.
+"""bf16 tokens x MXFP8 (stop 46) and NVFP4 (stop 47) weights dequantized in registers
+(issue 5): interpreter, cross-lowering, bad inputs. The GPU tests (the register-operand wgmma,
+which the interpreter does not have) are in test_grouped_matmul_gpu.py.
 
 The interpreter runs the kernel with the converted weights staged through a bf16 SMEM tile
 (module docstring): the tiling, the conversion and the transposed epilogue are what these
@@ -19,14 +19,18 @@ import numpy as np
 import pytest
 
 from benchmarks.h200_lowering import mosaic_modules
+from pallas_kernels.dequantize import dequantize_nvfp4
 from pallas_kernels.grouped_matmul_mx_weights import (
     DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    even_odd_columns,
     grouped_matmul_mxfp8_weights,
+    grouped_matmul_nvfp4_weights,
 )
 from tests.pallas_kernels.test_grouped_matmul import (
     BF16,
     E4M3,
     E5M2,
+    F32,
     PACKED_CASES,
     assert_close,
     f64,
@@ -322,3 +326,225 @@ def test_bad_configs_raise(changes, needle):
     config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, **changes)
     with pytest.raises(ValueError, match=needle):
         grouped_matmul_mxfp8_weights(*_operands(), config=config, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4 weights: packed E2M1 codes (element 2i in byte i's low nibble) and E4M3 block scales.
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def dequant_nvfp4(packed, scale) -> np.ndarray:
+    """float64 e2m1 · s of (G, N, K/2) packed bytes and (G, N, K/16) E4M3 scales (exact)."""
+    packed = np.asarray(packed)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    scale = np.asarray(jnp.asarray(scale).astype(jnp.float32), np.float64)
+    return E2M1_VALUES[codes] * np.repeat(scale, 16, axis=-1)
+
+
+def nvfp4_weights(key, groups: int, cols: int, k: int, scales=(0.25, 0.5, 1.0, 2.0)):
+    """Random bytes (every E2M1 code) and scales drawn from `scales`."""
+    k_codes, k_scale = jax.random.split(key)
+    packed = jax.random.randint(k_codes, (groups, cols, k // 2), 0, 256).astype(jnp.uint8)
+    choice = jax.random.randint(k_scale, (groups, cols, k // 16), 0, len(scales))
+    scale = jnp.asarray(scales, jnp.float32)[choice].astype(E4M3)
+    return packed, scale
+
+
+def run_nvfp4(lhs, rhs, rhs_scale, sizes, config=TINY, **kwargs):
+    return grouped_matmul_nvfp4_weights(
+        lhs, rhs, rhs_scale, jnp.asarray(sizes, jnp.int32), config=config, interpret=True, **kwargs
+    )
+
+
+def nvfp4_reference(lhs, rhs, rhs_scale, sizes) -> np.ndarray:
+    return ref_ragged_rows(f64(lhs), dequant_nvfp4(rhs, rhs_scale), sizes)
+
+
+@pytest.mark.parametrize(
+    "sizes, rows, k, cols, lhs_order",
+    [
+        ([37, 0, 90], 160, 128, 128, "natural"),  # an empty group, shared tiles, 33 tail rows
+        ([37, 0, 90], 160, 128, 128, "even_odd"),
+        ([0, 100, 0], 100, 96, 72, "natural"),  # K = 96 (a padded step), a partial weight tile
+        ([70, 0, 130, 1], 240, 256, 256, "even_odd"),  # four steps
+    ],
+)
+def test_nvfp4_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, lhs_order):
+    # Integer tokens in [-3, 3], every E2M1 code, scales 0.25 .. 2: exact f32 sums, whatever
+    # order the kernel visits the contraction in.
+    k_lhs, k_rhs = keys(2, seed=61)
+    lhs = jax.random.randint(k_lhs, (rows, k), -3, 4).astype(BF16)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, len(sizes), cols, k)
+    given = even_odd_columns(lhs) if lhs_order == "even_odd" else lhs
+    out = np.asarray(run_nvfp4(given, rhs, rhs_scale, sizes, lhs_order=lhs_order))
+    want = nvfp4_reference(lhs, rhs, rhs_scale, sizes)
+    np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
+    assert np.all(out[sum(sizes) :] == 0)
+
+
+def test_nvfp4_random_operands_float32_and_schedules():
+    # Random tokens and scales over E4M3's range (subnormal 2^-9 to 448): f32 sums in the
+    # kernel's order, within f32 rounding of the float64 reference; f32 and bf16 outputs, both
+    # epilogue views, the persistent pipeline, scale bytes as uint8.
+    k_lhs, k_rhs = keys(2, seed=62)
+    sizes = [37, 0, 150, 60]
+    lhs = jax.random.normal(k_lhs, (300, 128), jnp.float32).astype(BF16)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, 4, 128, 128, scales=(2.0**-9, 0.375, 1.0, 448.0))
+    want = nvfp4_reference(lhs, rhs, rhs_scale, sizes)
+    for changes in ({}, dict(swizzled_epilogue=False), dict(persistent_pipeline=True)):
+        out = run_nvfp4(
+            lhs,
+            rhs,
+            rhs_scale,
+            sizes,
+            config=dataclasses.replace(TINY, **changes),
+            out_dtype=jnp.float32,
+        )
+        assert out.dtype == jnp.float32
+        assert_close(out, want, rel=1e-5)
+        assert np.all(np.asarray(out)[sum(sizes) :] == 0)
+    scale_bytes = jax.lax.bitcast_convert_type(rhs_scale, jnp.uint8)
+    out = run_nvfp4(lhs, rhs, scale_bytes, sizes)
+    assert out.dtype == BF16
+    assert_close(out, want, rel=2**-8)
+
+
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_nvfp4_packed_output_reads_groups_with_gaps(case):
+    sizes, starts, rows, out_rows = PACKED_CASES[case]
+    k_lhs, k_rhs = keys(2, seed=63)
+    lhs = gapped_lhs(k_lhs, rows, 128, sizes, starts)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, len(sizes), 128, 128)
+    out = run_nvfp4(
+        even_odd_columns(lhs),
+        rhs,
+        rhs_scale,
+        sizes,
+        lhs_order="even_odd",
+        group_starts=jnp.asarray(starts, jnp.int32),
+        out_rows=out_rows,
+        out_dtype=jnp.float32,
+    )
+    want = ref_packed_rows(f64(lhs), dequant_nvfp4(rhs, rhs_scale), sizes, starts, out_rows)
+    assert out.shape == (out_rows, 128)
+    assert_close(out, want, rel=1e-5)
+
+
+def test_nvfp4_edge_scales():
+    # Scale 0, E4M3's smallest subnormal (2^-9) and largest value (448), and a NaN scale
+    # (byte 0x7F): NaN in its weight row's output column only.
+    k_lhs, k_rhs = keys(2, seed=64)
+    lhs = jax.random.randint(k_lhs, (64, 64), -3, 4).astype(BF16)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, 1, 128, 64)
+    scale_bytes = jax.lax.bitcast_convert_type(rhs_scale, jnp.uint8)
+    scale_bytes = scale_bytes.at[0, 3, 0].set(0).at[0, 4, 1].set(0x01).at[0, 5, 2].set(0x7E)
+    scale_bytes = scale_bytes.at[0, 9, 3].set(0x7F)
+    out = np.asarray(run_nvfp4(lhs, rhs, scale_bytes, [64], out_dtype=jnp.float32))
+    want = nvfp4_reference(lhs, rhs, jax.lax.bitcast_convert_type(scale_bytes, E4M3), [64])
+    assert np.isnan(out[:, 9]).all() and not np.isnan(np.delete(out, 9, axis=1)).any()
+    finite = np.delete(np.arange(128), 9)
+    np.testing.assert_array_equal(out[:, finite], want[:, finite].astype(np.float32))
+
+
+def test_even_odd_columns_and_the_dequantize_kernel_agree():
+    # The reordering the kernel contracts in, and the dequantize kernel writing it directly:
+    # the same bits as the natural order reordered.
+    x = jnp.arange(2 * 128).reshape(2, 128)
+    moved = np.asarray(even_odd_columns(x))
+    np.testing.assert_array_equal(moved[0, :32], np.arange(0, 64, 2))
+    np.testing.assert_array_equal(moved[0, 32:64], np.arange(1, 64, 2))
+    np.testing.assert_array_equal(moved[1, 64:96], np.arange(128 + 64, 256, 2))
+    packed, scale = nvfp4_weights(jax.random.key(65), 1, 128, 256, (2.0**-9, 1.0, 448.0))
+    natural = dequantize_nvfp4(packed[0], scale[0], None, out_dtype=BF16, interpret=True)
+    reordered = dequantize_nvfp4(
+        packed[0], scale[0], None, out_dtype=BF16, column_order="even_odd", interpret=True
+    )
+    np.testing.assert_array_equal(
+        np.asarray(reordered).view(np.uint16), np.asarray(even_odd_columns(natural)).view(np.uint16)
+    )
+    with pytest.raises(ValueError, match="must be a multiple of 64"):
+        even_odd_columns(x[:, :96])
+    with pytest.raises(ValueError, match="column_order must be one of"):
+        dequantize_nvfp4(packed[0], scale[0], None, column_order="odd_even", interpret=True)
+    with pytest.raises(ValueError, match="C = 96 columns"):
+        dequantize_nvfp4(
+            packed[0, :, :48], scale[0, :, :6], None, column_order="even_odd", interpret=True
+        )
+
+
+@pytest.mark.parametrize("out_dtype, packed", [(BF16, False), (jnp.float32, True)])
+def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed):
+    # Issue 5's G8 shape on the default config: m64nNk16 wgmmas whose A operand is four
+    # registers (the RS form), two k32 calls per step (the low and the high nibbles).
+    g, m, k, n = 8, 16384, 4096, 4096
+
+    def call(a, b, s, sizes, starts):
+        rows = dict(group_starts=starts, out_rows=m - 100) if packed else {}
+        return grouped_matmul_nvfp4_weights(
+            a, b, s, sizes, lhs_order="even_odd", out_dtype=out_dtype, **rows
+        )
+
+    (module,) = mosaic_modules(
+        call,
+        S((m, k), BF16),
+        S((g, n, k // 2), jnp.uint8),
+        S((g, n, k // 16), E4M3),
+        S((g,), jnp.int32),
+        S((g,), jnp.int32),
+    )
+    wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
+    tokens = 256 if out_dtype == BF16 else 128
+    assert wgmmas and all(f"m64n{tokens}k16.f32.bf16.bf16" in line for line in wgmmas)
+    register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
+    assert all(register_a.search(line) for line in wgmmas)
+
+
+def _nvfp4_operands():
+    k_lhs, k_rhs = keys(2, seed=66)
+    lhs = jax.random.randint(k_lhs, (64, 64), -3, 4).astype(BF16)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, 2, 128, 64)
+    return dict(lhs=lhs, rhs=rhs, rhs_scale=rhs_scale, config=TINY)
+
+
+def _depth(a, k: int):
+    """The operands cut to contraction depth k."""
+    return a | dict(
+        lhs=a["lhs"][:, :k], rhs=a["rhs"][..., : k // 2], rhs_scale=a["rhs_scale"][..., : k // 16]
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error, needle",
+    [
+        (lambda a: a | dict(lhs_order="odd_even"), ValueError, "lhs_order must be one of"),
+        (lambda a: a | dict(rhs=a["rhs"].astype(E4M3)), TypeError, "rhs must have dtype"),
+        (lambda a: a | dict(rhs_scale=a["rhs_scale"].astype(F32)), TypeError, "rhs_scale must"),
+        (lambda a: a | dict(rhs_scale=a["rhs_scale"][..., :3]), ValueError, "rhs_scale"),
+        (lambda a: a | dict(rhs=a["rhs"][..., :16]), ValueError, "size 32 .16 bytes of 2 values"),
+        (
+            lambda a: _depth(a, 48) | dict(lhs_order="even_odd"),
+            ValueError,
+            "K=48 must be a multiple of 64 for lhs_order='even_odd'",
+        ),
+        (lambda a: _depth(a, 24), ValueError, "K=24 must be a multiple of 16"),
+        (
+            lambda a: a | dict(config=dataclasses.replace(TINY, tile_k=128)),
+            ValueError,
+            "grouped_matmul_nvfp4_weights needs tile_k=64",
+        ),
+        (
+            lambda a: (
+                a | dict(config=dataclasses.replace(TINY, tile_m=256, max_concurrent_steps=8))
+            ),
+            ValueError,
+            "shared memory",
+        ),
+    ],
+)
+def test_nvfp4_bad_inputs_raise_naming_the_argument(change, error, needle):
+    args = change(_nvfp4_operands())
+    lhs, rhs, rhs_scale = args.pop("lhs"), args.pop("rhs"), args.pop("rhs_scale")
+    sizes = jnp.asarray([32, 32], jnp.int32)
+    with pytest.raises(error, match=needle):
+        grouped_matmul_nvfp4_weights(lhs, rhs, rhs_scale, sizes, interpret=True, **args)

@@ -2535,6 +2535,17 @@ def test_gpu_dequantize_bit_exact():
             f"nvfp4 dequant ({config})",
             any_nan=True,
         )
+    # grouped_matmul_nvfp4_weights' token order, written by the kernel: the same bits reordered.
+    from pallas_kernels.grouped_matmul_mx_weights import even_odd_columns
+
+    natural = pk.dequantize_nvfp4(d, s, None, out_dtype=jnp.bfloat16)
+    poison_device_memory(4 * x.size)
+    assert_same_bits(
+        pk.dequantize_nvfp4(d, s, None, out_dtype=jnp.bfloat16, column_order="even_odd"),
+        even_odd_columns(natural),
+        "nvfp4 dequant even_odd",
+        any_nan=True,
+    )
     for block in ((1, 128), (128, 128)):
         spec = QuantizerSpec("fp8_block", E4M3, block)
         d, s = fp8_block.quantize(x, spec, input_dtype=jnp.float32)
