@@ -138,6 +138,10 @@ def run(configs: dict, iters: int, budget_s: float | None = None, routings=ROUTI
                 blocks["mxfp8 (weights in registers)"] = quantized_block(
                     RECIPES["mxfp8"], gemm_backend="pallas"
                 )
+                # NVFP4 likewise (stop 47).
+                blocks["nvfp4 (weights in registers)"] = quantized_block(
+                    RECIPES["nvfp4"], gemm_backend="pallas"
+                )
             for name, block in blocks.items():
                 row = {
                     "config": config,

@@ -100,8 +100,9 @@ elif [[ $STAGE == pending ]]; then
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-weights_in_registers or stream_k}" ${PENDING_FILES:-\
-    tests/pallas_kernels/test_grouped_matmul_gpu.py} \
+    -rfE -k "${PENDING_TESTS:-weights_in_registers or stream_k or dequantize_bit_exact}" \
+    ${PENDING_FILES:-tests/pallas_kernels/test_grouped_matmul_gpu.py \
+    tests/jax_qtrain/test_gemm_kernels.py tests/pallas_kernels/test_quantize.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"

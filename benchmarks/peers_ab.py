@@ -19,6 +19,9 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   checked bit for bit against it first; XLA's dense
   bf16 GEMM and its dense MXFP8 `scaled_dot_general` of the same flops (issue 5's "≥ 0.95× XLA
   dense bf16");
+* the same with NVFP4 tokens and weights: the library's path against the weights dequantized
+  in registers (`grouped_matmul_nvfp4_weights`, stop 47), its tokens dequantized in the
+  kernel's even/odd column order (the same products summed in another order: not bit for bit);
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
@@ -48,7 +51,10 @@ from benchmarks.timing import (
 )
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
-from pallas_kernels.grouped_matmul_mx_weights import grouped_matmul_mxfp8_weights
+from pallas_kernels.grouped_matmul_mx_weights import (
+    grouped_matmul_mxfp8_weights,
+    grouped_matmul_nvfp4_weights,
+)
 
 SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
@@ -245,6 +251,66 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
     return candidates
 
 
+def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict:
+    """NVFP4 tokens and weights (random bytes, scales 2^-3 .. 2^3; no global scales, which both
+    paths apply alike): the library's path (both dequantized to bf16, then the 16-bit kernel)
+    against the weights dequantized in registers (`grouped_matmul_nvfp4_weights`, the tokens
+    dequantized in its even/odd column order by the same kernel), and XLA's dense bf16 GEMM of
+    the same flops."""
+    keys = jax.random.split(jax.random.key(12), 4)
+    lhs = jax.random.randint(keys[0], (m, k // 2), 0, 256).astype(jnp.uint8)
+    rhs = jax.random.randint(keys[1], (g, n, k // 2), 0, 256).astype(jnp.uint8)
+    scales = jnp.exp2(jnp.arange(-3, 4, dtype=jnp.float32))
+    lhs_scale = scales[jax.random.randint(keys[2], (m, k // 16), 0, 7)].astype(E4M3)
+    rhs_scale = scales[jax.random.randint(keys[3], (g, n, k // 16), 0, 7)].astype(E4M3)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    interpret = small
+    config = SMALL_CONFIG if small else None
+    weights_config = (
+        dataclasses.replace(SMALL_CONFIG, tile_n=64, epilogue_buffers=1) if small else None
+    )
+
+    def dequantize(a, sa, column_order="natural"):
+        return pk.dequantize_nvfp4(
+            a, sa, None, out_dtype=BF16, column_order=column_order, interpret=interpret
+        )
+
+    def library_path(a, sa, b, sb, s):
+        weights = dequantize(b.reshape(g * n, k // 2), sb.reshape(g * n, k // 16))
+        return grouped_matmul(
+            dequantize(a, sa), weights.reshape(g, n, k), s, config=config, interpret=interpret
+        )
+
+    def weights_in_registers(a, sa, b, sb, s):
+        return grouped_matmul_nvfp4_weights(
+            dequantize(a, sa, "even_odd"),
+            b,
+            sb,
+            s,
+            lhs_order="even_odd",
+            config=weights_config,
+            interpret=interpret,
+        )
+
+    operands = [(lhs, lhs_scale, rhs, rhs_scale, sizes)]
+    # (Random values: a GEMM's power draw, and so its clock, depends on the data.)
+    dense = (
+        jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16),
+        jax.random.normal(keys[1], (n, k), jnp.float32).astype(BF16),
+    )
+    return {
+        "ours: dequantize both + 16-bit kernel (library path)": (
+            jax.jit(library_path),
+            operands,
+        ),
+        "ours: dequantize tokens (even/odd) + NVFP4 weights in registers": (
+            jax.jit(weights_in_registers),
+            operands,
+        ),
+        "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
+    }
+
+
 def dense_candidates(size: int, small: bool) -> dict:
     keys = jax.random.split(jax.random.key(8), 2)
     a, b = (jax.random.normal(key, (size, size), jnp.float32).astype(BF16) for key in keys)
@@ -304,6 +370,7 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
         mx = mxfp8_candidates(g, m, k, n, sizes, small)
         run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:3])
         del mx
+        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nvfp4_candidates(g, m, k, n, sizes, small))
     run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
 
     lines = [

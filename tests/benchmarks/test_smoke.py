@@ -684,13 +684,16 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd MXFP8", "ours: dequantize tokens + MXFP8 weights in registers"),
         ("G2 small fwd MXFP8", "ours: the same, one wgmma per 64-wide K step"),
         ("G2 small fwd MXFP8", "XLA dense bf16 (same flops)"),
+        ("G2 small fwd NVFP4", "ours: dequantize both + 16-bit kernel (library path)"),
+        ("G2 small fwd NVFP4", "ours: dequantize tokens (even/odd) + NVFP4 weights in registers"),
+        ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),
     }
     assert all(r["ms"] > 0 and 0 < r["vs_fastest"] <= 1 for r in rows)
     # Checked against the library path (on the GPU both sum the same k16 products in order;
     # the interpreter's wgmma is one f32 dot per call, 32 vs 64 wide, so not here).
-    (mx,) = [r for r in rows if r["implementation"].endswith("weights in registers")]
+    (mx,) = [r for r in rows if r["implementation"].endswith("MXFP8 weights in registers")]
     assert isinstance(mx["same_bits"], bool)
     assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
