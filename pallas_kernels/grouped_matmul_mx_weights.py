@@ -1,4 +1,7 @@
-"""MXFP8 weights dequantized in registers as the wgmma's A operand (issue 5; not yet timed).
+"""MXFP8 and NVFP4 weights dequantized in registers as the wgmma's A operand (issue 5; not
+yet run on a GPU). NVFP4 (`grouped_matmul_nvfp4_weights`, stop 47) contracts in an even/odd
+order of K, explained in its docstring; the rest of this text is about MXFP8, and the kernel
+body (`_weights_in_registers_gemm`) is the two formats' own.
 
 ``out[rows of g] = lhs[rows of g] @ deq(rhs[g])ᵀ`` for bfloat16 activations ``lhs`` and MXFP8
 weights ``rhs`` (FP8 codes with one E8M0 byte per 1x32 block along K). The weights never
@@ -40,11 +43,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_matmul_common as common
@@ -224,6 +232,7 @@ def grouped_matmul_nvfp4_weights(
     group_sizes: jax.Array,
     *,
     lhs_order: str = "natural",
+    e2m1_decode: str = "float32",
     out_dtype: jnp.dtype = jnp.bfloat16,
     group_starts: jax.Array | None = None,
     out_rows: int | None = None,
@@ -245,6 +254,10 @@ def grouped_matmul_nvfp4_weights(
         pass) or "even_odd": within each 64 columns, the 32 even-indexed ones, then the 32
         odd ones (`even_odd_columns`; what `dequantize_nvfp4(..., column_order="even_odd")`
         writes); K a multiple of 64 then.
+      e2m1_decode: how the codes become bf16 in registers (the same values either way):
+        "float32", the dequantize kernel's arithmetic (float16 bits, widened, times s · 2^14),
+        or "byte_permute", bf16 bytes looked up by PTX `prmt` (about half the instructions;
+        which is faster is for the H200 to say).
       out_dtype, group_starts, out_rows, config, interpret: as `grouped_matmul_mxfp8_weights`
         (the same default config).
 
@@ -263,6 +276,8 @@ def grouped_matmul_nvfp4_weights(
     """
     if lhs_order not in LHS_ORDERS:
         raise ValueError(f"lhs_order must be one of {LHS_ORDERS}, got {lhs_order!r}")
+    if e2m1_decode not in E2M1_DECODES:
+        raise ValueError(f"e2m1_decode must be one of {E2M1_DECODES}, got {e2m1_decode!r}")
     scale_dtypes = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8))
     num_groups, num_cols, k = _check_operands(
         lhs,
@@ -292,6 +307,7 @@ def grouped_matmul_nvfp4_weights(
 
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
     k_p = common.round_up(k, STEP_K)
+    interpreting = quantize_common.interpreting(interpret)
     if lhs_order == "natural":
         lhs = even_odd_columns(common.pad_axis(lhs, 1, k_p))
     rhs_p = common.pad_axis(common.pad_axis(rhs, 1, cols_p), 2, k_p // 2)
@@ -310,8 +326,9 @@ def grouped_matmul_nvfp4_weights(
         layout = plgpu.Layout.WGMMA
         packed = plgpu.load(codes_smem.at[rows], layout=layout)
         # Byte c holds values 2c and 2c + 1, both in the 1x16 block c // 8.
+        scale_of = _e4m3_as_bf16 if e2m1_decode == "byte_permute" else _e4m3_times_2_to_14
         block_scales = [
-            _spread(_e4m3_times_2_to_14(_row_bytes(scales_smem, block, rows)), packed.shape)
+            _spread(scale_of(_row_bytes(scales_smem, block, rows)), packed.shape)
             for block in range(STEP_K // NVFP4_BLOCK)
         ]
         column = lax.broadcasted_iota(jnp.int32, packed.shape, 1)
@@ -320,13 +337,21 @@ def grouped_matmul_nvfp4_weights(
             jnp.where(column < 8, block_scales[0], block_scales[1]),
             jnp.where(column < 24, block_scales[2], block_scales[3]),
         )
-        packed_words = packed.astype(jnp.uint32)
+        if e2m1_decode == "byte_permute":
 
-        def nibbles(nibble: int):
-            # The dequantize kernel's arithmetic (exact): the code as float16 e2m1 · 2^-14,
-            # widened to float32, times s · 2^14, rounded to bf16 (e2m1 · s is exact there).
-            halves = lax.bitcast_convert_type(e2m1_half_bits(packed_words, nibble), jnp.float16)
-            return (halves.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+            def nibbles(nibble: int):
+                # e2m1 and s exact in bf16, and so is their product.
+                return _e2m1_as_bf16_by_permutes(packed, nibble, interpreting) * scale
+
+        else:
+            packed_words = packed.astype(jnp.uint32)
+
+            def nibbles(nibble: int):
+                # The dequantize kernel's arithmetic (exact): the code as float16 e2m1 · 2^-14,
+                # widened to float32, times s · 2^14, rounded to bf16 (e2m1 · s is exact).
+                codes = e2m1_half_bits(packed_words, nibble)
+                halves = lax.bitcast_convert_type(codes, jnp.float16)
+                return (halves.astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
         return [(functools.partial(nibbles, nibble), nibble * (STEP_K // 2)) for nibble in (0, 1)]
 
@@ -366,6 +391,12 @@ def _e4m3_times_2_to_14(scale_bytes: jax.Array) -> jax.Array:
     turns `e2m1_half_bits`' e2m1 · 2^-14 into e2m1 · s, as the dequantize kernel scales."""
     scale = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
     return scale * jnp.float32(2.0**14)
+
+
+def _e4m3_as_bf16(scale_bytes: jax.Array) -> jax.Array:
+    """bfloat16 s for E4M3 scale bytes s (exact: 4 significant bits; NaN stays NaN)."""
+    scale = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
+    return scale.astype(jnp.bfloat16)
 
 
 def _row_bytes(scales_smem, block: int, rows) -> jax.Array:
@@ -589,3 +620,127 @@ def _check_smem(config: GroupedMatmulConfig, out_dtype: jnp.dtype, stage_bytes: 
             f"stages x {stage_bytes} and the epilogue), more than {SMEM_BYTES}; "
             "lower max_concurrent_steps, tile_m, epi_tile_n or epilogue_buffers"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 decode by byte permutes (`e2m1_decode="byte_permute"`).
+#
+# A register of the packed bytes in the WGMMA layout holds two bytes, w = b0 | b1 << 8, and the
+# bf16 pair it becomes holds their low nibbles (even columns) or their high nibbles (odd
+# columns). PTX's `prmt.b32 d, a, b, c` writes byte i of d from byte c_i & 7 of {b, a} (a's
+# bytes are 0..3), c_i the i-th nibble of c. With the eight magnitudes' bf16 bytes as {b, a}
+# and each code's magnitude as a selector nibble, one permute writes both values' high bytes
+# and one more their low bytes (entry 0, magnitude 0's bytes, is zero: the selector nibbles in
+# between pick it); a third moves the two sign bits into place. About five instructions a
+# value (masks, shifts, three permutes and two ors a register) against the float32 decode's
+# nine; not yet measured.
+E2M1_DECODES = ("float32", "byte_permute")
+# bf16 bytes of E2M1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0,
+# 0x4000, 0x4040, 0x4080, 0x40C0), entries 0..3 in the first word, 4..7 in the second.
+_E2M1_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+_E2M1_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)
+_SIGNS_TO_BITS_15_AND_31 = 0x1202  # byte 0 → byte 1, byte 1 → byte 3, zeros from byte 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _WordOps:
+    """The 32-bit integer operations of the byte-permute decode: on jnp arrays (the
+    interpreter, the tests) or on MLIR values (the kernel)."""
+
+    shift_left: Callable
+    shift_right: Callable
+    mask: Callable
+    either: Callable  # bitwise or
+    const: Callable
+    permute: Callable  # PTX prmt.b32 (a, b, selectors)
+
+
+def _e2m1_pair_bits(words, nibble: int, ops: _WordOps):
+    """bf16 bits of E2M1 nibble `nibble` (0: bits 3..0, 1: bits 7..4) of b0 (low half) and of b1
+    (high half) of words = b0 | b1 << 8."""
+    if nibble == 0:  # magnitudes at bits 2..0 and 10..8, signs at 3 and 11
+        shifted = ops.shift_left(words, 4)
+        high_selectors, low_selectors = ops.mask(shifted, 0x7070), ops.mask(words, 0x0707)
+        sign_bytes = ops.mask(shifted, 0x8080)
+    else:  # magnitudes at bits 6..4 and 14..12, signs at 7 and 15
+        high_selectors = ops.mask(words, 0x7070)
+        low_selectors = ops.mask(ops.shift_right(words, 4), 0x0707)
+        sign_bytes = ops.mask(words, 0x8080)
+    high = ops.permute(*map(ops.const, _E2M1_BF16_HIGH_BYTES), high_selectors)
+    low = ops.permute(*map(ops.const, _E2M1_BF16_LOW_BYTES), low_selectors)
+    signs = ops.permute(sign_bytes, sign_bytes, ops.const(_SIGNS_TO_BITS_15_AND_31))
+    return ops.either(ops.either(high, low), signs)
+
+
+def byte_permute(a, b, selectors):
+    """PTX `prmt.b32`'s default mode on uint32 jnp arrays: byte i of the result is byte
+    (selector nibble i) & 7 of {b, a} (a's bytes 0..3), or that byte's sign bit replicated
+    when the nibble's bit 3 is set. (The interpreter's and the tests' model of the
+    instruction.)"""
+    a, b, selectors = (jnp.asarray(v, jnp.uint32) for v in (a, b, selectors))
+    result = jnp.zeros_like(selectors)
+    for i in range(4):
+        nibble = (selectors >> (4 * i)) & 0xF
+        index = nibble & 7
+        byte = (jnp.where(index < 4, a, b) >> (8 * (index & 3))) & 0xFF
+        byte = jnp.where((nibble & 8) != 0, jnp.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        result = result | (byte.astype(jnp.uint32) << (8 * i))
+    return result
+
+
+_JNP_WORD_OPS = _WordOps(
+    shift_left=lambda v, n: v << n,
+    shift_right=lambda v, n: v >> n,
+    mask=lambda v, m: v & m,
+    either=lambda x, y: x | y,
+    const=jnp.uint32,
+    permute=byte_permute,
+)
+
+
+def e2m1_word_as_bf16_bits(words: jax.Array, nibble: int) -> jax.Array:
+    """The byte-permute decode on uint32 words b0 | b1 << 8 (jnp: the interpreter's path and
+    the tests'): the bf16 bits of E2M1 nibble `nibble` of b0 (low half) and of b1 (high)."""
+    return _e2m1_pair_bits(jnp.asarray(words, jnp.uint32), nibble, _JNP_WORD_OPS)
+
+
+def _e2m1_as_bf16_by_permutes(packed: jax.Array, nibble: int, interpreting: bool) -> jax.Array:
+    """bf16 e2m1 values of nibble `nibble` of each byte of a (rows, cols) uint8 array held in
+    the WGMMA layout (pairs of neighbouring bytes a register)."""
+    if interpreting:  # the same integer steps on the array's column pairs
+        rows, cols = packed.shape
+        pairs = packed.reshape(rows, cols // 2, 2).astype(jnp.uint32)
+        bits = e2m1_word_as_bf16_bits(pairs[..., 0] | (pairs[..., 1] << 8), nibble)
+        halves = jnp.stack([bits & 0xFFFF, bits >> 16], axis=-1).astype(jnp.uint16)
+        return lax.bitcast_convert_type(halves.reshape(rows, cols), jnp.bfloat16)
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(packed.shape, jnp.bfloat16, layout=layout),
+    )
+    def decode(_, fragments):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+
+        def const(value):
+            return arith.constant(i32, value)
+
+        ops = _WordOps(
+            shift_left=lambda v, n: arith.shli(v, const(n)),
+            shift_right=lambda v, n: arith.shrui(v, const(n)),
+            mask=lambda v, m: arith.andi(v, const(m)),
+            either=arith.ori,
+            const=const,
+            permute=lambda a, b, selectors: llvm.inline_asm(
+                i32, [a, b, selectors], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"
+            ),
+        )
+        registers = np.empty_like(fragments.registers)
+        for index in np.ndindex(registers.shape):
+            # (Vector element 0 is the low half: NVPTX is little-endian.)
+            words = arith.extui(i32, llvm.bitcast(i16, fragments.registers[index]))
+            registers[index] = llvm.bitcast(pair_type, _e2m1_pair_bits(words, nibble, ops))
+        return mgpu.FragmentedArray(_registers=registers, _layout=fragments.layout, _is_signed=None)
+
+    return decode(packed)

@@ -686,6 +686,7 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd MXFP8", "XLA dense bf16 (same flops)"),
         ("G2 small fwd NVFP4", "ours: dequantize both + 16-bit kernel (library path)"),
         ("G2 small fwd NVFP4", "ours: dequantize tokens (even/odd) + NVFP4 weights in registers"),
+        ("G2 small fwd NVFP4", "ours: the same, codes decoded by byte permutes"),
         ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),
@@ -695,6 +696,8 @@ def test_peers_ab_runs_small(tmp_path):
     # the interpreter's wgmma is one f32 dot per call, 32 vs 64 wide, so not here).
     (mx,) = [r for r in rows if r["implementation"].endswith("MXFP8 weights in registers")]
     assert isinstance(mx["same_bits"], bool)
+    (permuted,) = [r for r in rows if r["implementation"].endswith("by byte permutes")]
+    assert permuted["same_bits"] is True  # the interpreter runs the same integer steps
     assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         peers_ab.main(str(tmp_path), rounds=0, small=True)

@@ -828,7 +828,8 @@ def test_gpu_nvfp4_weights_in_registers(tile_m, out_dtype):
     scale_bytes = jax.lax.bitcast_convert_type(rhs_scale, jnp.uint8).at[4, 9, 3].set(0x7F)
     config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=tile_m)
     run = jax.jit(
-        grouped_matmul_nvfp4_weights, static_argnames=("config", "out_dtype", "lhs_order")
+        grouped_matmul_nvfp4_weights,
+        static_argnames=("config", "out_dtype", "lhs_order", "e2m1_decode"),
     )
     out = run(lhs, rhs, scale_bytes, SIZES, config=config, out_dtype=out_dtype)
     out = np.asarray(out.astype(F32))
@@ -854,6 +855,13 @@ def test_gpu_nvfp4_weights_in_registers(tile_m, out_dtype):
     )
     reordered = np.asarray(reordered.astype(F32))
     np.testing.assert_array_equal(out[finite].view(np.uint32), reordered[finite].view(np.uint32))
+    # The byte-permute decode (PTX prmt): the same A values, so the same bits.
+    permuted = run(
+        lhs, rhs, scale_bytes, SIZES, config=config, out_dtype=out_dtype, e2m1_decode="byte_permute"
+    )
+    permuted = np.asarray(permuted.astype(F32))
+    assert np.isnan(permuted[group4, 9]).all()
+    np.testing.assert_array_equal(out[finite].view(np.uint32), permuted[finite].view(np.uint32))
     # Exact sums (integer tokens, scales 0.25 .. 2): the reference's bits, whatever the order.
     exact_lhs = jax.random.randint(k_exact, (ROWS, K_DIM), -3, 4).astype(BF16)
     exact_rhs, exact_scale = nvfp4_weights(k_rhs, NUM_GROUPS, N_DIM, K_DIM)

@@ -22,6 +22,8 @@ from benchmarks.h200_lowering import mosaic_modules
 from pallas_kernels.dequantize import dequantize_nvfp4
 from pallas_kernels.grouped_matmul_mx_weights import (
     DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    byte_permute,
+    e2m1_word_as_bf16_bits,
     even_odd_columns,
     grouped_matmul_mxfp8_weights,
     grouped_matmul_nvfp4_weights,
@@ -370,14 +372,18 @@ def nvfp4_reference(lhs, rhs, rhs_scale, sizes) -> np.ndarray:
         ([70, 0, 130, 1], 240, 256, 256, "even_odd"),  # four steps
     ],
 )
-def test_nvfp4_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, lhs_order):
+@pytest.mark.parametrize("e2m1_decode", ["float32", "byte_permute"])
+def test_nvfp4_exact_sums_equal_the_reference_bit_for_bit(
+    sizes, rows, k, cols, lhs_order, e2m1_decode
+):
     # Integer tokens in [-3, 3], every E2M1 code, scales 0.25 .. 2: exact f32 sums, whatever
     # order the kernel visits the contraction in.
     k_lhs, k_rhs = keys(2, seed=61)
     lhs = jax.random.randint(k_lhs, (rows, k), -3, 4).astype(BF16)
     rhs, rhs_scale = nvfp4_weights(k_rhs, len(sizes), cols, k)
     given = even_odd_columns(lhs) if lhs_order == "even_odd" else lhs
-    out = np.asarray(run_nvfp4(given, rhs, rhs_scale, sizes, lhs_order=lhs_order))
+    out = run_nvfp4(given, rhs, rhs_scale, sizes, lhs_order=lhs_order, e2m1_decode=e2m1_decode)
+    out = np.asarray(out)
     want = nvfp4_reference(lhs, rhs, rhs_scale, sizes)
     np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
     assert np.all(out[sum(sizes) :] == 0)
@@ -447,6 +453,27 @@ def test_nvfp4_edge_scales():
     np.testing.assert_array_equal(out[:, finite], want[:, finite].astype(np.float32))
 
 
+def test_byte_permute_model_follows_ptx_prmt():
+    # PTX ISA, prmt.b32 default mode: {b, a} numbered 7..0 (a's bytes 0..3); bit 3 of a
+    # selector nibble replicates the selected byte's sign bit.
+    a, b = 0x83828180, 0x07060504
+    assert int(byte_permute(a, b, 0x3210)) == a
+    assert int(byte_permute(a, b, 0x7654)) == b
+    assert int(byte_permute(a, b, 0x4073)) == 0x04800783
+    assert int(byte_permute(a, b, 0x8C00)) == 0xFF008080  # sign of 0x80 / of 0x04
+
+
+@pytest.mark.parametrize("nibble", [0, 1])
+def test_byte_permute_decode_of_every_byte_pair(nibble):
+    # All 65536 pairs (b0, b1): each half is the bf16 of E2M1 nibble `nibble` of its byte.
+    words = np.arange(1 << 16, dtype=np.uint32)
+    bits = np.asarray(e2m1_word_as_bf16_bits(words, nibble))
+    for half, byte in ((bits & 0xFFFF, words & 0xFF), (bits >> 16, words >> 8)):
+        code = (byte >> (4 * nibble)) & 0xF
+        want = np.asarray(jnp.asarray(E2M1_VALUES[code], jnp.float32).astype(BF16))
+        np.testing.assert_array_equal(half.astype(np.uint16), want.view(np.uint16))
+
+
 def test_even_odd_columns_and_the_dequantize_kernel_agree():
     # The reordering the kernel contracts in, and the dequantize kernel writing it directly:
     # the same bits as the natural order reordered.
@@ -473,8 +500,11 @@ def test_even_odd_columns_and_the_dequantize_kernel_agree():
         )
 
 
-@pytest.mark.parametrize("out_dtype, packed", [(BF16, False), (jnp.float32, True)])
-def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed):
+@pytest.mark.parametrize(
+    "out_dtype, packed, e2m1_decode",
+    [(BF16, False, "float32"), (jnp.float32, True, "float32"), (BF16, True, "byte_permute")],
+)
+def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed, e2m1_decode):
     # Issue 5's G8 shape on the default config: m64nNk16 wgmmas whose A operand is four
     # registers (the RS form), two k32 calls per step (the low and the high nibbles).
     g, m, k, n = 8, 16384, 4096, 4096
@@ -482,7 +512,14 @@ def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, pa
     def call(a, b, s, sizes, starts):
         rows = dict(group_starts=starts, out_rows=m - 100) if packed else {}
         return grouped_matmul_nvfp4_weights(
-            a, b, s, sizes, lhs_order="even_odd", out_dtype=out_dtype, **rows
+            a,
+            b,
+            s,
+            sizes,
+            lhs_order="even_odd",
+            e2m1_decode=e2m1_decode,
+            out_dtype=out_dtype,
+            **rows,
         )
 
     (module,) = mosaic_modules(
@@ -498,6 +535,9 @@ def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, pa
     assert wgmmas and all(f"m64n{tokens}k16.f32.bf16.bf16" in line for line in wgmmas)
     register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
     assert all(register_a.search(line) for line in wgmmas)
+    # byte_permute: three permutes per register of packed bytes and nibble (8 registers of
+    # the (64, 32) bytes a thread, two nibbles).
+    assert module.count("prmt.b32") == (48 if e2m1_decode == "byte_permute" else 0)
 
 
 def _nvfp4_operands():
@@ -518,6 +558,7 @@ def _depth(a, k: int):
     "change, error, needle",
     [
         (lambda a: a | dict(lhs_order="odd_even"), ValueError, "lhs_order must be one of"),
+        (lambda a: a | dict(e2m1_decode="lut"), ValueError, "e2m1_decode must be one of"),
         (lambda a: a | dict(rhs=a["rhs"].astype(E4M3)), TypeError, "rhs must have dtype"),
         (lambda a: a | dict(rhs_scale=a["rhs_scale"].astype(F32)), TypeError, "rhs_scale must"),
         (lambda a: a | dict(rhs_scale=a["rhs_scale"][..., :3]), ValueError, "rhs_scale"),
