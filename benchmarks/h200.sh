@@ -16,11 +16,11 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: the three-consumer and stream-K gpu
-#                                      tests, block FP8's streamed lhs scales and stop 44's 64 x 256
-#                                      parts among them, ptxas on those parts, then grouped_ab
-#                                      three_consumers --dense-only, stream_k and
-#                                      wide_three_consumers while time is left)
+#                                      and their timing (now: the MXFP8 / NVFP4
+#                                      weights-in-registers kernels of stops 46-47 (kernel, layer
+#                                      and dequantize-order tests), the stream-K gpu tests, then
+#                                      whatever PENDING_AB / PENDING_GROUPED_AB / PENDING_BENCH
+#                                      name while time is left)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 GEMMs against torch, jax's
 #                                      Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py), then Nsight Compute on our G8

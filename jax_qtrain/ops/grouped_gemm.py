@@ -287,14 +287,16 @@ def _weights_in_registers_gemm(
             **rows,
         )
     a_data, a_scale_inv, a_amax = lhs.copy(lhs_usage)
+    block_rows = rhs.spec.block_shape[0]
+    depth = min(2 * a_data.shape[1], 2 * codes.shape[2])  # two codes a byte
+    if depth % 64 or (2 * a_data.shape[1]) % 64 or cols % block_rows:
+        return None  # (the reordering needs whole 64-column runs of both operands)
     # The tokens' columns even/odd within each 64: the order the kernel contracts in.
     a_values = pallas_dispatch.dequantize_bf16(
         lhs.spec, a_data, a_scale_inv, column_order="even_odd"
     )
-    depth = None if a_values is None else min(a_values.shape[1], 2 * codes.shape[2])
-    if depth is None or depth % 64 or cols % rhs.spec.block_shape[0]:
-        return None  # (the reordering needs whole 64-column runs of both operands)
-    block_rows = rhs.spec.block_shape[0]
+    if a_values is None:
+        return None
     out = pallas_dispatch.grouped_nvfp4_weights_gemm(
         a_values[:, :depth],
         codes[:, :cols, : depth // 2],
