@@ -27,6 +27,9 @@
 #                                      bf16 forward and torch._grouped_mm's (stop 46's plan)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
+#                                      (the in-register kernels of stops 46-47:
+#                                      NCU_CASES="mxfp8_weights nvfp4_weights nvfp4_weights_permute"
+#                                      NCU_REGEX=matmul NCU_SKIP=0 SASS_CASES="weights in registers")
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).

@@ -158,6 +158,47 @@ def kernel_cases():
         )
         for fp8, tile_k in ((False, 64), (True, 128))
     ]
+    # The weights dequantized in registers (stops 46-47; RS wgmma, f32 packed output as the
+    # library calls them): registers and spills are what decide whether the conversions fit.
+    codes = jnp.ones((8, 512, 512), jnp.float8_e4m3fn)
+    e8m0 = jnp.full((8, 512, 16), 127, jnp.uint8)
+    packed = jnp.full((8, 512, 256), 0x21, jnp.uint8)
+    e4m3 = jnp.ones((8, 512, 32), jnp.float8_e4m3fn)
+    sizes8 = jnp.full((8,), 128, jnp.int32)
+    grouped_cases += [
+        (
+            f"grouped mxfp8 weights in registers wgmma_k={wgmma_k} {out.__name__}",
+            functools.partial(
+                pk.grouped_matmul_mxfp8_weights,
+                lhs,
+                codes,
+                e8m0,
+                sizes8,
+                wgmma_k=wgmma_k,
+                out_dtype=out,
+            ),
+        )
+        for wgmma_k, out in ((32, jnp.bfloat16), (64, jnp.bfloat16), (32, jnp.float32))
+    ] + [
+        (
+            f"grouped nvfp4 weights in registers {decode} {out.__name__}",
+            functools.partial(
+                pk.grouped_matmul_nvfp4_weights,
+                lhs,
+                packed,
+                e4m3,
+                sizes8,
+                lhs_order="even_odd",
+                e2m1_decode=decode,
+                out_dtype=out,
+            ),
+        )
+        for decode, out in (
+            ("float32", jnp.bfloat16),
+            ("byte_permute", jnp.bfloat16),
+            ("float32", jnp.float32),
+        )
+    ]
     return [
         *block_cases,
         *grouped_cases,

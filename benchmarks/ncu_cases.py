@@ -12,7 +12,9 @@ kernel to bf16, with the float16 decode (the default) and with the integer one
 `GROUPED_CASES` run issue 5's G8 balanced bf16 forward (16384 x 4096 x 4096, 8 groups of
 2048 rows) through our `grouped_matmul` default and through its peer `torch._grouped_mm`
 (CUTLASS) on the same operands, so that the two kernels' pipe, shared-memory and stall
-figures can be read side by side (`--kernel-name regex:"matmul|cutlass|gemm"`).
+figures can be read side by side (`--kernel-name regex:"matmul|cutlass|gemm"`), and the same
+shape with MXFP8 / NVFP4 weights dequantized in registers (stops 46-47: `mxfp8_weights`,
+`nvfp4_weights`, `nvfp4_weights_permute`; do the conversions fit beside the MMAs?).
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
@@ -97,7 +99,44 @@ def _torch_bf16_grouped(calls: int) -> None:
     torch.cuda.synchronize()
 
 
-GROUPED_CASES = {"bf16_grouped": _ours_bf16_grouped, "torch_bf16_grouped": _torch_bf16_grouped}
+def _weights_in_registers(calls: int, fmt: str, e2m1_decode: str = "float32") -> None:
+    """The same G8 shape with the weights dequantized in registers (stops 46-47), bf16 tokens
+    (as from the dequantize kernel) and MXFP8 or NVFP4 weights, f32 packed output as the
+    library calls it."""
+    lhs, rhs, sizes = _g8_balanced_bf16()
+    keys = jax.random.split(jax.random.key(1), 2)
+    groups, n, k = rhs.shape
+    if fmt == "mxfp8":
+        codes = rhs.astype(jnp.float8_e4m3fn)
+        scales = jax.random.randint(keys[0], (groups, n, k // 32), 120, 135).astype(jnp.uint8)
+        fn = jax.jit(functools.partial(pk.grouped_matmul_mxfp8_weights, out_dtype=jnp.float32))
+    else:
+        codes = jax.random.randint(keys[0], (groups, n, k // 2), 0, 256).astype(jnp.uint8)
+        scales = jnp.exp2(
+            jax.random.randint(keys[1], (groups, n, k // 16), -3, 4).astype(jnp.float32)
+        ).astype(jnp.float8_e4m3fn)
+        fn = jax.jit(
+            functools.partial(
+                pk.grouped_matmul_nvfp4_weights,
+                lhs_order="even_odd",
+                e2m1_decode=e2m1_decode,
+                out_dtype=jnp.float32,
+            )
+        )
+    del rhs
+    for _ in range(calls):
+        jax.block_until_ready(fn(lhs, codes, scales, sizes))
+
+
+GROUPED_CASES = {
+    "bf16_grouped": _ours_bf16_grouped,
+    "torch_bf16_grouped": _torch_bf16_grouped,
+    "mxfp8_weights": functools.partial(_weights_in_registers, fmt="mxfp8"),
+    "nvfp4_weights": functools.partial(_weights_in_registers, fmt="nvfp4"),
+    "nvfp4_weights_permute": functools.partial(
+        _weights_in_registers, fmt="nvfp4", e2m1_decode="byte_permute"
+    ),
+}
 
 
 def main(case: str, calls: int, size: int = SIZE) -> None:
