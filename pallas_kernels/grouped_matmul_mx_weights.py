@@ -126,8 +126,8 @@ def grouped_matmul_mxfp8_weights(
         weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
         128-token tiles for float32 outputs).
       wgmma_k: K per wgmma call: 32 (one MX block: its weights scaled by one scale each;
-        the SMEM tiles 32 wide) or 64 (the whole step: each column picks its block's scale,
-        one select per value; 64-wide tiles with the 16-bit kernel's 128-byte swizzle). The
+        the SMEM tiles 32 wide) or 64 (the whole step: the two blocks' scales side by side;
+        64-wide tiles with the 16-bit kernel's 128-byte swizzle). The
         same k16 instructions in the same order either way (stop 46: which is faster is for
         the H200 to say).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
@@ -187,19 +187,24 @@ def grouped_matmul_mxfp8_weights(
                 )
                 for block in range(STEP_K // MX_BLOCK)
             ]
-        # Both MX blocks at once: each column picks its block's scale.
+        # Both MX blocks at once: their scales side by side (whole 64 x 8 tiles of the WGMMA
+        # layout, so the concatenation only places registers).
         layout = plgpu.Layout.WGMMA
 
         def both_blocks():
             codes = lax.bitcast_convert_type(
                 plgpu.load(codes_smem.at[rows], layout=layout), rhs.dtype
             )
-            block_scales = [
-                _spread(e8m0_to_bf16(_row_bytes(scales_smem, block, rows)), codes.shape)
-                for block in range(STEP_K // MX_BLOCK)
-            ]
-            column = lax.broadcasted_iota(jnp.int32, codes.shape, 1)
-            scale = jnp.where(column < MX_BLOCK, block_scales[0], block_scales[1])
+            scale = jnp.concatenate(
+                [
+                    _spread(
+                        e8m0_to_bf16(_row_bytes(scales_smem, block, rows)),
+                        (codes.shape[0], MX_BLOCK),
+                    )
+                    for block in range(STEP_K // MX_BLOCK)
+                ],
+                axis=1,
+            )
             return fp8_codes_as_bf16(codes) * scale
 
         return [(both_blocks, 0)]
@@ -325,17 +330,17 @@ def grouped_matmul_nvfp4_weights(
         rows = ctx.col_slice
         layout = plgpu.Layout.WGMMA
         packed = plgpu.load(codes_smem.at[rows], layout=layout)
-        # Byte c holds values 2c and 2c + 1, both in the 1x16 block c // 8.
+        # Byte c holds values 2c and 2c + 1, both in the 1x16 block c // 8: the scales of the
+        # four blocks side by side, 8 columns each (whole 64 x 8 tiles of the WGMMA layout, so
+        # the concatenation only places registers).
         scale_of = _e4m3_as_bf16 if e2m1_decode == "byte_permute" else _e4m3_times_2_to_14
-        block_scales = [
-            _spread(scale_of(_row_bytes(scales_smem, block, rows)), packed.shape)
-            for block in range(STEP_K // NVFP4_BLOCK)
-        ]
-        column = lax.broadcasted_iota(jnp.int32, packed.shape, 1)
-        scale = jnp.where(
-            column < 16,
-            jnp.where(column < 8, block_scales[0], block_scales[1]),
-            jnp.where(column < 24, block_scales[2], block_scales[3]),
+        rows_count, block_bytes = packed.shape[0], NVFP4_BLOCK // 2
+        scale = jnp.concatenate(
+            [
+                _spread(scale_of(_row_bytes(scales_smem, block, rows)), (rows_count, block_bytes))
+                for block in range(STEP_K // NVFP4_BLOCK)
+            ],
+            axis=1,
         )
         if e2m1_decode == "byte_permute":
 
