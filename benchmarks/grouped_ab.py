@@ -49,6 +49,14 @@ for the run's clocks) are timed batch by batch in alternation
   along M (`cluster_m=2`: the rhs tile of every K step multicast to two row tiles, so a
   64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
   without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
+* ``weights_in_registers``: the MXFP8 and NVFP4 kernels with the weights dequantized in
+  registers (stops 46-47), G8 balanced: bf16 outputs on the default 256-token tiles (MXFP8:
+  one wgmma per MX block or per 64-wide step; NVFP4: the float32 and the byte-permute
+  decodes), and float32 outputs as the library calls them, on 128-token tiles with four
+  stages (the default for f32: its epilogue chunks are twice the bytes) against 256-token
+  tiles with two. At 128 tokens a consumer converts as many weights per step as at 256 for
+  half the MMA time, so this asks whether the conversions still hide. Outputs of a format and
+  output dtype are checked bit for bit against each other (the same values, the same order);
 * ``three_consumers``: block FP8 with three consumer warpgroups of 64 x 128 (`num_consumers=3`,
   `consumer_split="m"`, 192 x (2 x 64) CTA tiles: the default since stop 43), whose main +
   chunk accumulators leave no room for a 128-row tile with two consumers (40 KB of lhs + rhs
@@ -101,6 +109,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +138,11 @@ from pallas_kernels.grouped_matmul_fwd import (
     fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
+)
+from pallas_kernels.grouped_matmul_mx_weights import (
+    DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    grouped_matmul_mxfp8_weights,
+    grouped_matmul_nvfp4_weights,
 )
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
@@ -481,6 +495,7 @@ VARIANT_SETS = {
     "wide_three_consumers": wide_three_consumer_variants,  # bf16 and FP8 rowwise
     "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
+    "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
 
 
@@ -651,6 +666,98 @@ def wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
         del sets, token_major, k_major, candidates
 
 
+def weights_in_registers_variants(small: bool) -> dict[str, dict]:
+    """name -> (format, out dtype, kernel keywords) of the `weights_in_registers` set; the
+    first of each (format, out dtype) is what the others' bits are checked against."""
+    default = DEFAULT_MXFP8_WEIGHTS_CONFIG
+    if small:  # 64-token tiles in the interpreter
+        default = dataclasses.replace(
+            default, tile_m=64, max_concurrent_steps=2, num_sms=2, grid_tile_width=1
+        )
+    library_f32 = dataclasses.replace(default, tile_m=min(128, default.tile_m))
+    tall_f32 = dataclasses.replace(default, max_concurrent_steps=2)
+    f32 = jnp.float32
+    return {
+        "mxfp8 bf16 out, wgmma per MX block (default)": ("mxfp8", BF16, dict(config=default)),
+        "mxfp8 bf16 out, wgmma per 64-wide step": (
+            "mxfp8",
+            BF16,
+            dict(config=default, wgmma_k=64),
+        ),
+        "mxfp8 f32 out, 128 tokens, 4 stages (library)": (
+            "mxfp8",
+            f32,
+            dict(config=library_f32),
+        ),
+        "mxfp8 f32 out, 256 tokens, 2 stages": ("mxfp8", f32, dict(config=tall_f32)),
+        "nvfp4 bf16 out, float32 decode (default)": ("nvfp4", BF16, dict(config=default)),
+        "nvfp4 bf16 out, byte-permute decode": (
+            "nvfp4",
+            BF16,
+            dict(config=default, e2m1_decode="byte_permute"),
+        ),
+        "nvfp4 f32 out, float32 decode, 128 tokens, 4 stages (library)": (
+            "nvfp4",
+            f32,
+            dict(config=library_f32),
+        ),
+        "nvfp4 f32 out, byte-permute decode, 128 tokens, 4 stages": (
+            "nvfp4",
+            f32,
+            dict(config=library_f32, e2m1_decode="byte_permute"),
+        ),
+        "nvfp4 f32 out, float32 decode, 256 tokens, 2 stages": (
+            "nvfp4",
+            f32,
+            dict(config=tall_f32),
+        ),
+        "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages": (
+            "nvfp4",
+            f32,
+            dict(config=tall_f32, e2m1_decode="byte_permute"),
+        ),
+    }
+
+
+def weights_cases(run_case, shapes, small: bool) -> None:
+    """`weights_in_registers`: each (format, out dtype) group of
+    `weights_in_registers_variants` on G8 balanced, XLA's dense bf16 GEMM as the yardstick.
+    Tokens are bf16 (as the dequantize kernels give them; NVFP4's in its even/odd order),
+    weights random codes with scales that keep the sums finite."""
+    g, m, k, n, sizes = shapes["G8 balanced"]
+    keys = jax.random.split(jax.random.key(13), 4)
+    tokens = jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    weights = {
+        "mxfp8": (
+            jax.random.normal(keys[1], (g, n, k), jnp.float32).astype(E4M3),
+            jax.random.randint(keys[2], (g, n, k // 32), 120, 135).astype(jnp.uint8),
+        ),
+        "nvfp4": (
+            jax.random.randint(keys[1], (g, n, k // 2), 0, 256).astype(jnp.uint8),
+            jnp.exp2(
+                jax.random.randint(keys[3], (g, n, k // 16), -3, 4).astype(jnp.float32)
+            ).astype(E4M3),
+        ),
+    }
+    kernels = {
+        "mxfp8": grouped_matmul_mxfp8_weights,
+        "nvfp4": functools.partial(grouped_matmul_nvfp4_weights, lhs_order="even_odd"),
+    }
+    dense = (tokens, jax.random.normal(keys[3], (n, k), jnp.float32).astype(BF16))
+    groups: dict[tuple, dict] = {}
+    for name, (fmt, out_dtype, keywords) in weights_in_registers_variants(small).items():
+        call = functools.partial(kernels[fmt], out_dtype=out_dtype, interpret=small, **keywords)
+        groups.setdefault((fmt, out_dtype), {})[name] = (
+            jax.jit(lambda a, b, sb, s, call=call: call(a, b, sb, s)),
+            [(tokens, *weights[fmt], sizes)],
+        )
+    for (fmt, out_dtype), candidates in groups.items():
+        candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [dense])
+        out_name = jnp.dtype(out_dtype).name
+        run_case(f"G8 balanced fwd {fmt} in registers, {out_name} out", 2 * m * k * n, candidates)
+
+
 def main(
     out_dir: str | None = None,
     small: bool = False,
@@ -732,6 +839,11 @@ def main(
             }
         )
         three_consumer_cases(run_case, grouped, DENSE_SIZE)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "weights_in_registers":
+        if small:
+            shapes = {"G8 balanced": (2, 256, 128, 128, [100, 156])}
+        weights_cases(run_case, shapes, small)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None

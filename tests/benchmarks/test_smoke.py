@@ -96,6 +96,26 @@ def test_grouped_ab_cluster_m_runs_small(tmp_path):
     assert all(r["same_bits"] for r in rows if not r["variant"].startswith("XLA"))
 
 
+def test_grouped_ab_weights_in_registers_runs_small(tmp_path):
+    # The MXFP8 / NVFP4 in-register kernels' variants in the interpreter: every group runs,
+    # and NVFP4's decodes and tiles give the same f32 bits (the interpreter's wgmma is one dot
+    # per call, so MXFP8's 32- and 64-wide calls may differ here; on the GPU they may not).
+    from benchmarks import grouped_ab
+
+    grouped_ab.main(str(tmp_path), small=True, variants="weights_in_registers")
+    rows = json.loads((tmp_path / "grouped_ab_weights_in_registers.json").read_text())
+    cases = {r["case"] for r in rows}
+    assert cases == {
+        f"G8 balanced fwd {fmt} in registers, {out} out"
+        for fmt in ("mxfp8", "nvfp4")
+        for out in ("bfloat16", "float32")
+    }
+    assert all(r["ms"] > 0 for r in rows)
+    nvfp4_f32 = [r for r in rows if r["case"].endswith("nvfp4 in registers, float32 out")]
+    assert len(nvfp4_f32) == 5  # four variants and the yardstick
+    assert all(r["same_bits"] for r in nvfp4_f32 if not r["variant"].startswith("XLA"))
+
+
 def test_grouped_ab_block_tile_variants_fit_shared_memory():
     # The block_tiles set (timed on the H200 only: each interpreted variant costs CI minutes).
     import jax.numpy as jnp
