@@ -124,7 +124,7 @@ def grouped_matmul_mxfp8_weights(
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
         m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
         weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
-        128-token tiles for float32 outputs).
+        two stages for float32 outputs, whose epilogue takes twice the bytes).
       wgmma_k: K per wgmma call: 32 (one MX block: its weights scaled by one scale each;
         the SMEM tiles 32 wide) or 64 (the whole step: the two blocks' scales side by side;
         64-wide tiles with the 16-bit kernel's 128-byte swizzle). The
@@ -237,7 +237,7 @@ def grouped_matmul_nvfp4_weights(
     group_sizes: jax.Array,
     *,
     lhs_order: str = "natural",
-    e2m1_decode: str = "float32",
+    e2m1_decode: str = "byte_permute",
     out_dtype: jnp.dtype = jnp.bfloat16,
     group_starts: jax.Array | None = None,
     out_rows: int | None = None,
@@ -259,10 +259,11 @@ def grouped_matmul_nvfp4_weights(
         pass) or "even_odd": within each 64 columns, the 32 even-indexed ones, then the 32
         odd ones (`even_odd_columns`; what `dequantize_nvfp4(..., column_order="even_odd")`
         writes); K a multiple of 64 then.
-      e2m1_decode: how the codes become bf16 in registers (the same values either way):
-        "float32", the dequantize kernel's arithmetic (float16 bits, widened, times s · 2^14),
-        or "byte_permute", bf16 bytes looked up by PTX `prmt` (about half the instructions;
-        which is faster is for the H200 to say).
+      e2m1_decode: how the codes become bf16 in registers (the same values either way, bit
+        for bit on the GPU): "byte_permute", bf16 bytes looked up by PTX `prmt` (the default:
+        1.011 against 1.149 ms at G8 with bf16 outputs, 1.189 against 1.210 with f32, on an
+        H100 in alternation, 2026-12-05), or "float32", the dequantize kernel's arithmetic
+        (float16 bits, widened, times s · 2^14).
       out_dtype, group_starts, out_rows, config, interpret: as `grouped_matmul_mxfp8_weights`
         (the same default config).
 
@@ -446,13 +447,16 @@ def _check_out_dtype(out_dtype) -> jnp.dtype:
 
 def _checked_config(config, out_dtype, group_sizes, num_groups, group_starts, out_rows, name):
     """The group sizes and packed-output arguments checked, and the config (the default for
-    None: 128-token tiles for float32 outputs, whose epilogue chunks are twice the bytes)."""
+    None: two stages for float32 outputs, whose epilogue chunks are twice the bytes)."""
     common.check_group_sizes(group_sizes, num_groups)
     check_packed_output(group_starts, out_rows, num_groups)
     if config is None:
         config = DEFAULT_MXFP8_WEIGHTS_CONFIG
         if out_dtype == jnp.float32:
-            config = dataclasses.replace(config, tile_m=128)
+            # (H100, 2026-12-05, in alternation: 256 tokens with 2 stages ran 1.28 / 1.21 ms
+            # at G8 (MXFP8 / NVFP4) against 1.77 / 1.61 with 128 tokens and 4 stages: each
+            # step converts the same weights for half the MMAs at 128 tokens.)
+            config = dataclasses.replace(config, max_concurrent_steps=2)
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     _check_config(config, out_dtype, name)

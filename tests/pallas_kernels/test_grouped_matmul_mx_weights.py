@@ -219,8 +219,8 @@ def test_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, packed, 
         S((g,), jnp.int32),
     )
     wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
-    tokens = 256 if out_dtype == BF16 else 128  # the default tiles
-    assert wgmmas and all(f"m64n{tokens}k16.f32.bf16.bf16" in line for line in wgmmas)
+    # The default tiles: 256 tokens for both output dtypes (f32 with two stages).
+    assert wgmmas and all("m64n256k16.f32.bf16.bf16" in line for line in wgmmas)
     # After the accumulator's registers: A as four registers (the RS form; an SMEM A operand
     # would be a descriptor, like B's), then B's descriptor and the scale-d predicate.
     register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
@@ -262,7 +262,7 @@ def test_bad_inputs_raise_naming_the_argument(change, error, needle):
 
 def test_float32_output_matches_the_reference():
     # f32 parts are stored through the WGMMA_TRANSPOSED layout (grouped_matmul_common.
-    # store_transposed); both epilogue views, and the default (128-token) tile.
+    # store_transposed); both epilogue views, and f32's default tile (256 tokens, 2 stages).
     k_lhs, k_rhs = keys(2, seed=55)
     sizes = [37, 0, 150, 60]
     lhs = jax.random.normal(k_lhs, (300, 128), jnp.float32).astype(BF16)
@@ -270,7 +270,9 @@ def test_float32_output_matches_the_reference():
     want = reference(lhs, rhs, rhs_scale, sizes)
     for config in (TINY, dataclasses.replace(TINY, swizzled_epilogue=False), None):
         if config is None:
-            config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=128, num_sms=2)
+            config = dataclasses.replace(
+                DEFAULT_MXFP8_WEIGHTS_CONFIG, max_concurrent_steps=2, num_sms=2
+            )
         out = grouped_matmul_mxfp8_weights(
             lhs,
             rhs,
@@ -531,8 +533,8 @@ def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, pa
         S((g,), jnp.int32),
     )
     wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
-    tokens = 256 if out_dtype == BF16 else 128
-    assert wgmmas and all(f"m64n{tokens}k16.f32.bf16.bf16" in line for line in wgmmas)
+    # The default tiles: 256 tokens for both output dtypes (f32 with two stages).
+    assert wgmmas and all("m64n256k16.f32.bf16.bf16" in line for line in wgmmas)
     register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
     assert all(register_a.search(line) for line in wgmmas)
     # byte_permute: three permutes per register of packed bytes and nibble (8 registers of
