@@ -361,33 +361,34 @@ def gemm_kernels_enabled() -> bool:
     return backend == "pallas" or (backend == "auto" and on_gpu())
 
 
-# GEMM kernel paths that pass the interpreter and the H200 cross-lowering but have not run on a
-# GPU yet: under gemm_backend "auto" the ops keep their previous path, under "pallas" they take
-# these. Verified so far: the packed (token-order) output of the 16-bit and FP8 grouped kernels
+# Opt-in GEMM kernel paths: under gemm_backend "auto" the ops keep their previous path, under
+# "pallas" they take these. A path starts here while it has passed only the interpreter and the
+# H200 cross-lowering, and leaves once its gpu tests pass and it is no slower. Verified and
+# removed so far: the packed (token-order) output of the 16-bit and FP8 grouped kernels
 # and of the block-FP8 one ("fp8_block_packed_output", stop 26), bits equal to the aligned output
 # gathered (tests/pallas_kernels/test_grouped_matmul_gpu.py::test_gpu_*packed_output_*, 2026-12-01).
 # Also verified: the block-FP8 GEMM reading the 1×128 scales of the dense layer's lhs in the
 # "tiles" layout ("fp8_block_tiled_scales", ops/gemm.py::lhs_scale_layout), bits equal to the
 # "lines" path (tests/jax_qtrain/test_scale_layout.py::test_gpu_*, 2026-12-03).
-# Awaiting: the MXFP8 fprop / dgrad with the weights dequantized in registers
-# ("mxfp8_weights_in_registers", stop 46: pallas_kernels.grouped_matmul_mxfp8_weights, built
-# while no GPU was lent; its layer-level check is test_gemm_kernels.py::
-# test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits).
-# Awaiting too: the NVFP4 one ("nvfp4_weights_in_registers", stop 47: pallas_kernels.
-# grouped_matmul_nvfp4_weights, built while no GPU was lent; the same layer-level check,
-# test_gpu_nvfp4_weights_in_registers_match_the_dequantize_path).
-_GEMMS_AWAITING_GPU_VERIFICATION: set[str] = {
+# Kept opt-in: the MXFP8 and NVFP4 fprop / dgrad with the weights dequantized in registers
+# ("mxfp8_weights_in_registers", "nvfp4_weights_in_registers": pallas_kernels.
+# grouped_matmul_mx_weights, stops 46-47). Verified on an H100 on 2026-12-05: their layer tests
+# (test_gemm_kernels.py::test_gpu_*_weights_in_registers_*) and kernel tests passed. But they ran
+# slower than the dequantize-then-GEMM path they would replace (docs/benchmarks.md, stop 47), so
+# "auto" does not take them; "pallas" does.
+_OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
 }
 
 
 def gemm_path_enabled(path: str) -> bool:
-    """Whether the ops run the GEMM kernel path `path`: kernels enabled, and the path verified
-    on the H200 (`_GEMMS_AWAITING_GPU_VERIFICATION`) or the backend "pallas"."""
+    """Whether the ops run the GEMM kernel path `path`: kernels enabled, and the path not
+    opt-in (`_OPT_IN_GEMM_PATHS`: awaiting GPU verification, or verified and slower) or the
+    backend "pallas"."""
     if not gemm_kernels_enabled():
         return False
-    return _gemm_backend.value == "pallas" or path not in _GEMMS_AWAITING_GPU_VERIFICATION
+    return _gemm_backend.value == "pallas" or path not in _OPT_IN_GEMM_PATHS
 
 
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

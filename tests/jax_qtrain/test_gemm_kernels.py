@@ -200,8 +200,8 @@ def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
 
 @pytest.mark.gpu
 def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatch):
-    # The check that takes "mxfp8_weights_in_registers" out of kernels'
-    # _GEMMS_AWAITING_GPU_VERIFICATION: the MoE layer's y, dx and dw under "pallas" (fprop and
+    # The check (passed on an H100, 2026-12-05) that "mxfp8_weights_in_registers" computes
+    # what the default path does: the MoE layer's y, dx and dw under "pallas" (fprop and
     # dgrad with the weights dequantized in the GEMM kernel) equal those under "auto" (the
     # 16-bit kernel on dequantized weights) bit for bit: the same k16 products, same order.
     recipe = jq.MXFP8BlockScaling()
@@ -223,8 +223,8 @@ def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatc
 
 @pytest.mark.gpu
 def test_gpu_nvfp4_weights_in_registers_match_the_dequantize_path(monkeypatch):
-    # The check that takes "nvfp4_weights_in_registers" out of kernels'
-    # _GEMMS_AWAITING_GPU_VERIFICATION: the MoE layer's y, dx and dw under "pallas" (fprop and
+    # The check (passed on an H100, 2026-12-05) that "nvfp4_weights_in_registers" computes
+    # what the default path does: the MoE layer's y, dx and dw under "pallas" (fprop and
     # dgrad with the weights dequantized in the GEMM kernel, the tokens in its even/odd order)
     # against "auto" (the 16-bit kernel on dequantized operands): the same products summed in
     # another order, so float32 rounding apart (dw is the same path in both).
