@@ -50,8 +50,10 @@ for the run's clocks) are timed batch by batch in alternation
   64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
   without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
 * ``weights_in_registers``: the MXFP8 and NVFP4 kernels with the weights dequantized in
-  registers (stops 46-47), G8 balanced: bf16 outputs on the default 256-token tiles (MXFP8:
-  one wgmma per MX block or per 64-wide step; NVFP4: the float32 and the byte-permute
+  registers (stops 46-47), G8 balanced, with one ablation (NVFP4 without its decode, wrong
+  outputs by design: does the structure alone run fast?): bf16 outputs on the default
+  256-token tiles (MXFP8: one wgmma per MX block or per 64-wide step; NVFP4: the float32 and
+  the byte-permute
   decodes), and float32 outputs as the library calls them, on 128-token tiles with four
   stages (the default for f32: its epilogue chunks are twice the bytes) against 256-token
   tiles with two. At 128 tokens a consumer converts as many weights per step as at 256 for
@@ -110,6 +112,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +131,7 @@ from benchmarks.timing import (
     report,
     same_bits_as_first,
 )
+from pallas_kernels import grouped_matmul_mx_weights as mx_weights
 from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
@@ -752,10 +756,36 @@ def weights_cases(run_case, shapes, small: bool) -> None:
             jax.jit(lambda a, b, sb, s, call=call: call(a, b, sb, s)),
             [(tokens, *weights[fmt], sizes)],
         )
+    # Ablation (wrong outputs, by design): NVFP4 with the decode replaced by a constant, so
+    # the packed bytes' loads and conversion go (the scales' loads and multiply stay). How
+    # fast the structure alone runs (register operands, no wgmma in flight, the transposed
+    # epilogue) tells whether the conversion or the structure is what stop 47's H100 run
+    # measured as slow. Compiled under the patch; not compared bit for bit.
+    ablation = "nvfp4 bf16 out, ABLATION: no decode (constant weights)"
+    args = (tokens, *weights["nvfp4"], sizes)
+    with unittest.mock.patch.object(
+        mx_weights,
+        "_e2m1_as_bf16_by_permutes",
+        lambda packed, nibble, interpreting: jnp.full(packed.shape, 0.5, BF16),
+    ):
+        call = functools.partial(
+            kernels["nvfp4"],
+            out_dtype=BF16,
+            interpret=small,
+            **weights_in_registers_variants(small)["nvfp4 bf16 out, byte-permute decode"][2],
+        )
+        compiled = jax.jit(lambda a, b, sb, s: call(a, b, sb, s)).lower(*args).compile()
+    groups[("nvfp4", BF16)][ablation] = (compiled, [args])
     for (fmt, out_dtype), candidates in groups.items():
         candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [dense])
         out_name = jnp.dtype(out_dtype).name
-        run_case(f"G8 balanced fwd {fmt} in registers, {out_name} out", 2 * m * k * n, candidates)
+        compare = [name for name in candidates if "ABLATION" not in name and "XLA" not in name]
+        run_case(
+            f"G8 balanced fwd {fmt} in registers, {out_name} out",
+            2 * m * k * n,
+            candidates,
+            compare=compare,
+        )
 
 
 def main(
