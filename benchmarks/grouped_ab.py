@@ -50,15 +50,13 @@ for the run's clocks) are timed batch by batch in alternation
   64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
   without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
 * ``weights_in_registers``: the MXFP8 and NVFP4 kernels with the weights dequantized in
-  registers (stops 46-47), G8 balanced, with one ablation (NVFP4 without its decode, wrong
-  outputs by design: does the structure alone run fast?): bf16 outputs on the default
-  256-token tiles (MXFP8: one wgmma per MX block or per 64-wide step; NVFP4: the float32 and
-  the byte-permute
+  registers (stops 46-47), G8 balanced. bf16 outputs on the default 256-token tiles (MXFP8:
+  one wgmma per MX block or per 64-wide step; NVFP4: the float32 and the byte-permute
   decodes), and float32 outputs as the library calls them, on 128-token tiles with four
-  stages (the default for f32: its epilogue chunks are twice the bytes) against 256-token
-  tiles with two. At 128 tokens a consumer converts as many weights per step as at 256 for
-  half the MMA time, so this asks whether the conversions still hide. Outputs of a format and
-  output dtype are checked bit for bit against each other (the same values, the same order);
+  stages against 256-token tiles with two (at 128 tokens a consumer converts as many weights
+  per step for half the MMA time). Outputs of a format and output dtype are checked bit for
+  bit against each other (the same values, the same order). One ablation, NVFP4 without its
+  decode (wrong outputs by design), asks whether the structure alone runs fast;
 * ``three_consumers``: block FP8 with three consumer warpgroups of 64 x 128 (`num_consumers=3`,
   `consumer_split="m"`, 192 x (2 x 64) CTA tiles: the default since stop 43), whose main +
   chunk accumulators leave no room for a 128-row tile with two consumers (40 KB of lhs + rhs
