@@ -198,13 +198,9 @@ def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
     _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
 
 
-@pytest.mark.gpu
-def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatch):
-    # The check (passed on an H100, 2026-12-05) that "mxfp8_weights_in_registers" computes
-    # what the default path does: the MoE layer's y, dx and dw under "pallas" (fprop and
-    # dgrad with the weights dequantized in the GEMM kernel) equal those under "auto" (the
-    # 16-bit kernel on dequantized weights) bit for bit: the same k16 products, same order.
-    recipe = jq.MXFP8BlockScaling()
+def _auto_and_pallas_moe(monkeypatch, recipe, adapter: str):
+    """(y, dx, dw) of the MoE layer under gemm_backend "auto" and under "pallas" (which takes
+    the opt-in weights-in-registers paths), and whether each `kernels.<adapter>` call ran."""
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (4096, 1024), jnp.bfloat16)
     w = (jax.random.normal(kw, (3, 1024, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
@@ -213,9 +209,21 @@ def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatc
     run = jax.jit(grouped_fwd_bwd, static_argnums=4)
     with kernels.gemm_backend("auto"):
         want = run(x, w, sizes, dy, recipe)
-    calls = count_calls(monkeypatch, "grouped_mxfp8_weights_gemm")
+    calls = count_calls(monkeypatch, adapter)
     with kernels.gemm_backend("pallas"):
         got = run(x, w, sizes, dy, recipe)
+    return want, got, calls
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_weights_in_registers_give_the_dequantize_path_bits(monkeypatch):
+    # The check (passed on an H100, 2026-12-05) that "mxfp8_weights_in_registers" computes
+    # what the default path does: the MoE layer's y, dx and dw under "pallas" (fprop and
+    # dgrad with the weights dequantized in the GEMM kernel) equal those under "auto" (the
+    # 16-bit kernel on dequantized weights) bit for bit: the same k16 products, same order.
+    want, got, calls = _auto_and_pallas_moe(
+        monkeypatch, jq.MXFP8BlockScaling(), "grouped_mxfp8_weights_gemm"
+    )
     assert calls == [True, True]  # fprop and dgrad
     for g, w_ in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
@@ -228,18 +236,9 @@ def test_gpu_nvfp4_weights_in_registers_match_the_dequantize_path(monkeypatch):
     # dgrad with the weights dequantized in the GEMM kernel, the tokens in its even/odd order)
     # against "auto" (the 16-bit kernel on dequantized operands): the same products summed in
     # another order, so float32 rounding apart (dw is the same path in both).
-    recipe = jq.NVFP4BlockScaling()
-    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(kx, (4096, 1024), jnp.bfloat16)
-    w = (jax.random.normal(kw, (3, 1024, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    dy = jax.random.normal(kg, (4096, 768), jnp.bfloat16)
-    sizes = jnp.asarray([1000, 0, 1700], jnp.int32)
-    run = jax.jit(grouped_fwd_bwd, static_argnums=4)
-    with kernels.gemm_backend("auto"):
-        want = run(x, w, sizes, dy, recipe)
-    calls = count_calls(monkeypatch, "grouped_nvfp4_weights_gemm")
-    with kernels.gemm_backend("pallas"):
-        got = run(x, w, sizes, dy, recipe)
+    want, got, calls = _auto_and_pallas_moe(
+        monkeypatch, jq.NVFP4BlockScaling(), "grouped_nvfp4_weights_gemm"
+    )
     assert calls == [True, True]  # fprop and dgrad
     assert_close(got, want)
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
