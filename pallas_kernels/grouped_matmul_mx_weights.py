@@ -670,6 +670,8 @@ class _WordOps:
 def _e2m1_pair_bits(words, nibble: int, ops: _WordOps):
     """bf16 bits of E2M1 nibble `nibble` (0: bits 3..0, 1: bits 7..4) of b0 (low half) and of b1
     (high half) of words = b0 | b1 << 8."""
+    if nibble not in (0, 1):
+        raise ValueError(f"nibble must be 0 (bits 3..0) or 1 (bits 7..4), got {nibble!r}")
     if nibble == 0:  # magnitudes at bits 2..0 and 10..8, signs at 3 and 11
         shifted = ops.shift_left(words, 4)
         high_selectors, low_selectors = ops.mask(shifted, 0x7070), ops.mask(words, 0x0707)

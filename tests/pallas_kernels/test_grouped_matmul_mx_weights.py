@@ -476,6 +476,11 @@ def test_byte_permute_decode_of_every_byte_pair(nibble):
         np.testing.assert_array_equal(half.astype(np.uint16), want.view(np.uint16))
 
 
+def test_byte_permute_decode_refuses_a_nibble_other_than_0_or_1():
+    with pytest.raises(ValueError, match=r"nibble must be 0 \(bits 3\.\.0\) or 1"):
+        e2m1_word_as_bf16_bits(np.arange(4, dtype=np.uint32), 2)
+
+
 def test_even_odd_columns_and_the_dequantize_kernel_agree():
     # The reordering the kernel contracts in, and the dequantize kernel writing it directly:
     # the same bits as the natural order reordered.
