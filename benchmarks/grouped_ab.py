@@ -50,14 +50,14 @@ for the run's clocks) are timed batch by batch in alternation
   64 x (2 x 128) block-FP8 CTA reads 24 instead of 40 KB from L2 per K step), with and
   without the persistent pipeline; XLA's dense bf16 and FP8 GEMMs as yardsticks;
 * ``weights_in_registers``: the MXFP8 and NVFP4 kernels with the weights dequantized in
-  registers (stops 46-48), G8 balanced. bf16 outputs on the default 256-token tiles (MXFP8:
+  registers (stops 46-47), G8 balanced. bf16 outputs on the default 256-token tiles (MXFP8:
   one wgmma per MX block or per 64-wide step; NVFP4: the byte-permute and the float32
-  decodes), each default also with its wgmmas kept in flight while the next step converts
-  (`wgmma_in_flight=1`, stop 48), and float32 outputs on the default (and the library's)
-  256-token tiles with two stages, with a wgmma in flight, and on 128-token tiles with four.
-  Outputs of a format and output dtype are checked bit for bit against each other (the same
-  values, the same order). Two ablations, NVFP4 without its decode (wrong outputs by design)
-  with and without a wgmma in flight, ask whether the structure alone runs fast;
+  decodes), and float32 outputs on the default (and the library's) 256-token tiles with two
+  stages and on 128-token tiles with four. Outputs of a format and output dtype are checked
+  bit for bit against each other (the same values, the same order). One ablation, NVFP4
+  without its decode (wrong outputs by design), asks whether the structure alone runs fast
+  (stop 48 also timed every default with a wgmma in flight: wrong outputs on the H200, and
+  no faster; docs/kernels_grouped_matmul.md);
 * ``three_consumers``: block FP8 with three consumer warpgroups of 64 x 128 (`num_consumers=3`,
   `consumer_split="m"`, 192 x (2 x 64) CTA tiles: the default since stop 43), whose main +
   chunk accumulators leave no room for a 128-row tile with two consumers (40 KB of lhs + rhs
@@ -678,35 +678,18 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
         default = dataclasses.replace(
             default, tile_m=64, max_concurrent_steps=2, num_sms=2, grid_tile_width=1
         )
-    in_flight = dataclasses.replace(default, wgmma_in_flight=1)
     # float32 outputs: the default (and the library's) takes 256-token tiles with two stages.
     tall_f32 = dataclasses.replace(default, max_concurrent_steps=2)
-    tall_f32_in_flight = dataclasses.replace(tall_f32, wgmma_in_flight=1)
     short_f32 = dataclasses.replace(default, tile_m=min(128, default.tile_m))
     f32 = jnp.float32
     permute, float32 = dict(e2m1_decode="byte_permute"), dict(e2m1_decode="float32")
     return {
         "mxfp8 bf16 out, wgmma per MX block (default)": ("mxfp8", BF16, dict(config=default)),
-        "mxfp8 bf16 out, wgmma per MX block, wgmma in flight": (
-            "mxfp8",
-            BF16,
-            dict(config=in_flight),
-        ),
         "mxfp8 bf16 out, wgmma per 64-wide step": ("mxfp8", BF16, dict(config=default, wgmma_k=64)),
-        "mxfp8 bf16 out, wgmma per 64-wide step, wgmma in flight": (
-            "mxfp8",
-            BF16,
-            dict(config=in_flight, wgmma_k=64),
-        ),
         "mxfp8 f32 out, 256 tokens, 2 stages (default, library)": (
             "mxfp8",
             f32,
             dict(config=tall_f32),
-        ),
-        "mxfp8 f32 out, 256 tokens, 2 stages, wgmma in flight": (
-            "mxfp8",
-            f32,
-            dict(config=tall_f32_in_flight),
         ),
         "mxfp8 f32 out, 128 tokens, 4 stages": ("mxfp8", f32, dict(config=short_f32)),
         "nvfp4 bf16 out, byte-permute decode (default)": (
@@ -714,21 +697,11 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
             BF16,
             dict(config=default, **permute),
         ),
-        "nvfp4 bf16 out, byte-permute decode, wgmma in flight": (
-            "nvfp4",
-            BF16,
-            dict(config=in_flight, **permute),
-        ),
         "nvfp4 bf16 out, float32 decode": ("nvfp4", BF16, dict(config=default, **float32)),
         "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages (default, library)": (
             "nvfp4",
             f32,
             dict(config=tall_f32, **permute),
-        ),
-        "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages, wgmma in flight": (
-            "nvfp4",
-            f32,
-            dict(config=tall_f32_in_flight, **permute),
         ),
         "nvfp4 f32 out, byte-permute decode, 128 tokens, 4 stages": (
             "nvfp4",
@@ -773,32 +746,22 @@ def weights_cases(run_case, shapes, small: bool) -> None:
         )
     # Ablation (wrong outputs, by design): NVFP4 with the decode replaced by a constant, so
     # the packed bytes' loads and conversion go (the scales' loads and multiply stay). How
-    # fast the structure alone runs (register operands, the transposed epilogue; with and
-    # without a wgmma in flight) tells whether the conversion or the structure is what stop
-    # 47's H100 run measured as slow. Compiled under the patch; not compared bit for bit.
+    # fast the structure alone runs (register operands, no wgmma in flight, the transposed
+    # epilogue) tells whether the conversion or the structure is what stop 47's H100 run
+    # measured as slow. Compiled under the patch; not compared bit for bit.
+    ablation = "nvfp4 bf16 out, ABLATION: no decode (constant weights)"
     args = (tokens, *weights["nvfp4"], sizes)
-    variants = weights_in_registers_variants(small)
-    for ablation, variant in [
-        (
-            "nvfp4 bf16 out, ABLATION: no decode (constant weights)",
-            "nvfp4 bf16 out, byte-permute decode (default)",
-        ),
-        (
-            "nvfp4 bf16 out, ABLATION: no decode, wgmma in flight",
-            "nvfp4 bf16 out, byte-permute decode, wgmma in flight",
-        ),
-    ]:
-        with unittest.mock.patch.object(
-            mx_weights,
-            "_e2m1_as_bf16_by_permutes",
-            lambda packed, nibble, interpreting: jnp.full(packed.shape, 0.5, BF16),
-        ):
-            call = functools.partial(
-                kernels["nvfp4"], out_dtype=BF16, interpret=small, **variants[variant][2]
-            )
-            compiled = jax.jit(lambda a, b, sb, s, call=call: call(a, b, sb, s))
-            compiled = compiled.lower(*args).compile()
-        groups[("nvfp4", BF16)][ablation] = (compiled, [args])
+    with unittest.mock.patch.object(
+        mx_weights,
+        "_e2m1_as_bf16_by_permutes",
+        lambda packed, nibble, interpreting: jnp.full(packed.shape, 0.5, BF16),
+    ):
+        default = weights_in_registers_variants(small)[
+            "nvfp4 bf16 out, byte-permute decode (default)"
+        ]
+        call = functools.partial(kernels["nvfp4"], out_dtype=BF16, interpret=small, **default[2])
+        compiled = jax.jit(lambda a, b, sb, s: call(a, b, sb, s)).lower(*args).compile()
+    groups[("nvfp4", BF16)][ablation] = (compiled, [args])
     for (fmt, out_dtype), candidates in groups.items():
         candidates["XLA dense bf16"] = (jax.jit(lambda a, b: a @ b.T), [dense])
         out_name = jnp.dtype(out_dtype).name

@@ -15,16 +15,14 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   `torch._scaled_grouped_mm` and XLA's dense FP8 GEMM;
 * G8 forward with MXFP8 tokens and weights: the library's path (both dequantized by the
   Pallas kernel, then the 16-bit kernel) against the weights dequantized in registers
-  (`grouped_matmul_mxfp8_weights`, stop 46; one wgmma per MX block or per 64-wide K step,
-  and per MX block with a step's wgmmas in flight while the next converts, stop 48),
+  (`grouped_matmul_mxfp8_weights`, stop 46; one wgmma per MX block or per 64-wide K step),
   checked bit for bit against it first; XLA's dense
   bf16 GEMM and its dense MXFP8 `scaled_dot_general` of the same flops (issue 5's "≥ 0.95× XLA
   dense bf16");
 * the same with NVFP4 tokens and weights: the library's path against the weights dequantized
   in registers (`grouped_matmul_nvfp4_weights`, stop 47), its tokens dequantized in the
   kernel's even/odd column order (the same products summed in another order: not bit for bit),
-  with either decode of the codes, and the byte permutes with a wgmma in flight (the three
-  checked bit for bit against each other);
+  with either decode of the codes (the two checked bit for bit against each other);
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
@@ -55,19 +53,12 @@ from benchmarks.timing import (
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
 from pallas_kernels.grouped_matmul_mx_weights import (
-    DEFAULT_MXFP8_WEIGHTS_CONFIG,
     grouped_matmul_mxfp8_weights,
     grouped_matmul_nvfp4_weights,
 )
 
 SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
-
-
-def _in_flight(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
-    """The in-register kernels' config (None: their default) with a step's wgmmas kept in
-    flight while the next step converts (stop 48)."""
-    return dataclasses.replace(config or DEFAULT_MXFP8_WEIGHTS_CONFIG, wgmma_in_flight=1)
 
 
 class _TorchResult:
@@ -210,7 +201,6 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
     weights_config = (
         dataclasses.replace(SMALL_CONFIG, tile_n=64, epilogue_buffers=1) if small else None
     )
-    in_flight_config = _in_flight(weights_config)
 
     def tokens_bf16(a, sa):
         return pk.dequantize_mxfp8(a, sa, out_dtype=BF16, interpret=interpret)
@@ -221,13 +211,13 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ).reshape(g, n, k)
         return grouped_matmul(tokens_bf16(a, sa), weights, s, config=config, interpret=interpret)
 
-    def weights_in_registers(a, sa, b, sb, s, wgmma_k=32, config=weights_config):
+    def weights_in_registers(a, sa, b, sb, s, wgmma_k=32):
         return grouped_matmul_mxfp8_weights(
             tokens_bf16(a, sa),
             b,
             sb,
             s,
-            config=config,
+            config=weights_config,
             wgmma_k=wgmma_k,
             interpret=interpret,
         )
@@ -245,10 +235,6 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "ours: the same, one wgmma per 64-wide K step": (
             jax.jit(functools.partial(weights_in_registers, wgmma_k=64)),
-            operands,
-        ),
-        "ours: the same per MX block, wgmma in flight": (
-            jax.jit(functools.partial(weights_in_registers, config=in_flight_config)),
             operands,
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
@@ -284,7 +270,6 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
     weights_config = (
         dataclasses.replace(SMALL_CONFIG, tile_n=64, epilogue_buffers=1) if small else None
     )
-    in_flight_config = _in_flight(weights_config)
 
     def dequantize(a, sa, column_order="natural"):
         return pk.dequantize_nvfp4(
@@ -297,7 +282,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
             dequantize(a, sa), weights.reshape(g, n, k), s, config=config, interpret=interpret
         )
 
-    def weights_in_registers(a, sa, b, sb, s, e2m1_decode="float32", config=weights_config):
+    def weights_in_registers(a, sa, b, sb, s, e2m1_decode="float32"):
         return grouped_matmul_nvfp4_weights(
             dequantize(a, sa, "even_odd"),
             b,
@@ -305,7 +290,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
             s,
             lhs_order="even_odd",
             e2m1_decode=e2m1_decode,
-            config=config,
+            config=weights_config,
             interpret=interpret,
         )
 
@@ -326,14 +311,6 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "ours: the same, codes decoded by byte permutes": (
             jax.jit(functools.partial(weights_in_registers, e2m1_decode="byte_permute")),
-            operands,
-        ),
-        "ours: the same by byte permutes, wgmma in flight": (
-            jax.jit(
-                functools.partial(
-                    weights_in_registers, e2m1_decode="byte_permute", config=in_flight_config
-                )
-            ),
             operands,
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
@@ -397,12 +374,11 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
             run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
         del sets
         mx = mxfp8_candidates(g, m, k, n, sizes, small)
-        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:4])
+        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:3])
         del mx
         nv = nvfp4_candidates(g, m, k, n, sizes, small)
-        # (The in-register decodes, with and without a wgmma in flight, give the same values:
-        # checked bit for bit.)
-        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:4])
+        # (The two in-register decodes give the same values: checked bit for bit.)
+        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:3])
         del nv
     run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
 

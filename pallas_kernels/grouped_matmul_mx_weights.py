@@ -34,17 +34,15 @@ The values are those of the dequantize-then-GEMM path bit for bit: each weight i
 ``bf16(code · 2^(byte − 127))`` exactly as `grouped_matmul_mx.dequantize_block` computes it
 (packed bfloat16 arithmetic; byte 0xFF → NaN) and the products accumulate in f32.
 
-PTX forbids touching a register operand before its wgmma is waited on. The kernel never does:
-each step converts into fresh values, and ptxas, which allocates the physical registers, keeps
-an in-flight wgmma's operands apart (or serializes the wgmmas, with its C7515 note). So
-`wgmma_in_flight=1` (stop 48) lets a step's last wgmma run on while the next step converts, the
-step's stages released a step later. Stop 19 saw wrong outputs from its `lhs_in_registers`
-variant with a wgmma in flight, a cause never isolated, so the default stays 0 until the `gpu`
-tests have compared both settings' bits and the H200 has timed them. Mosaic GPU's interpreter
-has no register-operand wgmma (it runs every wgmma synchronously): there the converted
-weights go through a bfloat16 SMEM tile and an SMEM-operand wgmma (the same values, so the CPU
-tests check the conversion, the tiling and the transposed epilogue; the `gpu` tests the RS
-path and the wgmma in flight).
+A register-operand wgmma must not see its A registers change before it completes, so no wgmma
+stays in flight across steps (`wgmma_in_flight=0`). Twice measured on the H200: stop 19's
+kernel and stop 48's try here (the next step converting into fresh values while the step's
+last wgmma ran, the stages released a step later) gave wrong outputs, and the latter was no
+faster (1-3%; with the decode ablated, 655 vs 654 TFLOP/s), so it is refused. Mosaic GPU's
+interpreter has no register-operand wgmma: there the converted weights go through a bfloat16
+SMEM tile and an SMEM-operand wgmma (the same values, so the CPU tests check the conversion,
+the tiling and the transposed epilogue; the `gpu` tests the RS
+path).
 """
 
 from __future__ import annotations
@@ -130,7 +128,7 @@ def grouped_matmul_mxfp8_weights(
       group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s: group g
         reads lhs rows from ``group_starts[g]`` and writes its rows after the previous groups'.
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
-        m64 wgmma per consumer), tile_k = 64, wgmma_in_flight 0 or 1, consumers splitting the
+        m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
         weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
         two stages for float32 outputs, whose epilogue takes twice the bytes).
       wgmma_k: K per wgmma call: 32 (one MX block: its weights scaled by one scale each;
@@ -505,10 +503,6 @@ def _weights_in_registers_gemm(
     lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, padded_k)
     scale_rows = rhs_scale_t.shape[1] // (padded_k // STEP_K)
 
-    # A step's wgmmas may still read its tokens while the next step converts
-    # (wgmma_in_flight=1): its stage is released a step later (Mosaic GPU's pipeline delays
-    # every input alike; the codes and scales were read before the wgmmas were issued).
-    in_flight = config.wgmma_in_flight
     # The tokens in wgmma_k-wide tiles (32: 64-byte swizzled rows, so that each part's columns
     # are whole tiles; 64: 128-byte rows, as the 16-bit kernel's tiles).
     in_specs = (
@@ -516,15 +510,13 @@ def _weights_in_registers_gemm(
             (tile_m, STEP_K),
             lambda kk: (0, kk),
             transforms=common.smem_transforms(wgmma_k, jnp.bfloat16),
-            delay_release=in_flight,
         ),
         plgpu.BlockSpec(
             (2 * tile_n, codes_width),
             lambda kk: (0, kk),
             transforms=common.smem_transforms(min(wgmma_k, codes_width), codes_dtype),
-            delay_release=in_flight,
         ),
-        plgpu.BlockSpec((scale_rows, 2 * tile_n), lambda kk: (kk, 0), delay_release=in_flight),
+        plgpu.BlockSpec((scale_rows, 2 * tile_n), lambda kk: (kk, 0)),
     )
 
     def pipeline_refs(refs, ctx: driver.TileContext):
@@ -560,13 +552,8 @@ def _weights_in_registers_gemm(
                 plgpu.wgmma(acc_ref, weights_tile, tokens)
             else:
                 plgpu.wgmma(acc_ref, weights, tokens)
-        # wgmma_in_flight=0: every wgmma of the step finishes before the next step converts.
-        # 1: the step's last wgmma (each call is one commit group) runs on while the next
-        # step converts its first part into fresh registers, as a step's second part already
-        # converts under its first (see the module docstring; the `gpu` tests check the bits
-        # against wgmma_in_flight=0). One part in flight, not the whole step: its A
-        # registers (8 a thread for a k32 part) are all the extra the wait asks for.
-        plgpu.wgmma_wait(in_flight)
+        # The A registers must not change under a wgmma still running: no wgmma in flight.
+        plgpu.wgmma_wait(0)
         return acc_ref
 
     def run_tile(refs, ctx, run_pipeline):
@@ -617,10 +604,11 @@ def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype, name: str) 
         # The transposed part's epilogue chunks are row slices of a wgmma accumulator, whose
         # layout comes in 64-row tiles.
         raise ValueError(f"config: epi_tile_n must be a multiple of 64, got {config.epi_tile_n}")
-    if config.wgmma_in_flight and config.persistent_pipeline:
+    if config.wgmma_in_flight:
         raise ValueError(
-            "config: wgmma_in_flight=1 needs persistent_pipeline=False (the token stage read "
-            "by the wgmma in flight is released one step later)"
+            "config: a register-operand wgmma cannot stay in flight (its A registers are "
+            "rewritten by the next step; wrong outputs on the H200 in stops 19 and 48): "
+            "wgmma_in_flight must be 0"
         )
     if config.cluster_n > 1 or config.cluster_m > 1:
         raise ValueError(f"config: {name} runs without clusters")

@@ -11,7 +11,6 @@ order irrelevant, so those outputs must equal the float64 reference rounded to b
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -111,9 +110,8 @@ def test_exact_sums_equal_the_reference_bit_for_bit(sizes, rows, k, cols, fp8_dt
         dict(persistent_pipeline=True),  # the pipeline kept running across tiles
         dict(swizzled_epilogue=False),  # every tile through the plain transposed view
         dict(tile_m=192, grid_minor_dim=1),  # 192-token tiles, weight-row tiles walked first
-        dict(wgmma_in_flight=1),  # each step's stages released a step later
     ],
-    ids=["persistent", "plain epilogue", "192 tokens, columns minor", "wgmma in flight"],
+    ids=["persistent", "plain epilogue", "192 tokens, columns minor"],
 )
 def test_schedules_give_the_exact_sums(changes):
     sizes = [70, 0, 130, 1]
@@ -319,10 +317,7 @@ def test_out_dtype_must_be_bfloat16_or_float32():
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        (
-            dict(wgmma_in_flight=1, persistent_pipeline=True),
-            "wgmma_in_flight=1 needs persistent_pipeline=False",
-        ),
+        (dict(wgmma_in_flight=1), "wgmma_in_flight must be 0"),
         (dict(tile_m=64, tile_n=128), "tile_n must be 64"),
         (dict(epi_tile_n=32), "epi_tile_n must be a multiple of 64, got 32"),
         (dict(cluster_n=2), "without clusters"),
@@ -399,18 +394,13 @@ def test_nvfp4_exact_sums_equal_the_reference_bit_for_bit(
 def test_nvfp4_random_operands_float32_and_schedules():
     # Random tokens and scales over E4M3's range (subnormal 2^-9 to 448): f32 sums in the
     # kernel's order, within f32 rounding of the float64 reference; f32 and bf16 outputs, both
-    # epilogue views, the persistent pipeline, a wgmma in flight, scale bytes as uint8.
+    # epilogue views, the persistent pipeline, scale bytes as uint8.
     k_lhs, k_rhs = keys(2, seed=62)
     sizes = [37, 0, 150, 60]
     lhs = jax.random.normal(k_lhs, (300, 128), jnp.float32).astype(BF16)
     rhs, rhs_scale = nvfp4_weights(k_rhs, 4, 128, 128, scales=(2.0**-9, 0.375, 1.0, 448.0))
     want = nvfp4_reference(lhs, rhs, rhs_scale, sizes)
-    for changes in (
-        {},
-        dict(swizzled_epilogue=False),
-        dict(persistent_pipeline=True),
-        dict(wgmma_in_flight=1),
-    ):
+    for changes in ({}, dict(swizzled_epilogue=False), dict(persistent_pipeline=True)):
         out = run_nvfp4(
             lhs,
             rhs,
@@ -555,30 +545,6 @@ def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, pa
     # byte_permute: three permutes per register of packed bytes and nibble (8 registers of
     # the (64, 32) bytes a thread, two nibbles).
     assert module.count("prmt.b32") == (48 if e2m1_decode == "byte_permute" else 0)
-
-
-@pytest.mark.parametrize("fmt, wgmma_k", [("mxfp8", 32), ("mxfp8", 64), ("nvfp4", 32)])
-def test_wgmma_in_flight_lowers_with_a_wait_for_all_but_the_last_wgmma(fmt, wgmma_k):
-    # wgmma_in_flight=1 on issue 5's G8 shape: each step ends waiting until only its last
-    # wgmma (one commit group per call) may still run, instead of waiting for all of them;
-    # the wgmmas keep their register A operand.
-    g, m, k, n = 8, 16384, 4096, 4096
-    config = dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, wgmma_in_flight=1)
-    if fmt == "mxfp8":
-        kernel = functools.partial(grouped_matmul_mxfp8_weights, wgmma_k=wgmma_k, config=config)
-        weights = (S((g, n, k), E4M3), S((g, n, k // 32), jnp.uint8))
-    else:
-        kernel = functools.partial(
-            grouped_matmul_nvfp4_weights, lhs_order="even_odd", config=config
-        )
-        weights = (S((g, n, k // 2), jnp.uint8), S((g, n, k // 16), E4M3))
-    (module,) = mosaic_modules(kernel, S((m, k), BF16), *weights, S((g,), jnp.int32))
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", module)
-    # The step's wait, then the accumulator's read before the epilogue waits for them all.
-    assert sorted(set(waits)) == ["0", "1"]
-    wgmmas = [line for line in module.splitlines() if "wgmma.mma_async" in line]
-    register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
-    assert wgmmas and all(register_a.search(line) for line in wgmmas)
 
 
 def _nvfp4_operands():
