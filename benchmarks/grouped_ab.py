@@ -684,14 +684,18 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
     f32 = jnp.float32
     permute, float32 = dict(e2m1_decode="byte_permute"), dict(e2m1_decode="float32")
     return {
-        "mxfp8 bf16 out, wgmma per MX block (default)": ("mxfp8", BF16, dict(config=default)),
-        "mxfp8 bf16 out, wgmma per 64-wide step": ("mxfp8", BF16, dict(config=default, wgmma_k=64)),
+        "mxfp8 bf16 out, wgmma per 64-wide step (default)": (
+            "mxfp8",
+            BF16,
+            dict(config=default, wgmma_k=64),
+        ),
+        "mxfp8 bf16 out, wgmma per MX block": ("mxfp8", BF16, dict(config=default, wgmma_k=32)),
         "mxfp8 f32 out, 256 tokens, 2 stages (default, library)": (
             "mxfp8",
             f32,
-            dict(config=tall_f32),
+            dict(config=tall_f32, wgmma_k=64),
         ),
-        "mxfp8 f32 out, 128 tokens, 4 stages": ("mxfp8", f32, dict(config=short_f32)),
+        "mxfp8 f32 out, 128 tokens, 4 stages": ("mxfp8", f32, dict(config=short_f32, wgmma_k=64)),
         "nvfp4 bf16 out, byte-permute decode (default)": (
             "nvfp4",
             BF16,
