@@ -53,7 +53,9 @@ for the run's clocks) are timed batch by batch in alternation
   registers (stops 46-47), G8 balanced. bf16 outputs on the default 256-token tiles (MXFP8:
   one wgmma per MX block or per 64-wide step; NVFP4: the byte-permute and the float32
   decodes), and float32 outputs on the default (and the library's) 256-token tiles with two
-  stages and on 128-token tiles with four. Outputs of a format and output dtype are checked
+  stages and on 128-token tiles with four; and each with two K steps a stage (`tile_k=128`,
+  stop 48: the second step converts under the first's wgmmas; two stages of 256 tokens for
+  bf16, three of 128 for f32, what fits). Outputs of a format and output dtype are checked
   bit for bit against each other (the same values, the same order). One ablation, NVFP4
   without its decode (wrong outputs by design), asks whether the structure alone runs fast
   (stop 48 also timed every default with a wgmma in flight: wrong outputs on the H200, and
@@ -681,6 +683,12 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
     # float32 outputs: the default (and the library's) takes 256-token tiles with two stages.
     tall_f32 = dataclasses.replace(default, max_concurrent_steps=2)
     short_f32 = dataclasses.replace(default, tile_m=min(128, default.tile_m))
+    # Two K steps a stage (stop 48): what fits in shared memory, two stages of 256 tokens
+    # (bf16 out) or three of 128 (f32 out).
+    two_steps = dataclasses.replace(default, tile_k=128, max_concurrent_steps=2)
+    two_steps_f32 = dataclasses.replace(short_f32, tile_k=128, max_concurrent_steps=3)
+    if small:
+        two_steps_f32 = dataclasses.replace(two_steps_f32, max_concurrent_steps=2)
     f32 = jnp.float32
     permute, float32 = dict(e2m1_decode="byte_permute"), dict(e2m1_decode="float32")
     return {
@@ -690,18 +698,33 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
             dict(config=default, wgmma_k=64),
         ),
         "mxfp8 bf16 out, wgmma per MX block": ("mxfp8", BF16, dict(config=default, wgmma_k=32)),
+        "mxfp8 bf16 out, two K steps a stage, 2 stages": (
+            "mxfp8",
+            BF16,
+            dict(config=two_steps, wgmma_k=64),
+        ),
         "mxfp8 f32 out, 256 tokens, 2 stages (default, library)": (
             "mxfp8",
             f32,
             dict(config=tall_f32, wgmma_k=64),
         ),
         "mxfp8 f32 out, 128 tokens, 4 stages": ("mxfp8", f32, dict(config=short_f32, wgmma_k=64)),
+        "mxfp8 f32 out, 128 tokens, two K steps a stage, 3 stages": (
+            "mxfp8",
+            f32,
+            dict(config=two_steps_f32, wgmma_k=64),
+        ),
         "nvfp4 bf16 out, byte-permute decode (default)": (
             "nvfp4",
             BF16,
             dict(config=default, **permute),
         ),
         "nvfp4 bf16 out, float32 decode": ("nvfp4", BF16, dict(config=default, **float32)),
+        "nvfp4 bf16 out, byte-permute decode, two K steps a stage, 2 stages": (
+            "nvfp4",
+            BF16,
+            dict(config=two_steps, **permute),
+        ),
         "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages (default, library)": (
             "nvfp4",
             f32,
@@ -711,6 +734,11 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
             "nvfp4",
             f32,
             dict(config=short_f32, **permute),
+        ),
+        "nvfp4 f32 out, byte-permute decode, 128 tokens, two K steps a stage, 3 stages": (
+            "nvfp4",
+            f32,
+            dict(config=two_steps_f32, **permute),
         ),
     }
 

@@ -17,10 +17,10 @@
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (now: the MXFP8 / NVFP4
-#                                      weights-in-registers kernels of stops 46-47 (kernel, layer
-#                                      and dequantize-order tests), the stream-K gpu tests, then
-#                                      whatever PENDING_AB / PENDING_GROUPED_AB / PENDING_BENCH
-#                                      name while time is left)
+#                                      weights-in-registers kernels with two K steps a stage,
+#                                      stop 48: their gpu tests, ptxas resources and grouped_ab
+#                                      --variants weights_in_registers; then whatever
+#                                      PENDING_AB / PENDING_BENCH name while time is left)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 GEMMs against torch, jax's
 #                                      Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py), then Nsight Compute on our G8
@@ -95,32 +95,31 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (stop 43: block FP8's `stream_lhs_scales`, 1206 TFLOP/s dense in one run, whose
-  # random-scale gpu tests have not run): the three-consumer gpu tests of the grouped kernels,
-  # then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
+  # (stop 48: the in-register kernels with two K steps a stage, `tile_k=128`): their gpu
+  # tests, their ptxas resources, then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
   # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
   # fewer than $GROUPED_AB_MIN_S seconds of $PENDING_DEADLINE_S are left; its rows print as
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-weights_in_registers or stream_k or dequantize_bit_exact}" \
+    -rfE -k "${PENDING_TESTS:-weights_in_registers}" \
     ${PENDING_FILES:-tests/pallas_kernels/test_grouped_matmul_gpu.py \
     tests/jax_qtrain/test_gemm_kernels.py tests/pallas_kernels/test_quantize.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
-  # ptxas's resources of the kernels named by $PENDING_RESOURCES (the 64 x 256 three-consumer
-  # parts: refused in stop 43 as one m64n256 wgmma each, two m64n128 since stop 44; a refusal
-  # writes ptxas_error.txt into the archive).
-  if [[ -n ${PENDING_RESOURCES-64x256} ]]; then
+  # ptxas's resources of the kernels named by $PENDING_RESOURCES (the in-register kernels:
+  # do the second step's A registers spill? A refusal writes ptxas_error.txt into the
+  # archive).
+  if [[ -n ${PENDING_RESOURCES-weights in registers} ]]; then
     res=$(mktemp -d)
-    timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES-64x256}" | tail -4
+    timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES-weights in registers}" | tail -10
     tar -czf "$OUT/pending_resources.tar.gz" -C "$res" .
   fi
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for entry in ${PENDING_GROUPED_AB-three_consumers:--dense-only stream_k wide_three_consumers}; do
+  for entry in ${PENDING_GROUPED_AB-weights_in_registers}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"

@@ -76,6 +76,7 @@ def kernel_cases():
 
     import pallas_kernels as pk
     from benchmarks.bench_quantize import nvfp4_fixed_amax
+    from pallas_kernels.grouped_matmul_mx_weights import DEFAULT_MXFP8_WEIGHTS_CONFIG
 
     x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.float32).astype(jnp.bfloat16)
     # Grouped GEMMs: the same GEMM compiled for several G (the group count used to change the
@@ -198,6 +199,31 @@ def kernel_cases():
             ("byte_permute", jnp.bfloat16),
             ("float32", jnp.float32),
         )
+    ]
+    # Two K steps a stage (stop 48): the second step's A registers live beside the first's
+    # wgmmas; bf16 out on 256-token tiles in two stages.
+    two_steps = dataclasses.replace(
+        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=2
+    )
+    grouped_cases += [
+        (
+            "grouped mxfp8 weights in registers two K steps a stage bfloat16",
+            functools.partial(
+                pk.grouped_matmul_mxfp8_weights, lhs, codes, e8m0, sizes8, config=two_steps
+            ),
+        ),
+        (
+            "grouped nvfp4 weights in registers two K steps a stage bfloat16",
+            functools.partial(
+                pk.grouped_matmul_nvfp4_weights,
+                lhs,
+                packed,
+                e4m3,
+                sizes8,
+                lhs_order="even_odd",
+                config=two_steps,
+            ),
+        ),
     ]
     return [
         *block_cases,

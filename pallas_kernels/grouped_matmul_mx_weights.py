@@ -94,13 +94,15 @@ DEFAULT_MXFP8_WEIGHTS_CONFIG = GroupedMatmulConfig(
 def _mxfp8_stage_bytes(config: GroupedMatmulConfig) -> int:
     """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of weight codes and their
     scale bytes."""
-    return config.tile_m * STEP_K * 2 + 2 * config.tile_n * (STEP_K + STEP_K // MX_BLOCK)
+    k = config.tile_k
+    return config.tile_m * k * 2 + 2 * config.tile_n * (k + k // MX_BLOCK)
 
 
 def _nvfp4_stage_bytes(config: GroupedMatmulConfig) -> int:
     """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of packed E2M1 bytes and
     their E4M3 scale bytes."""
-    return config.tile_m * STEP_K * 2 + 2 * config.tile_n * (STEP_K // 2 + STEP_K // NVFP4_BLOCK)
+    k = config.tile_k
+    return config.tile_m * k * 2 + 2 * config.tile_n * (k // 2 + k // NVFP4_BLOCK)
 
 
 def grouped_matmul_mxfp8_weights(
@@ -128,9 +130,10 @@ def grouped_matmul_mxfp8_weights(
       group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s: group g
         reads lhs rows from ``group_starts[g]`` and writes its rows after the previous groups'.
       config: tiling: tile_m tokens by 2 x tile_n weight rows per CTA (tile_n = 64: one
-        m64 wgmma per consumer), tile_k = 64, no wgmma in flight, consumers splitting the
-        weight rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with
-        two stages for float32 outputs, whose epilogue takes twice the bytes).
+        m64 wgmma per consumer), tile_k = 64 or 128 (one or two K steps a stage: see
+        `_weights_in_registers_gemm`), no wgmma in flight, consumers splitting the weight
+        rows, no clusters, no stream-K; None: `DEFAULT_MXFP8_WEIGHTS_CONFIG` (with two
+        stages for float32 outputs, whose epilogue takes twice the bytes).
       wgmma_k: K per wgmma call: 32 (one MX block: its weights scaled by one scale each;
         the SMEM tiles 32 wide) or 64 (the whole step: the two blocks' scales side by side;
         64-wide tiles with the 16-bit kernel's 128-byte swizzle; the default). The
@@ -171,7 +174,7 @@ def grouped_matmul_mxfp8_weights(
     # Zero padding to whole TMA tiles: weight rows to whole CTA tiles, K to whole steps (zero
     # codes and tokens; identity scales, since a zero code times a NaN-marking 0xFF is NaN).
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
-    k_p = common.round_up(k, STEP_K)
+    k_p = common.round_up(k, config.tile_k)
     rhs_p, rhs_scale_t = padded_rhs(rhs, rhs_scale, cols_p, k_p)
 
     def weight_parts(codes_smem, scales_smem, ctx):
@@ -319,7 +322,7 @@ def grouped_matmul_nvfp4_weights(
     _check_smem(config, out_dtype, _nvfp4_stage_bytes(config))
 
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
-    k_p = common.round_up(k, STEP_K)
+    k_p = common.round_up(k, config.tile_k)
     interpreting = quantize_common.interpreting(interpret)
     if lhs_order == "natural":
         lhs = even_odd_columns(common.pad_axis(lhs, 1, k_p))
@@ -490,34 +493,40 @@ def _weights_in_registers_gemm(
     name: str,
     interpret: bool,
 ) -> jax.Array:
-    """The kernel both formats share: the pipeline brings a step's tile_m x 64 bf16 tokens,
-    its 2 x tile_n weight rows of codes (codes_width bytes each) and their scale bytes
-    (rhs_scale_t (G, k_p / block, cols_p): one TMA row per block); each consumer turns its
-    weight rows into register operands (`weight_parts(codes_smem, scales_smem, ctx)`: a list
-    of (thunk, first token column)) and runs one wgmma per part against wgmma_k token
-    columns."""
+    """The kernel both formats share: each pipeline stage brings tile_k / 64 K steps' tile_m
+    x 64 bf16 tokens, 2 x tile_n weight rows of codes (codes_width bytes a row and step) and
+    their scale bytes (rhs_scale_t (G, k_p / block, cols_p): one TMA row per block); for each
+    step, each consumer turns its weight rows into register operands (`weight_parts(
+    codes_smem, scales_smem, ctx)` on that step's codes and scale rows: a list of (thunk,
+    first token column)) and runs one wgmma per part against wgmma_k token columns.
+
+    tile_k = 128 (two steps a stage, stop 48) keeps the parts of both steps in one
+    straight-line body, so the second step's first part converts while the first step's
+    wgmmas run (as a step's second part already does), with one wait per stage: the
+    overlap a wgmma in flight across stages would give, without one."""
     num_rows = lhs.shape[0]
     num_groups = rhs_p.shape[0]
-    tile_m, tile_n = config.tile_m, config.tile_n
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    steps_per_stage = tile_k // STEP_K
     # Token rows padded to at least one tile and to multiples of 16; K to whole steps.
     rows_p = common.round_up(max(num_rows, tile_m), 16)
     lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, padded_k)
-    scale_rows = rhs_scale_t.shape[1] // (padded_k // STEP_K)
+    scale_rows = rhs_scale_t.shape[1] // (padded_k // STEP_K)  # scale bytes a row and step
 
     # The tokens in wgmma_k-wide tiles (32: 64-byte swizzled rows, so that each part's columns
     # are whole tiles; 64: 128-byte rows, as the 16-bit kernel's tiles).
     in_specs = (
         plgpu.BlockSpec(
-            (tile_m, STEP_K),
+            (tile_m, tile_k),
             lambda kk: (0, kk),
             transforms=common.smem_transforms(wgmma_k, jnp.bfloat16),
         ),
         plgpu.BlockSpec(
-            (2 * tile_n, codes_width),
+            (2 * tile_n, codes_width * steps_per_stage),
             lambda kk: (0, kk),
             transforms=common.smem_transforms(min(wgmma_k, codes_width), codes_dtype),
         ),
-        plgpu.BlockSpec((scale_rows, 2 * tile_n), lambda kk: (kk, 0)),
+        plgpu.BlockSpec((scale_rows * steps_per_stage, 2 * tile_n), lambda kk: (kk, 0)),
     )
 
     def pipeline_refs(refs, ctx: driver.TileContext):
@@ -543,17 +552,22 @@ def _weights_in_registers_gemm(
 
     def step(refs, ctx, smem_refs, acc_ref):
         lhs_smem, codes_smem, scales_smem = smem_refs
-        for convert, first_column in weight_parts(codes_smem, scales_smem, ctx):
-            weights = convert()
-            tokens = lhs_smem.at[:, pl.ds(first_column, wgmma_k)].transpose((1, 0))
-            if interpreting:
-                weights_tile = ctx.scratch[0].at[ctx.consumer]
-                weights_tile[...] = weights
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, weights_tile, tokens)
-            else:
-                plgpu.wgmma(acc_ref, weights, tokens)
-        # The A registers must not change under a wgmma still running: no wgmma in flight.
+        for k_step in range(steps_per_stage):
+            step_codes = codes_smem.at[:, pl.ds(k_step * codes_width, codes_width)]
+            step_scales = scales_smem.at[pl.ds(k_step * scale_rows, scale_rows)]
+            for convert, first_column in weight_parts(step_codes, step_scales, ctx):
+                weights = convert()
+                column = k_step * STEP_K + first_column
+                tokens = lhs_smem.at[:, pl.ds(column, wgmma_k)].transpose((1, 0))
+                if interpreting:
+                    weights_tile = ctx.scratch[0].at[ctx.consumer]
+                    weights_tile[...] = weights
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, weights_tile, tokens)
+                else:
+                    plgpu.wgmma(acc_ref, weights, tokens)
+        # The A registers must not change under a wgmma still running: no wgmma stays in
+        # flight into the next stage.
         plgpu.wgmma_wait(0)
         return acc_ref
 
@@ -570,7 +584,7 @@ def _weights_in_registers_gemm(
         allocation_refs=allocation_refs,
         run_tile=run_tile,
         step=step,
-        num_k_steps=padded_k // STEP_K,
+        num_k_steps=padded_k // tile_k,
         scratch=scratch,
         values_transposed=True,
     )
@@ -594,8 +608,11 @@ def _weights_in_registers_gemm(
 
 def _check_config(config: GroupedMatmulConfig, out_dtype: jnp.dtype, name: str) -> None:
     """What this kernel's steps and epilogue are written for; refused by name otherwise."""
-    if config.tile_k != STEP_K:
-        raise ValueError(f"config: {name} needs tile_k={STEP_K}, got tile_k={config.tile_k}")
+    if config.tile_k not in (STEP_K, 2 * STEP_K):
+        raise ValueError(
+            f"config: {name} needs tile_k={STEP_K} or {2 * STEP_K} (one or two K steps a "
+            f"stage), got tile_k={config.tile_k}"
+        )
     if config.tile_n != 64:
         raise ValueError(
             f"config: tile_n must be 64 (one m64 wgmma of weight rows per consumer), "

@@ -767,11 +767,21 @@ def test_gpu_mxfp8_dequant_variants_give_the_same_bits():
 
 # bf16 tokens x MXFP8 weights dequantized in registers (stop 46, register-operand wgmma; the
 # interpreter stages the weights through SMEM instead, so only the GPU runs this path).
+# tile_k = 128 (stop 48): two K steps a stage, the second's parts converted under the first's
+# wgmmas (two stages of 256 tokens fit with bf16 outputs, three of 128 with f32).
 @pytest.mark.parametrize(
-    "tile_m, out_dtype, wgmma_k",
-    [(256, BF16, 32), (128, BF16, 32), (128, F32, 32), (256, BF16, 64), (256, F32, 64)],
+    "tile_m, out_dtype, wgmma_k, tile_k",
+    [
+        (256, BF16, 32, 64),
+        (128, BF16, 32, 64),
+        (128, F32, 32, 64),
+        (256, BF16, 64, 64),
+        (256, F32, 64, 64),
+        (256, BF16, 64, 128),
+        (128, F32, 64, 128),
+    ],
 )
-def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype, wgmma_k):
+def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype, wgmma_k, tile_k):
     from pallas_kernels.grouped_matmul_mx_weights import (
         DEFAULT_MXFP8_WEIGHTS_CONFIG,
         grouped_matmul_mxfp8_weights,
@@ -785,8 +795,10 @@ def test_gpu_mxfp8_weights_in_registers(tile_m, out_dtype, wgmma_k):
     rhs_scale = rhs_scale.at[4, 9, 3].set(255)
     # (float32 on 256-token tiles: two stages, the kernel's f32 default and the library's.)
     stages = 2 if out_dtype == F32 and tile_m == 256 else 4
+    if tile_k == 128:
+        stages = 2 if tile_m == 256 else 3
     config = dataclasses.replace(
-        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=tile_m, max_concurrent_steps=stages
+        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_m=tile_m, max_concurrent_steps=stages, tile_k=tile_k
     )
     out = jax.jit(grouped_matmul_mxfp8_weights, static_argnames=("config", "out_dtype", "wgmma_k"))(
         lhs, rhs, rhs_scale, SIZES, config=config, out_dtype=out_dtype, wgmma_k=wgmma_k
@@ -866,6 +878,14 @@ def test_gpu_nvfp4_weights_in_registers(tile_m, out_dtype):
     permuted = np.asarray(permuted.astype(F32))
     assert np.isnan(permuted[group4, 9]).all()
     np.testing.assert_array_equal(out[finite].view(np.uint32), permuted[finite].view(np.uint32))
+    # Two K steps a stage (stop 48): the same wgmmas in the same order, so the same bits.
+    two_steps = dataclasses.replace(
+        config, tile_k=128, max_concurrent_steps=2 if tile_m == 256 else 3
+    )
+    two = run(lhs, rhs, scale_bytes, SIZES, config=two_steps, out_dtype=out_dtype)
+    two = np.asarray(two.astype(F32))
+    assert np.isnan(two[group4, 9]).all()
+    np.testing.assert_array_equal(out[finite].view(np.uint32), two[finite].view(np.uint32))
     # Exact sums (tokens -1, 0, 1, scales 0.5 .. 2: multiples of 1/4, |sum| ≤ 12 · 512 and
     # typically ~100): the reference's bits, whatever order the tensor cores add in.
     exact_lhs = jax.random.randint(k_exact, (ROWS, K_DIM), -1, 2).astype(BF16)

@@ -11,6 +11,7 @@ order irrelevant, so those outputs must equal the float64 reference rounded to b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -322,7 +323,7 @@ def test_out_dtype_must_be_bfloat16_or_float32():
         (dict(epi_tile_n=32), "epi_tile_n must be a multiple of 64, got 32"),
         (dict(cluster_n=2), "without clusters"),
         (dict(stream_k=True), "does not support stream_k"),
-        (dict(tile_k=128), "tile_k=64"),
+        (dict(tile_k=256), "tile_k=64 or 128"),
         (dict(max_concurrent_steps=8), "shared memory"),
     ],
 )
@@ -547,6 +548,93 @@ def test_nvfp4_cross_lowers_for_h200_with_a_register_operand_wgmma(out_dtype, pa
     assert module.count("prmt.b32") == (48 if e2m1_decode == "byte_permute" else 0)
 
 
+# Two K steps a stage (tile_k = 128, stop 48): the second step's parts convert under the first
+# step's wgmmas in one straight-line body. K = 256 (two stages), 192 and 96 (the last stage, or
+# the only one, half padding).
+TWO_STEPS = dataclasses.replace(TINY, tile_k=128)
+
+
+@pytest.mark.parametrize("k", [256, 192, 96])
+@pytest.mark.parametrize("wgmma_k", [32, 64])
+def test_two_k_steps_a_stage_give_the_exact_sums(k, wgmma_k):
+    sizes = [37, 0, 90]
+    lhs, rhs, rhs_scale = exact_operands(50, 160, k, len(sizes), 128, E4M3)
+    out = grouped_matmul_mxfp8_weights(
+        lhs,
+        rhs,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        config=TWO_STEPS,
+        wgmma_k=wgmma_k,
+        interpret=True,
+    )
+    out = np.asarray(out)
+    np.testing.assert_array_equal(
+        out.view(np.uint16), bf16_bits(reference(lhs, rhs, rhs_scale, sizes))
+    )
+    assert np.all(out[sum(sizes) :] == 0)
+
+
+@pytest.mark.parametrize("k, lhs_order", [(256, "even_odd"), (192, "natural"), (64, "even_odd")])
+def test_nvfp4_two_k_steps_a_stage_give_the_exact_sums(k, lhs_order):
+    sizes = [37, 0, 90]
+    k_lhs, k_rhs = keys(2, seed=61)
+    lhs = jax.random.randint(k_lhs, (160, k), -3, 4).astype(BF16)
+    rhs, rhs_scale = nvfp4_weights(k_rhs, len(sizes), 128, k)
+    given = even_odd_columns(lhs) if lhs_order == "even_odd" else lhs
+    out = run_nvfp4(given, rhs, rhs_scale, sizes, config=TWO_STEPS, lhs_order=lhs_order)
+    out = np.asarray(out)
+    want = nvfp4_reference(lhs, rhs, rhs_scale, sizes)
+    np.testing.assert_array_equal(out.view(np.uint16), bf16_bits(want))
+    assert np.all(out[sum(sizes) :] == 0)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_two_k_steps_a_stage_cross_lower_for_h200_with_twice_the_wgmmas_a_stage(fmt):
+    # Issue 5's G8 shape, bf16 out, 256-token tiles in two stages of 128 K (what fits in
+    # shared memory): the loop body issues both steps' register-operand wgmmas, twice the
+    # one-step stage's, and still waits for all of them once a stage.
+    g, m, k, n = 8, 16384, 4096, 4096
+    if fmt == "mxfp8":
+        kernel = grouped_matmul_mxfp8_weights
+        weights = (S((g, n, k), E4M3), S((g, n, k // 32), jnp.uint8))
+    else:
+        kernel = functools.partial(grouped_matmul_nvfp4_weights, lhs_order="even_odd")
+        weights = (S((g, n, k // 2), jnp.uint8), S((g, n, k // 16), E4M3))
+
+    def wgmma_lines(config):
+        (module,) = mosaic_modules(
+            functools.partial(kernel, config=config), S((m, k), BF16), *weights, S((g,), jnp.int32)
+        )
+        waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", module))
+        assert waits == {"0"}
+        return [line for line in module.splitlines() if "wgmma.mma_async" in line]
+
+    one_step = wgmma_lines(DEFAULT_MXFP8_WEIGHTS_CONFIG)
+    two_steps = wgmma_lines(
+        dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=2)
+    )
+    assert len(two_steps) == 2 * len(one_step)
+    register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
+    assert all(register_a.search(line) for line in two_steps)
+    # Three such stages do not fit in shared memory: refused by name.
+    small = {
+        "mxfp8": (jnp.zeros((1, 64, 128), E4M3), jnp.zeros((1, 64, 4), jnp.uint8)),
+        "nvfp4": (jnp.zeros((1, 64, 64), jnp.uint8), jnp.zeros((1, 64, 8), E4M3)),
+    }[fmt]
+    three_stages = dataclasses.replace(
+        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=3
+    )
+    with pytest.raises(ValueError, match="shared memory"):
+        kernel(
+            jnp.zeros((64, 128), BF16),
+            *small,
+            jnp.asarray([64], jnp.int32),
+            config=three_stages,
+            interpret=True,
+        )
+
+
 def _nvfp4_operands():
     k_lhs, k_rhs = keys(2, seed=66)
     lhs = jax.random.randint(k_lhs, (64, 64), -3, 4).astype(BF16)
@@ -577,9 +665,9 @@ def _depth(a, k: int):
         ),
         (lambda a: _depth(a, 24), ValueError, "K=24 must be a multiple of 16"),
         (
-            lambda a: a | dict(config=dataclasses.replace(TINY, tile_k=128)),
+            lambda a: a | dict(config=dataclasses.replace(TINY, tile_k=256)),
             ValueError,
-            "grouped_matmul_nvfp4_weights needs tile_k=64",
+            "grouped_matmul_nvfp4_weights needs tile_k=64 or 128",
         ),
         (
             lambda a: (
