@@ -166,54 +166,29 @@ def kernel_cases():
     packed = jnp.full((8, 512, 256), 0x21, jnp.uint8)
     e4m3 = jnp.ones((8, 512, 32), jnp.float8_e4m3fn)
     sizes8 = jnp.full((8,), 128, jnp.int32)
-    grouped_cases += [
-        (
-            f"grouped mxfp8 weights in registers wgmma_k={wgmma_k} {out.__name__}",
-            functools.partial(
-                pk.grouped_matmul_mxfp8_weights,
-                lhs,
-                codes,
-                e8m0,
-                sizes8,
-                wgmma_k=wgmma_k,
-                out_dtype=out,
-            ),
-        )
-        for wgmma_k, out in ((32, jnp.bfloat16), (64, jnp.bfloat16), (32, jnp.float32))
-    ] + [
-        (
-            f"grouped nvfp4 weights in registers {decode} {out.__name__}",
-            functools.partial(
-                pk.grouped_matmul_nvfp4_weights,
-                lhs,
-                packed,
-                e4m3,
-                sizes8,
-                lhs_order="even_odd",
-                e2m1_decode=decode,
-                out_dtype=out,
-            ),
-        )
-        for decode, out in (
-            ("float32", jnp.bfloat16),
-            ("byte_permute", jnp.bfloat16),
-            ("float32", jnp.float32),
-        )
-    ]
     # Two K steps a stage (stop 48): the second step's A registers live beside the first's
     # wgmmas; bf16 out on 256-token tiles in two stages.
     two_steps = dataclasses.replace(
         DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=2
     )
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    mxfp8_variants = {
+        f"wgmma_k={wgmma_k} {out.__name__}": dict(wgmma_k=wgmma_k, out_dtype=out)
+        for wgmma_k, out in ((32, bf16), (64, bf16), (32, f32))
+    } | {"two K steps a stage bfloat16": dict(config=two_steps)}
+    nvfp4_variants = {
+        f"{decode} {out.__name__}": dict(e2m1_decode=decode, out_dtype=out)
+        for decode, out in (("float32", bf16), ("byte_permute", bf16), ("float32", f32))
+    } | {"two K steps a stage bfloat16": dict(config=two_steps)}
     grouped_cases += [
         (
-            "grouped mxfp8 weights in registers two K steps a stage bfloat16",
-            functools.partial(
-                pk.grouped_matmul_mxfp8_weights, lhs, codes, e8m0, sizes8, config=two_steps
-            ),
-        ),
+            f"grouped mxfp8 weights in registers {name}",
+            functools.partial(pk.grouped_matmul_mxfp8_weights, lhs, codes, e8m0, sizes8, **kw),
+        )
+        for name, kw in mxfp8_variants.items()
+    ] + [
         (
-            "grouped nvfp4 weights in registers two K steps a stage bfloat16",
+            f"grouped nvfp4 weights in registers {name}",
             functools.partial(
                 pk.grouped_matmul_nvfp4_weights,
                 lhs,
@@ -221,9 +196,10 @@ def kernel_cases():
                 e4m3,
                 sizes8,
                 lhs_order="even_odd",
-                config=two_steps,
+                **kw,
             ),
-        ),
+        )
+        for name, kw in nvfp4_variants.items()
     ]
     return [
         *block_cases,

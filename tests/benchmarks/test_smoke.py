@@ -491,7 +491,7 @@ def test_kernel_resources_shows_the_ptx_line_ptxas_refused(tmp_path):
     assert log.read_text() == "ptxas fatal : from C++\n"
 
 
-def test_kernel_resources_has_the_wide_three_consumer_cases():
+def test_kernel_resources_wide_and_two_step_cases_pass_their_checks():
     # On the CPU the kernels themselves cannot run (Mosaic GPU needs the GPU or the
     # interpreter); their configs pass GroupedMatmulConfig's validation since stop 44.
     from benchmarks import kernel_resources
@@ -500,6 +500,11 @@ def test_kernel_resources_has_the_wide_three_consumer_cases():
     for kind in ("bf16", "fp8 rowwise"):
         with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
             cases[f"grouped {kind} G=8 3 consumers 64x256 parts"]()
+    # Likewise the in-register kernels with two K steps a stage (stop 48): their config
+    # passes the kernels' own checks (shared memory included) before Mosaic GPU refuses.
+    for fmt in ("mxfp8", "nvfp4"):
+        with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+            cases[f"grouped {fmt} weights in registers two K steps a stage bfloat16"]()
 
 
 @pytest.mark.skipif(
