@@ -15,14 +15,15 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   `torch._scaled_grouped_mm` and XLA's dense FP8 GEMM;
 * G8 forward with MXFP8 tokens and weights: the library's path (both dequantized by the
   Pallas kernel, then the 16-bit kernel) against the weights dequantized in registers
-  (`grouped_matmul_mxfp8_weights`, stop 46; one wgmma per MX block or per 64-wide K step),
-  checked bit for bit against it first; XLA's dense
+  (`grouped_matmul_mxfp8_weights`, stop 46; one wgmma per MX block or per 64-wide K step,
+  and two K steps a stage, stop 48), checked bit for bit against it first; XLA's dense
   bf16 GEMM and its dense MXFP8 `scaled_dot_general` of the same flops (issue 5's "≥ 0.95× XLA
   dense bf16");
 * the same with NVFP4 tokens and weights: the library's path against the weights dequantized
   in registers (`grouped_matmul_nvfp4_weights`, stop 47), its tokens dequantized in the
   kernel's even/odd column order (the same products summed in another order: not bit for bit),
-  with either decode of the codes (the two checked bit for bit against each other);
+  with either decode of the codes and with two K steps a stage (the three checked bit for
+  bit against each other);
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
@@ -53,12 +54,20 @@ from benchmarks.timing import (
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
 from pallas_kernels.grouped_matmul_mx_weights import (
+    DEFAULT_MXFP8_WEIGHTS_CONFIG,
     grouped_matmul_mxfp8_weights,
     grouped_matmul_nvfp4_weights,
 )
 
 SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
+
+
+def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
+    """The in-register kernels' config (None: their default) with two K steps a stage
+    (stop 48), in the two stages that fit with bf16 outputs."""
+    base = config or DEFAULT_MXFP8_WEIGHTS_CONFIG
+    return dataclasses.replace(base, tile_k=128, max_concurrent_steps=2)
 
 
 class _TorchResult:
@@ -211,13 +220,13 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ).reshape(g, n, k)
         return grouped_matmul(tokens_bf16(a, sa), weights, s, config=config, interpret=interpret)
 
-    def weights_in_registers(a, sa, b, sb, s, wgmma_k=32):
+    def weights_in_registers(a, sa, b, sb, s, wgmma_k=32, config=weights_config):
         return grouped_matmul_mxfp8_weights(
             tokens_bf16(a, sa),
             b,
             sb,
             s,
-            config=weights_config,
+            config=config,
             wgmma_k=wgmma_k,
             interpret=interpret,
         )
@@ -235,6 +244,14 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "ours: the same, one wgmma per 64-wide K step": (
             jax.jit(functools.partial(weights_in_registers, wgmma_k=64)),
+            operands,
+        ),
+        "ours: the same, two K steps a stage": (
+            jax.jit(
+                functools.partial(
+                    weights_in_registers, wgmma_k=64, config=_two_steps(weights_config)
+                )
+            ),
             operands,
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
@@ -282,7 +299,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
             dequantize(a, sa), weights.reshape(g, n, k), s, config=config, interpret=interpret
         )
 
-    def weights_in_registers(a, sa, b, sb, s, e2m1_decode="float32"):
+    def weights_in_registers(a, sa, b, sb, s, e2m1_decode="float32", config=weights_config):
         return grouped_matmul_nvfp4_weights(
             dequantize(a, sa, "even_odd"),
             b,
@@ -290,7 +307,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
             s,
             lhs_order="even_odd",
             e2m1_decode=e2m1_decode,
-            config=weights_config,
+            config=config,
             interpret=interpret,
         )
 
@@ -311,6 +328,16 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "ours: the same, codes decoded by byte permutes": (
             jax.jit(functools.partial(weights_in_registers, e2m1_decode="byte_permute")),
+            operands,
+        ),
+        "ours: the same by byte permutes, two K steps a stage": (
+            jax.jit(
+                functools.partial(
+                    weights_in_registers,
+                    e2m1_decode="byte_permute",
+                    config=_two_steps(weights_config),
+                )
+            ),
             operands,
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
@@ -374,11 +401,11 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
             run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
         del sets
         mx = mxfp8_candidates(g, m, k, n, sizes, small)
-        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:3])
+        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:4])
         del mx
         nv = nvfp4_candidates(g, m, k, n, sizes, small)
-        # (The two in-register decodes give the same values: checked bit for bit.)
-        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:3])
+        # (The in-register decodes and stagings give the same values: checked bit for bit.)
+        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:4])
         del nv
     run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
 

@@ -713,10 +713,12 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd MXFP8", "ours: dequantize both + 16-bit kernel (library path)"),
         ("G2 small fwd MXFP8", "ours: dequantize tokens + MXFP8 weights in registers"),
         ("G2 small fwd MXFP8", "ours: the same, one wgmma per 64-wide K step"),
+        ("G2 small fwd MXFP8", "ours: the same, two K steps a stage"),
         ("G2 small fwd MXFP8", "XLA dense bf16 (same flops)"),
         ("G2 small fwd NVFP4", "ours: dequantize both + 16-bit kernel (library path)"),
         ("G2 small fwd NVFP4", "ours: dequantize tokens (even/odd) + NVFP4 weights in registers"),
         ("G2 small fwd NVFP4", "ours: the same, codes decoded by byte permutes"),
+        ("G2 small fwd NVFP4", "ours: the same by byte permutes, two K steps a stage"),
         ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),
@@ -728,6 +730,14 @@ def test_peers_ab_runs_small(tmp_path):
     assert isinstance(mx["same_bits"], bool)
     (permuted,) = [r for r in rows if r["implementation"].endswith("by byte permutes")]
     assert permuted["same_bits"] is True  # the interpreter runs the same integer steps
+    # Two K steps a stage: the same wgmma calls as one step a stage. MXFP8's agrees with the
+    # library path exactly when its one-step, 64-wide sibling does; NVFP4's always.
+    rows_by_name = {r["implementation"]: r for r in rows}
+    assert (
+        rows_by_name["ours: the same, two K steps a stage"]["same_bits"]
+        is rows_by_name["ours: the same, one wgmma per 64-wide K step"]["same_bits"]
+    )
+    assert rows_by_name["ours: the same by byte permutes, two K steps a stage"]["same_bits"]
     assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         peers_ab.main(str(tmp_path), rounds=0, small=True)
