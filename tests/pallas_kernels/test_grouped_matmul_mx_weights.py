@@ -88,10 +88,9 @@ def bf16_bits(values) -> np.ndarray:
         ([37, 0, 90], 160, 256, 128, E4M3),
     ],
 )
-@pytest.mark.parametrize("wgmma_k", [32, 64])
 # tile_k = 128: two K steps a stage (stop 48; K = 96 and 128 are one stage, half of it padding
-# for K = 96).
-@pytest.mark.parametrize("tile_k", [64, 128])
+# for K = 96), with the default 64-wide wgmmas (CI time: the interpreter runs each case whole).
+@pytest.mark.parametrize("wgmma_k, tile_k", [(32, 64), (64, 64), (64, 128)])
 def test_exact_sums_equal_the_reference_bit_for_bit(
     sizes, rows, k, cols, fp8_dtype, wgmma_k, tile_k
 ):
@@ -382,9 +381,11 @@ def nvfp4_reference(lhs, rhs, rhs_scale, sizes) -> np.ndarray:
         ([70, 0, 130, 1], 240, 256, 256, "even_odd"),  # four steps
     ],
 )
-@pytest.mark.parametrize("e2m1_decode", ["float32", "byte_permute"])
-# tile_k = 128: two K steps a stage (stop 48; K = 96 pads half its one stage, K = 256 is two).
-@pytest.mark.parametrize("tile_k", [64, 128])
+# tile_k = 128: two K steps a stage (stop 48; K = 96 pads half its one stage, K = 256 is two),
+# with the default byte-permute decode.
+@pytest.mark.parametrize(
+    "e2m1_decode, tile_k", [("float32", 64), ("byte_permute", 64), ("byte_permute", 128)]
+)
 def test_nvfp4_exact_sums_equal_the_reference_bit_for_bit(
     sizes, rows, k, cols, lhs_order, e2m1_decode, tile_k
 ):
