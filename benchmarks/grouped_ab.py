@@ -690,55 +690,31 @@ def weights_in_registers_variants(small: bool) -> dict[str, dict]:
     if small:
         two_steps_f32 = dataclasses.replace(two_steps_f32, max_concurrent_steps=2)
     f32 = jnp.float32
-    permute, float32 = dict(e2m1_decode="byte_permute"), dict(e2m1_decode="float32")
+
+    def mxfp8(out, config, wgmma_k=64):
+        return ("mxfp8", out, dict(config=config, wgmma_k=wgmma_k))
+
+    def nvfp4(out, config, e2m1_decode="byte_permute"):
+        return ("nvfp4", out, dict(config=config, e2m1_decode=e2m1_decode))
+
     return {
-        "mxfp8 bf16 out, wgmma per 64-wide step (default)": (
-            "mxfp8",
-            BF16,
-            dict(config=default, wgmma_k=64),
+        "mxfp8 bf16 out, wgmma per 64-wide step (default)": mxfp8(BF16, default),
+        "mxfp8 bf16 out, wgmma per MX block": mxfp8(BF16, default, wgmma_k=32),
+        "mxfp8 bf16 out, two K steps a stage, 2 stages": mxfp8(BF16, two_steps),
+        "mxfp8 f32 out, 256 tokens, 2 stages (default, library)": mxfp8(f32, tall_f32),
+        "mxfp8 f32 out, 128 tokens, 4 stages": mxfp8(f32, short_f32),
+        "mxfp8 f32 out, 128 tokens, two K steps a stage, 3 stages": mxfp8(f32, two_steps_f32),
+        "nvfp4 bf16 out, byte-permute decode (default)": nvfp4(BF16, default),
+        "nvfp4 bf16 out, float32 decode": nvfp4(BF16, default, e2m1_decode="float32"),
+        "nvfp4 bf16 out, byte-permute decode, two K steps a stage, 2 stages": nvfp4(
+            BF16, two_steps
         ),
-        "mxfp8 bf16 out, wgmma per MX block": ("mxfp8", BF16, dict(config=default, wgmma_k=32)),
-        "mxfp8 bf16 out, two K steps a stage, 2 stages": (
-            "mxfp8",
-            BF16,
-            dict(config=two_steps, wgmma_k=64),
+        "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages (default, library)": nvfp4(
+            f32, tall_f32
         ),
-        "mxfp8 f32 out, 256 tokens, 2 stages (default, library)": (
-            "mxfp8",
-            f32,
-            dict(config=tall_f32, wgmma_k=64),
-        ),
-        "mxfp8 f32 out, 128 tokens, 4 stages": ("mxfp8", f32, dict(config=short_f32, wgmma_k=64)),
-        "mxfp8 f32 out, 128 tokens, two K steps a stage, 3 stages": (
-            "mxfp8",
-            f32,
-            dict(config=two_steps_f32, wgmma_k=64),
-        ),
-        "nvfp4 bf16 out, byte-permute decode (default)": (
-            "nvfp4",
-            BF16,
-            dict(config=default, **permute),
-        ),
-        "nvfp4 bf16 out, float32 decode": ("nvfp4", BF16, dict(config=default, **float32)),
-        "nvfp4 bf16 out, byte-permute decode, two K steps a stage, 2 stages": (
-            "nvfp4",
-            BF16,
-            dict(config=two_steps, **permute),
-        ),
-        "nvfp4 f32 out, byte-permute decode, 256 tokens, 2 stages (default, library)": (
-            "nvfp4",
-            f32,
-            dict(config=tall_f32, **permute),
-        ),
-        "nvfp4 f32 out, byte-permute decode, 128 tokens, 4 stages": (
-            "nvfp4",
-            f32,
-            dict(config=short_f32, **permute),
-        ),
-        "nvfp4 f32 out, byte-permute decode, 128 tokens, two K steps a stage, 3 stages": (
-            "nvfp4",
-            f32,
-            dict(config=two_steps_f32, **permute),
+        "nvfp4 f32 out, byte-permute decode, 128 tokens, 4 stages": nvfp4(f32, short_f32),
+        "nvfp4 f32 out, byte-permute decode, 128 tokens, two K steps a stage, 3 stages": nvfp4(
+            f32, two_steps_f32
         ),
     }
 

@@ -41,8 +41,7 @@ last wgmma ran, the stages released a step later) gave wrong outputs, and the la
 faster (1-3%; with the decode ablated, 655 vs 654 TFLOP/s), so it is refused. Mosaic GPU's
 interpreter has no register-operand wgmma: there the converted weights go through a bfloat16
 SMEM tile and an SMEM-operand wgmma (the same values, so the CPU tests check the conversion,
-the tiling and the transposed epilogue; the `gpu` tests the RS
-path).
+the tiling and the transposed epilogue; the `gpu` tests the RS path).
 """
 
 from __future__ import annotations
@@ -91,18 +90,11 @@ DEFAULT_MXFP8_WEIGHTS_CONFIG = GroupedMatmulConfig(
 )
 
 
-def _mxfp8_stage_bytes(config: GroupedMatmulConfig) -> int:
-    """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of weight codes and their
-    scale bytes."""
+def _stage_bytes(config: GroupedMatmulConfig, values_per_byte: int, block: int) -> int:
+    """One pipeline stage: tile_m bf16 token rows by tile_k, and 2 x tile_n weight rows of
+    codes (values_per_byte to a byte) with one scale byte per `block` values."""
     k = config.tile_k
-    return config.tile_m * k * 2 + 2 * config.tile_n * (k + k // MX_BLOCK)
-
-
-def _nvfp4_stage_bytes(config: GroupedMatmulConfig) -> int:
-    """One pipeline stage: tile_m bf16 token rows, 2 x tile_n rows of packed E2M1 bytes and
-    their E4M3 scale bytes."""
-    k = config.tile_k
-    return config.tile_m * k * 2 + 2 * config.tile_n * (k // 2 + k // NVFP4_BLOCK)
+    return config.tile_m * k * 2 + 2 * config.tile_n * (k // values_per_byte + k // block)
 
 
 def grouped_matmul_mxfp8_weights(
@@ -169,9 +161,9 @@ def grouped_matmul_mxfp8_weights(
     )
     if wgmma_k not in (MX_BLOCK, STEP_K) or isinstance(wgmma_k, bool):
         raise ValueError(f"wgmma_k must be {MX_BLOCK} or {STEP_K}, got {wgmma_k!r}")
-    _check_smem(config, out_dtype, _mxfp8_stage_bytes(config))
+    _check_smem(config, out_dtype, _stage_bytes(config, values_per_byte=1, block=MX_BLOCK))
 
-    # Zero padding to whole TMA tiles: weight rows to whole CTA tiles, K to whole steps (zero
+    # Zero padding to whole TMA tiles: weight rows to whole CTA tiles, K to whole stages (zero
     # codes and tokens; identity scales, since a zero code times a NaN-marking 0xFF is NaN).
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
     k_p = common.round_up(k, config.tile_k)
@@ -319,7 +311,7 @@ def grouped_matmul_nvfp4_weights(
         out_rows,
         "grouped_matmul_nvfp4_weights",
     )
-    _check_smem(config, out_dtype, _nvfp4_stage_bytes(config))
+    _check_smem(config, out_dtype, _stage_bytes(config, values_per_byte=2, block=NVFP4_BLOCK))
 
     cols_p = config.padded_cols(num_cols, out_dtype, 16)
     k_p = common.round_up(k, config.tile_k)
@@ -508,7 +500,7 @@ def _weights_in_registers_gemm(
     num_groups = rhs_p.shape[0]
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     steps_per_stage = tile_k // STEP_K
-    # Token rows padded to at least one tile and to multiples of 16; K to whole steps.
+    # Token rows padded to at least one tile and to multiples of 16; K to whole stages.
     rows_p = common.round_up(max(num_rows, tile_m), 16)
     lhs_p = common.pad_axis(common.pad_axis(lhs, 0, rows_p), 1, padded_k)
     scale_rows = rhs_scale_t.shape[1] // (padded_k // STEP_K)  # scale bytes a row and step
