@@ -2,7 +2,9 @@
 # One H200 device call per stage; everything it measures lands in $OUT (at most 8 files come back).
 #   bash benchmarks/h200.sh tests   every `gpu` test in one pytest run (-n $WORKERS), -v log;
 #                                   TEST_MARK="gpu and not slow" / "gpu and slow" splits it in two
-#                                   calls (since stop 34 the whole suite overruns 530 s)
+#                                   calls (since stop 34 the whole suite overruns 530 s), and
+#                                   TEST_PART=1/2, 2/2 splits a selection further (tests/conftest.py's
+#                                   --part: stop 49's "gpu and not slow" overran 540 s at 87%)
 #   bash benchmarks/h200.sh bench   the kernel and layer benchmarks named in $BENCHES
 #   bash benchmarks/h200.sh train   the h200 preset's recipe comparison ($RECIPES, default all;
 #                                   TRAIN_ARGS=--scan-layers for the scanned blocks)
@@ -16,11 +18,11 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (now: the MXFP8 / NVFP4
-#                                      weights-in-registers kernels with two K steps a stage,
-#                                      stop 48: their gpu tests, ptxas resources and grouped_ab
-#                                      --variants weights_in_registers; then whatever
-#                                      PENDING_AB / PENDING_BENCH name while time is left)
+#                                      and their timing (defaults: the MXFP8 / NVFP4
+#                                      weights-in-registers kernels' gpu tests, ptxas resources
+#                                      and grouped_ab --variants weights_in_registers, verified on
+#                                      an H100 in stop 49; then whatever PENDING_AB /
+#                                      PENDING_BENCH name while time is left)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 GEMMs against torch, jax's
 #                                      Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py), then Nsight Compute on our G8
@@ -52,7 +54,7 @@ if [[ $STAGE == tests ]]; then
   # One pytest process fans the files out over xdist workers (compiles are CPU-bound and the
   # host has 16 cores); -v names every finished test even when the stage is cut at its limit.
   timeout "${TEST_BUDGET:-540}" python3 -m pytest -m "${TEST_MARK:-gpu}" -v -n "${WORKERS:-8}" \
-    -p no:cacheprovider -rfE --durations=25 ${TEST_PATHS:-$KERNELS_FIRST} > "$OUT/gpu_tests.log" 2>&1
+    ${TEST_PART:+--part "$TEST_PART"} -p no:cacheprovider -rfE --durations=25 ${TEST_PATHS:-$KERNELS_FIRST} > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_tests.log"
   tail -5 "$OUT/gpu_tests.log"
 elif [[ $STAGE == bench ]]; then
@@ -95,7 +97,7 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (stop 48: the in-register kernels with two K steps a stage, `tile_k=128`): their gpu
+  # (the in-register kernels, two K steps a stage included, all verified in stop 49): their gpu
   # tests, their ptxas resources, then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
   # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
   # fewer than $GROUPED_AB_MIN_S seconds of $PENDING_DEADLINE_S are left; its rows print as

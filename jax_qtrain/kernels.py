@@ -374,7 +374,8 @@ def gemm_kernels_enabled() -> bool:
 # ("mxfp8_weights_in_registers", "nvfp4_weights_in_registers": pallas_kernels.
 # grouped_matmul_mx_weights, stops 46-47). Verified on an H100 on 2026-12-05: their layer tests
 # (test_gemm_kernels.py::test_gpu_*_weights_in_registers_*) and kernel tests passed. But they ran
-# slower than the dequantize-then-GEMM path they would replace (docs/benchmarks.md, stop 47), so
+# slower than the dequantize-then-GEMM path they would replace (docs/benchmarks.md, stop 47;
+# stops 48-49: still 10-20% slower on an H200 and an H100, with every variant tried), so
 # "auto" does not take them; "pallas" does.
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",

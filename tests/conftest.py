@@ -79,6 +79,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--part",
+        default=None,
+        metavar="I/N",
+        help="run only part I of N of the selected tests (every N-th by node id, starting at the "
+        "I-th): benchmarks/h200.sh's TEST_PART splits the `gpu` suite over device calls",
+    )
+
+
+def _part(config) -> tuple[int, int] | None:
+    value = config.getoption("part")
+    if value is None:
+        return None
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise pytest.UsageError(f"--part must be I/N with 1 <= I <= N, got {value!r}")
+    return int(index), int(count)
+
+
+# After -m / -k have deselected (they run in pytest's own hook, which conftest hooks precede
+# unless marked trylast), so the parts split what is left.
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_keep_one_part(config, items):
+    part = _part(config)
+    if part is None:
+        return
+    index, count = part
+    # Round robin over the node ids spreads each test's parametrizations (and so the slow
+    # compiles) over the parts; the order is the same in every xdist worker.
+    order = sorted(range(len(items)), key=lambda i: items[i].nodeid)
+    chosen = {i for rank, i in enumerate(order) if rank % count == index - 1}
+    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i not in chosen])
+    items[:] = [it for i, it in enumerate(items) if i in chosen]
+
+
 def _dist_given(config) -> bool:
     args = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
     return any(a in ("-d", "--dist") or a.startswith("--dist=") for a in args)

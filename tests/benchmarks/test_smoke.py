@@ -741,3 +741,26 @@ def test_peers_ab_runs_small(tmp_path):
     assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         peers_ab.main(str(tmp_path), rounds=0, small=True)
+
+
+def test_the_parts_of_a_test_selection_cover_it_once():
+    # benchmarks/h200.sh's TEST_PART splits the `gpu` suite over device calls (stop 49: the whole
+    # suite overran one 540 s call): the parts must be disjoint and cover the -m selection.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def collected(*extra):
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+             "-m", "gpu and not slow", "tests/jax_qtrain/test_scale_layout.py", *extra],
+            capture_output=True, text=True, check=False, cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+        return result, [line for line in result.stdout.splitlines() if "::" in line]
+
+    _, whole = collected()
+    parts = [collected("--part", f"{index}/3")[1] for index in (1, 2, 3)]
+    assert len(whole) >= 3 and all(parts)
+    assert sorted(test for part in parts for test in part) == sorted(whole)
+    bad, _ = collected("--part", "4/3")
+    assert bad.returncode != 0 and "--part must be I/N with 1 <= I <= N, got '4/3'" in bad.stderr
