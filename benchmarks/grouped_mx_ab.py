@@ -182,7 +182,9 @@ def run_shape(name, shape, small: bool, ablation: bool = False) -> list[dict]:
     dense_sets = [
         (a.astype(jnp.bfloat16), None, None, b[0].astype(jnp.bfloat16).T) for a, _, b, _ in arg_sets
     ]
-    timing = dict(rounds=2, calls_per_batch=2, warmup_seconds=0.0) if small else {}
+    timing = (
+        dict(rounds=1, calls_per_batch=1, warmup_seconds=0.0, compile_first=False) if small else {}
+    )
     seconds = interleaved_seconds(
         {
             label: (fn, dense_sets if label == "XLA dense bf16" else arg_sets)

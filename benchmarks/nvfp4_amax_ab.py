@@ -155,7 +155,11 @@ def main(out_dir: str | None = None, *, small: bool = False) -> str:
     shapes, timing, context = kernel_timing_setup(
         "nvfp4_amax_ab.py", small, SHAPES, SMALL_SHAPES, INTERPRETED_SHAPES
     )
-    timing = dict(rounds=timing.get("rounds", 10), iterations=timing.get("calls_per_batch", 10))
+    timing = dict(
+        rounds=timing.get("rounds", 10),
+        iterations=timing.get("calls_per_batch", 10),
+        compile_first=timing.get("compile_first", True),
+    )
     rows: list[dict] = []
     with context:
         for shape in shapes:

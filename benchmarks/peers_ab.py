@@ -367,7 +367,8 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     shapes, dense_size = (SMALL_SHAPES, 128) if small else (SHAPES, DENSE_SIZE)
-    batch = dict(calls_per_batch=1, warmup_seconds=0.0) if small else {}
+    # (In the interpreter every call is a whole interpretation and the times mean nothing.)
+    batch = dict(calls_per_batch=1, warmup_seconds=0.0, compile_first=False) if small else {}
     rows = []
 
     def run_case(case: str, flops: float, candidates: dict, same_bits=()) -> None:

@@ -40,13 +40,20 @@ def alternation(names: list[str], rounds: int) -> Iterator[str]:
         yield from names[shift:] + names[:shift]
 
 
-def same_bits_as_first(candidates: dict[str, tuple[Callable, Sequence[tuple]]], names) -> dict:
+def same_bits_as_first(
+    candidates: dict[str, tuple[Callable, Sequence[tuple]]], names, outputs=None
+) -> dict:
     """{name: whether its output on its first argument set equals that of ``names[0]`` bit
-    for bit (as float32; NaN equal to NaN)} for each of ``names``, the first included."""
+    for bit (as float32; NaN equal to NaN)} for each of ``names``, the first included.
+    `outputs`: those outputs where the caller has them already ({name: array}); each other
+    candidate is called once (in the interpreter, every call is a whole interpretation)."""
+    outputs = dict(outputs or {})
 
     def output(name):
-        fn, argument_sets = candidates[name]
-        return np.asarray(fn(*argument_sets[0]).astype(jax.numpy.float32))
+        if name not in outputs:
+            fn, argument_sets = candidates[name]
+            outputs[name] = fn(*argument_sets[0])
+        return np.asarray(outputs[name].astype(jax.numpy.float32))
 
     expected = output(names[0])
     return {name: bool(np.array_equal(output(name), expected, equal_nan=True)) for name in names}
@@ -58,15 +65,19 @@ def interleaved_seconds(
     rounds: int = 15,
     calls_per_batch: int = 20,
     warmup_seconds: float = 1.0,
+    compile_first: bool = True,
 ) -> dict[str, float]:
     """Median per-call seconds of each candidate, timed in alternation.
 
     Each round times one batch of ``calls_per_batch`` back-to-back calls of every candidate
     (rotating which goes first), so clock and power drift during the run hits all of them
     alike; comparing kernels timed minutes apart mixed that drift into the difference
-    (docs/benchmarks.md). The GPU is kept busy for ``warmup_seconds`` first.
+    (docs/benchmarks.md). Every candidate is first called once on each argument set (its
+    compilation; `compile_first=False` skips that, for the interpreter's smoke runs, whose
+    times mean nothing and whose every call is a whole interpretation), then the GPU is kept
+    busy for ``warmup_seconds``.
     """
-    for fn, argument_sets in candidates.values():
+    for fn, argument_sets in candidates.values() if compile_first else ():
         for args in argument_sets:
             jax.block_until_ready(fn(*args))
     names = list(candidates)
@@ -92,12 +103,14 @@ def cupti_interleaved_seconds(
     *,
     rounds: int = 10,
     iterations: int = 10,
+    compile_first: bool = True,
 ) -> dict[str, float]:
     """Median device seconds per call of each candidate (its kernels' CUPTI times summed, no
     launch gaps), timed in alternation: each round measures ``iterations`` calls of every
     candidate on its first argument set, rotating which goes first. For kernels of tens of
     microseconds, where `interleaved_seconds`' host clock measures dispatch as much as the
-    kernel. Falls back to `interleaved_seconds` where CUPTI is unavailable (no GPU)."""
+    kernel. Falls back to `interleaved_seconds` where CUPTI is unavailable (no GPU), which
+    `compile_first` is passed to."""
     try:
         from jax.experimental.mosaic.gpu import profiler
 
@@ -107,7 +120,11 @@ def cupti_interleaved_seconds(
                 raise RuntimeError("CUPTI saw no kernel")
     except Exception:  # no GPU or no CUPTI: the host clock
         return interleaved_seconds(
-            candidates, rounds=rounds, calls_per_batch=iterations, warmup_seconds=0
+            candidates,
+            rounds=rounds,
+            calls_per_batch=iterations,
+            warmup_seconds=0,
+            compile_first=compile_first,
         )
     names = list(candidates)
     per_call: dict[str, list[float]] = {name: [] for name in names}
@@ -127,7 +144,7 @@ def kernel_timing_setup(script: str, small: bool, shapes, small_shapes, interpre
         timing = dict(rounds=5, calls_per_batch=5) if small else {}
         return (small_shapes if small else shapes), timing, contextlib.nullcontext()
     if small:
-        timing = dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+        timing = dict(rounds=1, calls_per_batch=1, warmup_seconds=0, compile_first=False)
         return (
             interpreted_shapes,
             timing,
