@@ -76,7 +76,7 @@ def kernel_cases():
 
     import pallas_kernels as pk
     from benchmarks.bench_quantize import nvfp4_fixed_amax
-    from pallas_kernels.grouped_matmul_mx_weights import DEFAULT_MXFP8_WEIGHTS_CONFIG
+    from pallas_kernels.grouped_matmul_mx_weights import TWO_STEPS_WEIGHTS_CONFIG
 
     x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.float32).astype(jnp.bfloat16)
     # Grouped GEMMs: the same GEMM compiled for several G (the group count used to change the
@@ -167,10 +167,8 @@ def kernel_cases():
     e4m3 = jnp.ones((8, 512, 32), jnp.float8_e4m3fn)
     sizes8 = jnp.full((8,), 128, jnp.int32)
     # Two K steps a stage (stop 48): the second step's A registers live beside the first's
-    # wgmmas; bf16 out on 256-token tiles in two stages.
-    two_steps = dataclasses.replace(
-        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=2
-    )
+    # wgmmas.
+    two_steps = TWO_STEPS_WEIGHTS_CONFIG
     bf16, f32 = jnp.bfloat16, jnp.float32
     mxfp8_variants = {
         f"wgmma_k={wgmma_k} {out.__name__}": dict(wgmma_k=wgmma_k, out_dtype=out)

@@ -54,7 +54,7 @@ from benchmarks.timing import (
 from pallas_kernels.grouped_matmul_dense import dense_matmul
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
 from pallas_kernels.grouped_matmul_mx_weights import (
-    DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    TWO_STEPS_WEIGHTS_CONFIG,
     grouped_matmul_mxfp8_weights,
     grouped_matmul_nvfp4_weights,
 )
@@ -64,10 +64,14 @@ SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, e
 
 
 def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
-    """The in-register kernels' config (None: their default) with two K steps a stage
-    (stop 48), in the two stages that fit with bf16 outputs."""
-    base = config or DEFAULT_MXFP8_WEIGHTS_CONFIG
-    return dataclasses.replace(base, tile_k=128, max_concurrent_steps=2)
+    """The in-register kernels' config (None: their default) staged as the kernels' own
+    two-K-steps-a-stage config (stop 48)."""
+    two = TWO_STEPS_WEIGHTS_CONFIG
+    if config is None:
+        return two
+    return dataclasses.replace(
+        config, tile_k=two.tile_k, max_concurrent_steps=two.max_concurrent_steps
+    )
 
 
 class _TorchResult:

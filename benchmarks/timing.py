@@ -77,9 +77,10 @@ def interleaved_seconds(
     times mean nothing and whose every call is a whole interpretation), then the GPU is kept
     busy for ``warmup_seconds``.
     """
-    for fn, argument_sets in candidates.values() if compile_first else ():
-        for args in argument_sets:
-            jax.block_until_ready(fn(*args))
+    if compile_first:
+        for fn, argument_sets in candidates.values():
+            for args in argument_sets:
+                jax.block_until_ready(fn(*args))
     names = list(candidates)
     deadline = time.perf_counter() + warmup_seconds
     while time.perf_counter() < deadline:

@@ -88,6 +88,11 @@ LHS_ORDERS = ("natural", "even_odd")
 DEFAULT_MXFP8_WEIGHTS_CONFIG = GroupedMatmulConfig(
     tile_m=256, tile_n=64, tile_k=STEP_K, max_concurrent_steps=4, epi_tile_n=64, epilogue_buffers=1
 )
+# Two K steps a stage (opt-in, stop 48): a 256 x 128 token stage is 64 KB, so two stages are
+# what shared memory holds with bf16 outputs (`_check_smem` refuses three).
+TWO_STEPS_WEIGHTS_CONFIG = dataclasses.replace(
+    DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=2 * STEP_K, max_concurrent_steps=2
+)
 
 
 def _stage_bytes(config: GroupedMatmulConfig, values_per_byte: int, block: int) -> int:

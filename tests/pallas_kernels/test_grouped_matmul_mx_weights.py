@@ -23,6 +23,7 @@ from benchmarks.h200_lowering import mosaic_modules
 from pallas_kernels.dequantize import dequantize_nvfp4
 from pallas_kernels.grouped_matmul_mx_weights import (
     DEFAULT_MXFP8_WEIGHTS_CONFIG,
+    TWO_STEPS_WEIGHTS_CONFIG,
     byte_permute,
     e2m1_word_as_bf16_bits,
     even_odd_columns,
@@ -583,9 +584,7 @@ def test_two_k_steps_a_stage_cross_lower_for_h200_with_twice_the_wgmmas_a_stage(
         return [line for line in module.splitlines() if "wgmma.mma_async" in line]
 
     one_step = wgmma_lines(DEFAULT_MXFP8_WEIGHTS_CONFIG)
-    two_steps = wgmma_lines(
-        dataclasses.replace(DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=2)
-    )
+    two_steps = wgmma_lines(TWO_STEPS_WEIGHTS_CONFIG)
     assert len(two_steps) == 2 * len(one_step)
     register_a = re.compile(r"\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p,")
     assert all(register_a.search(line) for line in two_steps)
@@ -594,9 +593,7 @@ def test_two_k_steps_a_stage_cross_lower_for_h200_with_twice_the_wgmmas_a_stage(
         "mxfp8": (jnp.zeros((1, 64, 128), E4M3), jnp.zeros((1, 64, 4), jnp.uint8)),
         "nvfp4": (jnp.zeros((1, 64, 64), jnp.uint8), jnp.zeros((1, 64, 8), E4M3)),
     }[fmt]
-    three_stages = dataclasses.replace(
-        DEFAULT_MXFP8_WEIGHTS_CONFIG, tile_k=128, max_concurrent_steps=3
-    )
+    three_stages = dataclasses.replace(TWO_STEPS_WEIGHTS_CONFIG, max_concurrent_steps=3)
     with pytest.raises(ValueError, match="shared memory"):
         kernel(
             jnp.zeros((64, 128), BF16),
