@@ -7,12 +7,12 @@ scales, row+col) instead, its exact arithmetic against `lean_arithmetic` (the de
 `--kernel nvfp4` / `nvfp4_sr`: NVFP4 row + Hadamard col (with stochastic rounding for `_sr`),
 its first kernel (exact arithmetic, unrolled blocks, integer division) against stops 26-33's
 default and stops 34-35's changes (`native_division`, `packed_row_amax`,
-`carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_weight`: NVFP4
-16×16 weight blocks row+col, the default (compact block amaxes, preloaded per tile) against
-per-line copies of them and per-group loads; earlier variants
-(unrolled lean blocks, float stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md;
-written to
-OUT_DIR/quantize_ab_KERNEL.{json,md}.
+`carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_amax`: NVFP4
+row + Hadamard col with its global amaxes, by the separate amax kernel against the amax taken
+inside the quantize launch (GPU only); `--kernel nvfp4_weight`: NVFP4 16×16 weight blocks
+row+col, the default (compact block amaxes, preloaded per tile) against per-line copies of
+them and per-group loads; earlier variants (unrolled lean blocks, float stochastic rounding,
+steps_per_cta=4) are in docs/benchmarks.md; written to OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
 (`lean_arithmetic=False`, the baseline), each variant (`split_copies`, `lean_arithmetic` (now
@@ -133,7 +133,25 @@ NVFP4_WEIGHT_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     "preload_block_amaxes, compact (default)": pk.NVFP4QuantizeConfig(),
     "preload_block_amaxes, per-line copies": pk.NVFP4QuantizeConfig(compact_block_amaxes=False),
 }
-KERNELS = ("mxfp8", "fp8_block_1x128", "fp8_block_128x128", "nvfp4", "nvfp4_sr", "nvfp4_weight")
+# NVFP4 row + Hadamard col with the global amaxes taken in the call (`--kernel nvfp4_amax`):
+# `nvfp4_amax`'s kernel before the quantize kernel (the default) against the amax inside the
+# quantize launch (`quantize_nvfp4(amax_in_kernel=True)`) with a given number of amax CTAs
+# (None: one per SM). The issue's "fused into the pass or a separate kernel: measure".
+NVFP4_AMAX_BASELINE = "separate amax kernel (default)"
+NVFP4_AMAX_VARIANTS: dict[str, int | str | None] = {
+    NVFP4_AMAX_BASELINE: "separate",
+    "amax in the quantize kernel, one CTA per SM": None,
+    "amax in the quantize kernel, 64 CTAs": 64,
+}
+KERNELS = (
+    "mxfp8",
+    "fp8_block_1x128",
+    "fp8_block_128x128",
+    "nvfp4",
+    "nvfp4_sr",
+    "nvfp4_weight",
+    "nvfp4_amax",
+)
 SKELETON = "row+col e4m3 cast skeleton"
 SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
 SKELETON_SLABS = "row+col e4m3 cast skeleton, stage_columnwise_in_input"
@@ -194,6 +212,33 @@ def nvfp4_weight_row_col(config: pk.NVFP4QuantizeConfig) -> Callable:
     )
 
 
+def nvfp4_with_amax(amax_ctas: int | str | None) -> Callable:
+    """NVFP4 row + Hadamard col of bf16 x, its global amaxes included: by `nvfp4_amax`'s own
+    kernel ("separate") or inside the quantize launch with `amax_ctas` amax CTAs."""
+    if amax_ctas == "separate":
+
+        def separate(x):
+            row_amax, column_amax = pk.nvfp4_amax(x, hadamard_columnwise=True)
+            return pk.quantize_nvfp4(
+                x,
+                columnwise=True,
+                rowwise_amax=row_amax,
+                columnwise_amax=column_amax,
+                hadamard_columnwise=True,
+            )
+
+        return jax.jit(separate)
+    return jax.jit(
+        lambda x: pk.quantize_nvfp4(
+            x,
+            columnwise=True,
+            hadamard_columnwise=True,
+            amax_in_kernel=True,
+            amax_ctas=amax_ctas,
+        )[0]
+    )
+
+
 def nvfp4_bytes(rows: int, cols: int) -> int:
     """x (bf16) read once; both copies' packed codes (half a byte) and E4M3 scales written."""
     n = rows * cols
@@ -211,6 +256,17 @@ def kernel_setup(kernel: str) -> dict:
             make=nvfp4_row_col(stochastic),
             nbytes=nvfp4_bytes,
             width=16,
+        )
+    if kernel == "nvfp4_amax":
+        return dict(
+            title="NVFP4 (Hadamard on col, global amaxes included)",
+            baseline=NVFP4_AMAX_BASELINE,
+            variants=NVFP4_AMAX_VARIANTS,
+            make=nvfp4_with_amax,
+            nbytes=nvfp4_bytes,
+            width=16,
+            # The interpreter has no semaphores: the amax-in-kernel variants run on GPUs only.
+            gpu_only=[name for name in NVFP4_AMAX_VARIANTS if name != NVFP4_AMAX_BASELINE],
         )
     if kernel == "nvfp4_weight":
         n_bytes = lambda rows, cols: 2 * rows * cols + rows * cols + rows * cols // 128
@@ -286,6 +342,10 @@ def run_shape(shape: tuple[int, int], timing: dict, kernel: str = "mxfp8") -> li
         row = dict(shape=f"{rows}x{cols}", variant=name, config=repr(config))
         row["bytes"] = setup["nbytes"](rows, cols)
         fn = setup["make"](config)
+        if name in setup.get("gpu_only", ()) and qc.interpreting(False):
+            row["bits"] = "not run: GPU only"
+            out.append(row)
+            continue
         try:
             row["bits"] = (
                 "baseline" if name == baseline_name else bits_verdict(fn, baseline, checks)

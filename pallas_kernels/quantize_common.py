@@ -396,16 +396,17 @@ class TileConfig:
         order, after the rowwise pass accept it (`reads_columnwise_in_slabs`: MXFP8 and the
         cast-transpose); one-tile CTAs with staged outputs only.
       band_tiles_m: the order in which CTAs take their tiles (blocks of tiles when
-        pipelined). The GPU starts CTAs in the order of their index, and by default index i +
-        j·(row tiles) takes tile row i of tile column j: consecutive CTAs walk down a whole
-        column of tiles. With a band of b > 0 tile rows they walk down b rows, then on to the
-        band's next column, and the next band starts once this one is done: b × b consecutive
-        CTAs cover a b × b square of tiles. What changes is only which tiles are in flight
-        together (what the L2 sees at once), never a tile's outputs. 0 (or a band of at
-        least the row tiles) keeps the grid order. On the H200 (docs/benchmarks.md, stop 32)
-        every band tried was slower than the grid order (MXFP8 row+col 8192², 8 × 8 squares:
-        78.2 against 75.8 µs for the kernel, the cast skeleton 77.0 against 74.0), with
-        tile-major and line-major scales alike.
+        pipelined). The GPU starts CTAs in the order of their index, and by default index
+        i·(column tiles) + j takes tile row i, tile column j (Mosaic GPU makes the grid's last
+        axis CUDA's x): consecutive CTAs walk along a whole row of tiles. With a band of b > 0
+        tile rows they walk down b rows, then on to the band's next column, and the next band
+        starts once this one is done: b × b consecutive CTAs cover a b × b square of tiles.
+        What changes is only which tiles are in flight together (what the L2 sees at once),
+        never a tile's outputs. 0 (or a band of at least the row tiles) keeps the grid order.
+        On the H200 (docs/benchmarks.md, stop 32) every band tried was slower than the grid
+        order (MXFP8 row+col 8192², 8 × 8: 78.2 against 75.8 µs for the kernel, the cast
+        skeleton 77.0 against 74.0), but that run read the launch index as m fastest, so its
+        CTAs did not take b × b squares (stop 50 found the order); not re-measured since.
     """
 
     # Whether the kernel's columnwise pass reads the tile in 32-row slabs, in order, after its
@@ -904,6 +905,7 @@ def for_each_tile(
     outputs=(),
     *,
     warpgroup_per_output: bool = False,
+    before_wait=None,
 ) -> None:
     """Run `body(x_smem, m0, k0, dests)` on each of this CTA's tiles of x (first row m0, column
     k0) with the tile in shared memory (see `tile_transforms`). `outputs` pairs each global
@@ -911,15 +913,20 @@ def for_each_tile(
     `dests` gives the body one `TileDest` per output, staged in shared memory and copied out
     by TMA when `config.stage_outputs`.
 
+    `before_wait()` (one-tile CTAs only) runs once the tile's load is issued and before the
+    CTA waits for it: work that must precede the body and may overlap the load.
+
     `warpgroup_per_output`: the CTA has one warpgroup per output (launched by `run_tiles` with
     `warpgroups=len(outputs)`, one-tile CTAs only). Warpgroup 0 loads the tile; every warpgroup
     waits for it, then warpgroup w runs `body` with `dests[w]` only (the others are None) and
     stores output w itself, so the copies are quantized concurrently from one shared tile."""
+    pipelined = config.runs_pipeline(cols)
+    if before_wait is not None and (warpgroup_per_output or pipelined):
+        raise ValueError("before_wait needs one-tile CTAs with one warpgroup (steps_per_cta=1)")
     if warpgroup_per_output:
         _for_each_tile_by_warpgroup(x_gmem, scratch, config, cols, body, outputs)
         return
     tm, tk = config.tile_m, config.tile_k
-    pipelined = config.runs_pipeline(cols)
     staged = _staged(config, outputs)
     i, j = cta_position(config, x_gmem.shape[0], cols)
     reuse = _reuses_input(config, outputs)
@@ -982,6 +989,8 @@ def for_each_tile(
 
     if not pipelined:
         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * tm, tm), pl.ds(j * tk, tk)], x_smem, barrier)
+        if before_wait is not None:
+            before_wait()
         plgpu.barrier_wait(barrier)
         run_body(x_smem, i, j)
     else:
@@ -1113,8 +1122,9 @@ def cta_position(config: TileConfig, rows: int, cols: int) -> tuple[jax.Array, j
     grid_m, grid_k = tile_grid(rows, cols, config)["grid"]
     if config.band_tiles_m == 0 or config.band_tiles_m >= grid_m:
         return i, j
-    # The launch index (m fastest: the order in which the GPU starts CTAs), re-read by bands.
-    return band_order(j * grid_m + i, grid_m, grid_k, config.band_tiles_m)
+    # The launch index, re-read by bands. The GPU starts CTAs k fastest: Mosaic GPU reverses
+    # the grid, so its last axis is CUDA's x (stops 32-49 took m as fastest here).
+    return band_order(i * grid_k + j, grid_m, grid_k, config.band_tiles_m)
 
 
 def band_order(linear, grid_m: int, grid_k: int, band: int):

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import grouped_matmul_common as gmc
 from pallas_kernels import quantize_common as qc
 from pallas_kernels.float32_division import divide
 from pallas_kernels.manual_axes import varying_like
@@ -293,7 +294,11 @@ class NVFP4Quantized(NamedTuple):
 def global_encode_scale(global_amax: jax.Array) -> jax.Array:
     """S_enc = min(fp32(2688 / gamax), FLT_MAX); 1 when gamax is 0 or S_enc is 0."""
     global_amax = jnp.asarray(global_amax, jnp.float32)
-    s_enc = jnp.fmin(divide(jnp.float32(E2M1_MAX * E4M3_MAX), global_amax), jnp.float32(qc.FLT_MAX))
+    quotient = divide(jnp.float32(E2M1_MAX * E4M3_MAX), global_amax)
+    # fmin(quotient, FLT_MAX) (NaN and +Inf give FLT_MAX) in compares and selects, which the
+    # quantize kernel's own global amax (`_global_amax_prologue`) lowers too.
+    flt_max = jnp.float32(qc.FLT_MAX)
+    s_enc = jnp.where(quotient <= flt_max, quotient, flt_max)
     is_zero = (lax.bitcast_convert_type(global_amax, jnp.uint32) & jnp.uint32(qc.ABS_MASK)) == 0
     return jnp.where(is_zero | (s_enc == 0), jnp.float32(1.0), s_enc)
 
@@ -959,8 +964,6 @@ def _quantize_copy(
 
 def _kernel(
     x_gmem,
-    scalars_gmem,
-    seeds_gmem,
     *refs,
     config,
     cols,
@@ -970,9 +973,16 @@ def _kernel(
     positioned,
     grouped=(False, False),
     compact_block_amaxes=False,
+    fused_amax=None,
     **options,
 ):
     data_outputs = qc.data_outputs(rowwise, columnwise, elements_per_byte=2)
+    # Inputs: each copy's [t, S_dec] (2, 2) float32 and seeds (2,) uint32, or with
+    # `fused_amax` only the seeds: the kernel takes the scalars itself (`_global_amax_prologue`).
+    if fused_amax is None:
+        scalars_gmem, seeds_gmem, *refs = refs
+    else:
+        seeds_gmem, *refs = refs
     # With positions: one more input, each copy's (line, col) offset (4 uint32).
     positions_gmem = refs[0] if positioned else None
     refs = refs[1:] if positioned else refs
@@ -990,6 +1000,18 @@ def _kernel(
         group_gmems.append(refs[0] if is_grouped else None)
         refs = refs[1:] if is_grouped else refs
     outs, scratch = qc.split_refs(refs, config, cols, data_outputs)
+    before_wait = None
+    if fused_amax is not None:
+        *outs, scalars_gmem, amax_gmem, partials_gmem = outs
+        before_wait = functools.partial(
+            _global_amax_prologue,
+            x_gmem,
+            scalars_gmem,
+            amax_gmem,
+            partials_gmem,
+            grid_k=x_gmem.shape[1] // config.tile_k,
+            **fused_amax,
+        )
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
     body = functools.partial(
         _tile,
@@ -1004,8 +1026,71 @@ def _kernel(
         **options,
     )
     qc.for_each_tile(
-        x_gmem, scratch, config, cols, body, list(zip(data_gmems, data_outputs, strict=True))
+        x_gmem,
+        scratch,
+        config,
+        cols,
+        body,
+        list(zip(data_gmems, data_outputs, strict=True)),
+        before_wait=before_wait,
     )
+
+
+def _global_amax_prologue(
+    x_gmem,
+    scalars_gmem,
+    amax_gmem,
+    partials_gmem,
+    *,
+    grid_k: int,
+    ctas: int,
+    vector: int,
+    hadamard: bool,
+):
+    """The global amax inside the quantize kernel (`quantize_nvfp4(amax_in_kernel=True)`), run
+    by every CTA while its tile loads. The first `ctas` CTAs launched reduce x as `nvfp4_amax`'s
+    kernel does, each into partials[cta]; CTA 0 waits for all of them, writes the two global
+    amaxes and each copy's [t, S_dec] (`copy_scalars`' expressions), and every CTA waits for
+    those before quantizing.
+
+    No cooperative launch, so no wait may depend on a CTA that is not resident: the amax CTAs
+    wait for nobody before they signal, and they are the first `ctas` ≤ one per SM launched,
+    so the first wave holds them all whatever the others do. That needs the launch order,
+    which is k fastest: Mosaic GPU reverses the grid so that its last axis is CUDA's x
+    (jax/_src/pallas/mosaic_gpu/lowering.py). Counting m fastest instead hung the H100 at
+    8192² (the 132 amax CTAs were spread over the first 4096 launched). The semaphores are
+    zeroed per call (Pallas allocates them as a zero-filled buffer aliased into the launch),
+    so they need not end at zero. A signal releases and a wait acquires: the plain global
+    stores before a signal are visible to the loads after the wait it ends."""
+    cta = lax.axis_index("m") * grid_k + lax.axis_index("k")
+    semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
+    partials_written, scalars_written = semaphores.at[0], semaphores.at[1]
+
+    @pl.when(cta < ctas)
+    def _partial():
+        row_bits, column_bits = _direct_amax_bits(
+            x_gmem, cta, ctas=ctas, vector=vector, hadamard=hadamard
+        )
+        partials_gmem[cta, 0] = row_bits
+        partials_gmem[cta, 1] = column_bits
+        plgpu.semaphore_signal(partials_written, 1, memory_scope="gpu")
+
+    @pl.when(cta == 0)
+    def _reduce():
+        plgpu.semaphore_wait(partials_written, ctas, memory_scope="gpu")
+        # Unrolled, so that the loads are all in flight at once (a loop would wait for each).
+        amax_bits = [
+            functools.reduce(jnp.maximum, [partials_gmem[i, copy] for i in range(ctas)])
+            for copy in (0, 1)
+        ]
+        for copy, bits in enumerate(amax_bits):
+            amax_gmem[copy] = bits
+            s_enc = global_encode_scale(qc.f32_from_bits(bits))
+            scalars_gmem[copy, _T] = s_enc * ONE_SIXTH
+            scalars_gmem[copy, _S_DEC] = divide(jnp.float32(1.0), s_enc)
+        plgpu.semaphore_signal(scalars_written, 1, memory_scope="gpu")
+
+    plgpu.semaphore_wait(scalars_written, 1, decrement=False, memory_scope="gpu")
 
 
 def _tile(
@@ -1348,9 +1433,11 @@ def quantize_nvfp4(
     columnwise_block_seed: jax.Array | None = None,
     columnwise_block_position: jax.Array | None = None,
     block_amax_bits: jax.Array | None = None,
+    amax_in_kernel: bool = False,
+    amax_ctas: int | None = None,
     config: NVFP4QuantizeConfig | None = None,
     interpret: bool = False,
-) -> NVFP4Quantized:
+) -> NVFP4Quantized | tuple[NVFP4Quantized, jax.Array, jax.Array]:
     """NVFP4-quantize a 2-D bf16/f32 array (1×16 or 16×16 blocks): both copies in one pass.
 
     `rowwise_amax` / `columnwise_amax` are each copy's global amax (float32 scalars; the
@@ -1380,6 +1467,13 @@ def quantize_nvfp4(
     16×16 blocks: `block_amax_bits` (M16/16, K16/16) uint32 are the blocks' amaxes as
     `nvfp4_block_amax_bits(x)` gives them (a caller that took the global amax from them passes
     them on, so x is read once for both); None computes them here.
+
+    `amax_in_kernel`: the global amaxes are taken inside this launch instead of given (the
+    issue's "fused into the pass" alternative to `nvfp4_amax`; `_global_amax_prologue`): the
+    first `amax_ctas` CTAs launched (default and at most one per SM) reduce x, then every CTA waits
+    for the scales. Returns (quantized, rowwise_amax, columnwise_amax) with the amaxes as
+    `nvfp4_amax` gives them. 1×16 blocks and scalar amaxes only; GPU only (the interpreter
+    has no semaphores); each tile's load overlaps the wait.
     """
     qc.check_input(x)
     qc.check_copies(rowwise, columnwise)
@@ -1453,6 +1547,23 @@ def quantize_nvfp4(
         ),
     ]
     grouped = tuple(table is not None for table in group_tables)
+    fused_amax = None
+    if amax_in_kernel is not False:
+        fused_amax = _fused_amax_options(
+            x,
+            config,
+            amax_in_kernel=amax_in_kernel,
+            amax_ctas=amax_ctas,
+            hadamard_columnwise=hadamard_columnwise,
+            two_d=two_d,
+            grouped=any(grouped),
+            given=dict(rowwise_amax=rowwise_amax, columnwise_amax=columnwise_amax),
+            interpret=interpret,
+        )
+        # Placeholders for the checks below; the launch gets no scalars (the kernel's own).
+        rowwise_amax = columnwise_amax = jnp.float32(1)
+    elif amax_ctas is not None:
+        raise ValueError("amax_ctas applies to amax_in_kernel=True only")
     if rowwise and not grouped[0]:
         scalars[0] = copy_scalars(_check_amax(rowwise_amax, "rowwise_amax"))
         if stochastic_rounding:
@@ -1499,10 +1610,18 @@ def quantize_nvfp4(
             block_amaxes = (_padded_block_amaxes(block_amax_bits, padded_rows, padded_cols),)
         else:
             block_amaxes = _block_amax_per_line(block_amax_bits, padded_rows, padded_cols)
+    # With the amax taken in the kernel, its scalars, amaxes and per-CTA partials are outputs.
+    if fused_amax is not None:
+        out_types += [
+            jax.ShapeDtypeStruct((2, 2), jnp.float32),
+            jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((fused_amax["ctas"], 2), jnp.uint32),
+        ]
+    scalar_inputs = [jnp.stack(scalars)] if fused_amax is None else []
     outs = qc.run_tiles(
         _kernel,
         xp,
-        jnp.stack(scalars),
+        *scalar_inputs,
         jnp.stack(seeds),
         *extra_inputs,
         *block_amaxes,
@@ -1520,7 +1639,10 @@ def quantize_nvfp4(
         hadamard=hadamard_columnwise,
         stochastic=stochastic_rounding,
         on_hardware=not qc.interpreting(interpret),
+        **({"fused_amax": fused_amax} if fused_amax is not None else {}),
     )
+    if fused_amax is not None:
+        outs, amax_bits = outs[:-3], outs[-2]
     rows16, cols16 = qc.round_up(rows, BLOCK), qc.round_up(cols, BLOCK)
     # 16×16 blocks keep the padded lines of the last block and one scale row per block.
     lines = {"rowwise": rows16 if two_d else rows, "columnwise": cols16 if two_d else cols}
@@ -1538,12 +1660,53 @@ def quantize_nvfp4(
         result[f"{usage}_scale"] = qc.crop(
             scale, lines[usage] // (BLOCK if two_d else 1), width[usage] // BLOCK
         )
-    return NVFP4Quantized(
+    quantized = NVFP4Quantized(
         rowwise_data=result.get("rowwise_data"),
         rowwise_scale=result.get("rowwise_scale"),
         columnwise_data=result.get("columnwise_data"),
         columnwise_scale=result.get("columnwise_scale"),
     )
+    if fused_amax is None:
+        return quantized
+    amaxes = lax.bitcast_convert_type(amax_bits, jnp.float32)
+    return quantized, amaxes[0], amaxes[1]
+
+
+def _fused_amax_options(
+    x, config, *, amax_in_kernel, amax_ctas, hadamard_columnwise, two_d, grouped, given, interpret
+) -> dict:
+    """`_global_amax_prologue`'s keywords for `quantize_nvfp4(amax_in_kernel=True)`, after
+    checking that the launch can take the amax itself."""
+    if amax_in_kernel is not True:
+        raise TypeError(f"amax_in_kernel must be a bool, got {amax_in_kernel!r}")
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"{name} must be None with amax_in_kernel=True (the kernel takes it)")
+    if two_d or grouped:
+        raise ValueError(
+            "amax_in_kernel=True takes one global amax per copy: 1×16 blocks without "
+            "per-line or per-block (grouped) amaxes"
+        )
+    if qc.interpreting(interpret):
+        raise ValueError(
+            "amax_in_kernel=True needs the GPU: the Pallas interpreter has no semaphores"
+        )
+    padded_rows, padded_cols = config.padded_shape(*x.shape)
+    if config.runs_pipeline(padded_cols):
+        raise ValueError("amax_in_kernel=True needs one-tile CTAs (steps_per_cta=1)")
+    vector = _direct_amax_vector(x.dtype, padded_cols, hadamard_columnwise)
+    units = padded_rows // BLOCK * (padded_cols // (_WARPGROUP_THREADS * vector))
+    grid_ctas = (padded_rows // config.tile_m) * (padded_cols // config.tile_k)
+    # At most one per SM: every partial CTA must be resident while CTA 0 waits for it.
+    most = min(gmc.num_sms_default(), grid_ctas, units)
+    if amax_ctas is None:
+        amax_ctas = most
+    if not isinstance(amax_ctas, int) or not 1 <= amax_ctas <= most:
+        raise ValueError(
+            f"amax_ctas must be an int in [1, {most}] (one per SM at most, and no more than "
+            f"the launch's tiles), got {amax_ctas!r}"
+        )
+    return dict(ctas=amax_ctas, vector=vector, hadamard=hadamard_columnwise)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1657,14 +1820,13 @@ _WARPGROUP_THREADS = 128
 DIRECT_AMAX_CTAS = 1024
 
 
-def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: bool):
-    """out[cta] = (max|x|, max|hadamard16(xᵀ)| or max|x|) over this CTA's units, as float32
-    bit patterns (uint32)."""
+def _direct_amax_bits(x_gmem, cta, *, ctas: int, vector: int, hadamard: bool):
+    """(max|x|, max|hadamard16(xᵀ)| or max|x|) over CTA `cta`'s units of x (of `ctas` CTAs
+    taking every ctas-th unit), as float32 bit patterns (uint32 scalars)."""
     rows, cols = x_gmem.shape
     chunk = _WARPGROUP_THREADS * vector
     chunks_per_row = cols // chunk
     units = rows // BLOCK * chunks_per_row
-    cta = lax.axis_index("cta")
     layout = plgpu.Layout.WG_STRIDED((chunk,), vec_size=vector)
 
     def unit(k, carry):
@@ -1687,8 +1849,28 @@ def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: b
     zeros = plgpu.layout_cast(jnp.zeros((chunk,), jnp.uint32), layout)
     row_bits, column_bits = lax.fori_loop(0, (units - cta + ctas - 1) // ctas, unit, (zeros, zeros))
     row_amax = jnp.max(row_bits)
+    return row_amax, jnp.max(column_bits) if hadamard else row_amax
+
+
+def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: bool):
+    """out[cta] = `_direct_amax_bits` of this CTA's units."""
+    cta = lax.axis_index("cta")
+    row_amax, column_amax = _direct_amax_bits(
+        x_gmem, cta, ctas=ctas, vector=vector, hadamard=hadamard
+    )
     out_gmem[cta, 0] = row_amax
-    out_gmem[cta, 1] = jnp.max(column_bits) if hadamard else row_amax
+    out_gmem[cta, 1] = column_amax
+
+
+def _direct_amax_vector(dtype, cols: int, hadamard: bool) -> int:
+    """Elements per thread and load of `_direct_amax_bits`: 16 bytes, 8 with the Hadamard
+    transform (each thread then holds 16 rows' values in float32, and 8-byte loads keep them in
+    registers: stop 33, H200, ~36 µs at 8 bytes, ~39-44 at 16), or the widest below that
+    divides the padded columns into whole warpgroup chunks."""
+    vector = (8 if hadamard else 16) // jnp.dtype(dtype).itemsize
+    while cols % (_WARPGROUP_THREADS * vector):
+        vector //= 2
+    return vector
 
 
 def _direct_amax_partials(x, hadamard_columnwise, interpret, *, ctas=None, vector=None):
@@ -1701,11 +1883,7 @@ def _direct_amax_partials(x, hadamard_columnwise, interpret, *, ctas=None, vecto
     cols = -(-x.shape[1] // _WARPGROUP_THREADS) * _WARPGROUP_THREADS
     xp = qc.pad_to(x, rows, cols)
     if vector is None:
-        # With the transform each thread holds 16 rows' values in float32: 8-byte loads keep
-        # them in registers (stop 33, H200: ~36 µs at 8 bytes, ~39-44 at 16).
-        vector = (8 if hadamard_columnwise else 16) // x.dtype.itemsize
-        while cols % (_WARPGROUP_THREADS * vector):
-            vector //= 2
+        vector = _direct_amax_vector(x.dtype, cols, hadamard_columnwise)
     if cols % (_WARPGROUP_THREADS * vector):
         raise ValueError(
             f"vector must split x's {cols} padded columns into chunks of {_WARPGROUP_THREADS} "

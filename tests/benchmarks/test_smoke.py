@@ -284,6 +284,20 @@ def test_quantize_ab_runs_small(tmp_path):
     assert all(r["us"] > 0 for r in rows) and "| split_copies |" in text
 
 
+def test_quantize_ab_nvfp4_amax_runs_small(tmp_path):
+    # The separate amax kernel + quantize in the interpreter; the amax-in-kernel variants
+    # (semaphores, which the interpreter lacks) are listed as GPU only, not run.
+    from benchmarks import quantize_ab
+
+    quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_amax")
+    rows = json.loads((tmp_path / "quantize_ab_nvfp4_amax.json").read_text())
+    variants = {r["variant"]: r for r in rows if r["variant"] in quantize_ab.NVFP4_AMAX_VARIANTS}
+    assert set(variants) == set(quantize_ab.NVFP4_AMAX_VARIANTS)
+    assert variants[quantize_ab.NVFP4_AMAX_BASELINE]["us"] > 0
+    fused = [r for name, r in variants.items() if name != quantize_ab.NVFP4_AMAX_BASELINE]
+    assert all(r["bits"] == "not run: GPU only" and r["us"] is None for r in fused)
+
+
 def test_quantize_ab_nvfp4_weight_runs_small(tmp_path):
     # The 16×16 weight kernel's block-amax loads (per group or preloaded, from per-line copies
     # or, on the hardware only, the compact array): the same bits as the baseline's.

@@ -1707,6 +1707,33 @@ def test_wrappers_reject_bad_arguments():
         )
 
 
+def test_nvfp4_amax_in_kernel_refusals():
+    x = jnp.zeros((256, 384), jnp.bfloat16)
+    one = jnp.float32(1)
+    with pytest.raises(ValueError, match="rowwise_amax must be None with amax_in_kernel=True"):
+        pk.quantize_nvfp4(x, rowwise_amax=one, amax_in_kernel=True)
+    with pytest.raises(ValueError, match="1×16 blocks without per-line or per-block"):
+        pk.quantize_nvfp4(x, block_shape=(16, 16), amax_in_kernel=True)
+    with pytest.raises(ValueError, match="1×16 blocks without per-line or per-block"):
+        pk.quantize_nvfp4(x, rowwise_line_amax=jnp.ones((256,)), amax_in_kernel=True)
+    with pytest.raises(TypeError, match="amax_in_kernel must be a bool"):
+        pk.quantize_nvfp4(x, amax_in_kernel=1)
+    with pytest.raises(ValueError, match="amax_ctas applies to amax_in_kernel=True only"):
+        pk.quantize_nvfp4(x, rowwise_amax=one, amax_ctas=4)
+    with pytest.raises(ValueError, match="needs the GPU: the Pallas interpreter has no"):
+        pk.quantize_nvfp4(x, amax_in_kernel=True, interpret=True)
+    # Traced only (no kernel runs): x has 2 × 3 one-tile CTAs, so at most 6 take the amax.
+    with pytest.raises(ValueError, match=r"amax_ctas must be an int in \[1, 6\]"):
+        jax.eval_shape(lambda v: pk.quantize_nvfp4(v, amax_in_kernel=True, amax_ctas=7), x)
+    with pytest.raises(ValueError, match="needs one-tile CTAs"):
+        jax.eval_shape(
+            lambda v: pk.quantize_nvfp4(
+                v, amax_in_kernel=True, config=pk.NVFP4QuantizeConfig(steps_per_cta=3)
+            ),
+            x,
+        )
+
+
 # --- CPU: cross-lowering for the H200 ------------------------------------------------------------
 def _cross_lower(fn, *args) -> None:
     assert "mosaic_gpu" in export_for_h200(fn, *args).mlir_module()
@@ -1759,7 +1786,26 @@ def _nvfp4_grouped(x, *, sr=True, **options):
     )
 
 
+def _nvfp4_amax_in_kernel(x, *, sr=True, **options):
+    """`_nvfp4_rht` with the global amaxes taken inside the quantize launch."""
+    return pk.quantize_nvfp4(
+        x,
+        columnwise=True,
+        hadamard_columnwise=True,
+        stochastic_rounding=sr,
+        rowwise_seed=jnp.uint32(1) if sr else None,
+        columnwise_seed=jnp.uint32(2) if sr else None,
+        amax_in_kernel=True,
+        **options,
+    )
+
+
 CROSS_LOWERED = {
+    "nvfp4 rht+sr row+col, global amax in the kernel": (_nvfp4_amax_in_kernel, jnp.bfloat16),
+    "nvfp4 row+col nearest, global amax in the kernel by one CTA": (
+        functools.partial(_nvfp4_amax_in_kernel, sr=False, amax_ctas=1),
+        jnp.float32,
+    ),
     "mxfp8 e4m3 row+col": (lambda x: pk.quantize_mxfp8(x, columnwise=True), jnp.bfloat16),
     "mxfp8 row+col line-major scales, tiles in bands of 3": (
         lambda x: pk.quantize_mxfp8(
@@ -2211,6 +2257,57 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         )
         for g, w in zip(kernel_amaxes, amaxes, strict=True):
             assert_same_bits(g, w, "nvfp4 global amax")
+
+
+def planted_maximum_input(shape, dtype, seed, where):
+    """Gaussian x with one element 40× its largest elsewhere, at the first or last element
+    (`where`), so that only a reduction over every CTA's part finds it."""
+    x = np.array(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+    index = (0, 0) if where == "first" else (shape[0] - 1, shape[1] - 1)
+    x[index] = -40.0 * np.abs(x).max()
+    return jnp.asarray(x).astype(dtype)
+
+
+@gpu_cases
+@pytest.mark.parametrize(
+    "rht, sr, dtype, amax_ctas",
+    [
+        (True, True, jnp.bfloat16, None),
+        (True, False, jnp.bfloat16, None),
+        (False, False, jnp.float32, None),
+        (True, False, jnp.bfloat16, 1),
+        (True, True, jnp.float32, 7),
+    ],
+)
+def test_gpu_nvfp4_amax_in_kernel_bit_exact(rht, sr, dtype, amax_ctas):
+    # The global amaxes taken inside the quantize launch (`amax_in_kernel`, a grid-wide wait on
+    # semaphores): the reference's codes, scales and amaxes, for the adversarial input (NaN /
+    # Inf blocks: a NaN amax) and finite inputs whose maximum only one CTA's part holds, one
+    # of them 8192 × 4096 (2048 tiles, most CTAs beyond the first wave).
+    inputs = [
+        *gpu_inputs(dtype, 3, 16),
+        planted_maximum_input((1000, 1992), dtype, 4, "first"),
+        planted_maximum_input((8192, 4096), dtype, 5, "last"),
+    ]
+    for x in inputs:
+        want, amaxes = ref_nvfp4(x, rht=rht, sr=sr, seeds=SEEDS, block=(1, 16))
+        poison_device_memory(2 * x.size)
+        got, *got_amaxes = jax.jit(
+            lambda v: pk.quantize_nvfp4(
+                v,
+                columnwise=True,
+                hadamard_columnwise=rht,
+                stochastic_rounding=sr,
+                rowwise_seed=SEEDS[0],
+                columnwise_seed=SEEDS[1],
+                amax_in_kernel=True,
+                amax_ctas=amax_ctas,
+            )
+        )(x)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            assert_same_bits(g, w, f"nvfp4, amax in the kernel, {name} of {x.shape}")
+        for g, w in zip(got_amaxes, amaxes, strict=True):
+            assert_same_bits(g, w, f"nvfp4 global amax in the kernel of {x.shape}")
 
 
 @gpu_cases
