@@ -322,15 +322,16 @@ def test_quantize_scale_split_runs_small(tmp_path):
     text = quantize_scale_split.main(str(tmp_path), small=True)
     rows = json.loads((tmp_path / "quantize_scale_split.json").read_text())
     cases = {r["case"] for r in rows}
-    assert len(cases) == 13
+    assert len(cases) == 14
     assert {
         "mxfp8 kernel alone (raw scales)",
+        "mxfp8 line-major scales, band 4",
         "mxfp8 line-major scales, band 8",
         "cast skeleton, band 8",
     } <= cases
     assert all(r["bits"] is True for r in rows if r["bits"] is not None)
     # Every quantizer and skeleton but the raw kernel and `x + 1` is compared with its default.
-    assert sum(r["bits"] is not None for r in rows) == 11
+    assert sum(r["bits"] is not None for r in rows) == 12
     assert all(r["wall_us"] > 0 for r in rows) and "| mxfp8 XLA untile |" in text
 
 
