@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -1012,7 +1013,7 @@ def _kernel(
             scalars_gmem,
             amax_gmem,
             partials_gmem,
-            grid_k=x_gmem.shape[1] // config.tile_k,
+            grid_k=qc.tile_grid(*x_gmem.shape, config)["grid"][1],
             **fused_amax,
         )
     data_gmems, scale_gmems = outs[0::2], outs[1::2]
@@ -1563,16 +1564,17 @@ def quantize_nvfp4(
             given=dict(rowwise_amax=rowwise_amax, columnwise_amax=columnwise_amax),
             interpret=interpret,
         )
-        # Placeholders for the checks below; the launch gets no scalars (the kernel's own).
-        rowwise_amax = columnwise_amax = jnp.float32(1)
     elif amax_ctas is not None:
         raise ValueError("amax_ctas applies to amax_in_kernel=True only")
+    # (With the amax taken in the kernel, so are the scalars: the launch gets none.)
     if rowwise and not grouped[0]:
-        scalars[0] = copy_scalars(_check_amax(rowwise_amax, "rowwise_amax"))
+        if fused_amax is None:
+            scalars[0] = copy_scalars(_check_amax(rowwise_amax, "rowwise_amax"))
         if stochastic_rounding:
             seeds[0] = _check_seed(rowwise_seed, "rowwise_seed")
     if columnwise and not grouped[1]:
-        scalars[1] = copy_scalars(_check_amax(columnwise_amax, "columnwise_amax"))
+        if fused_amax is None:
+            scalars[1] = copy_scalars(_check_amax(columnwise_amax, "columnwise_amax"))
         if stochastic_rounding:
             seeds[1] = _check_seed(columnwise_seed, "columnwise_seed")
     positioned = rowwise_position is not None or columnwise_position is not None
@@ -1698,8 +1700,8 @@ def _fused_amax_options(
     if config.runs_pipeline(padded_cols):
         raise ValueError("amax_in_kernel=True needs one-tile CTAs (steps_per_cta=1)")
     vector = _direct_amax_vector(x.dtype, padded_cols, hadamard_columnwise)
-    units = padded_rows // BLOCK * (padded_cols // (_WARPGROUP_THREADS * vector))
-    grid_ctas = (padded_rows // config.tile_m) * (padded_cols // config.tile_k)
+    units = _direct_amax_units(padded_rows, padded_cols, vector)
+    grid_ctas = math.prod(qc.tile_grid(padded_rows, padded_cols, config)["grid"])
     # At most one per SM: every partial CTA must be resident while CTA 0 waits for it.
     most = min(gmc.num_sms_default(), grid_ctas, units)
     if amax_ctas is None:
@@ -1829,7 +1831,7 @@ def _direct_amax_bits(x_gmem, cta, *, ctas: int, vector: int, hadamard: bool):
     rows, cols = x_gmem.shape
     chunk = _WARPGROUP_THREADS * vector
     chunks_per_row = cols // chunk
-    units = rows // BLOCK * chunks_per_row
+    units = _direct_amax_units(rows, cols, vector)
     layout = plgpu.Layout.WG_STRIDED((chunk,), vec_size=vector)
 
     def unit(k, carry):
@@ -1865,6 +1867,11 @@ def _direct_amax_kernel(x_gmem, out_gmem, *, ctas: int, vector: int, hadamard: b
     out_gmem[cta, 1] = column_amax
 
 
+def _direct_amax_units(rows: int, cols: int, vector: int) -> int:
+    """Units (16 rows × one warpgroup's chunk of columns) of `_direct_amax_bits` in x."""
+    return rows // BLOCK * (cols // (_WARPGROUP_THREADS * vector))
+
+
 def _direct_amax_vector(dtype, cols: int, hadamard: bool) -> int:
     """Elements per thread and load of `_direct_amax_bits`: 16 bytes, 8 with the Hadamard
     transform (each thread then holds 16 rows' values in float32, and 8-byte loads keep them in
@@ -1894,8 +1901,7 @@ def _direct_amax_partials(x, hadamard_columnwise, interpret, *, ctas=None, vecto
         )
     if ctas is None:
         ctas = DIRECT_AMAX_CTAS // 2 if hadamard_columnwise else DIRECT_AMAX_CTAS
-    units = rows // BLOCK * (cols // (_WARPGROUP_THREADS * vector))
-    ctas = min(ctas, units)
+    ctas = min(ctas, _direct_amax_units(rows, cols, vector))
     partials = plgpu.kernel(
         functools.partial(
             _direct_amax_kernel, ctas=ctas, vector=vector, hadamard=hadamard_columnwise
