@@ -23,10 +23,11 @@
 #                                      and grouped_ab --variants weights_in_registers, verified on
 #                                      an H100 in stop 49; then whatever PENDING_AB /
 #                                      PENDING_BENCH name while time is left)
-#   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 GEMMs against torch, jax's
-#                                      Mosaic GPU kernels and XLA in alternation
-#                                      (benchmarks/peers_ab.py), then Nsight Compute on our G8
-#                                      bf16 forward and torch._grouped_mm's (stop 46's plan)
+#   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
+#                                      torch, jax's Mosaic GPU kernels and XLA in alternation
+#                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
+#                                      then Nsight Compute on our G8 bf16 forward and
+#                                      torch._grouped_mm's (stop 46's plan; PEERS_NCU=0 skips it)
 #   bash benchmarks/h200.sh ncu        Nsight Compute on benchmarks/ncu_cases.py's kernels
 #                                      ($NCU_CASES), then kernel_resources' SASS dump
 #                                      (the in-register kernels of stops 46-47:
@@ -141,8 +142,9 @@ elif [[ $STAGE == pending ]]; then
   fi
 elif [[ $STAGE == peers ]]; then
   timeout "${PEERS_BUDGET:-300}" python3 -m benchmarks.peers_ab --out "$OUT" \
-    --rounds "${PEERS_ROUNDS:-15}" 2>&1 | tee "$OUT/peers_ab.log" | tail -40
-  NCU_CASES="bf16_grouped torch_bf16_grouped" NCU_REGEX="matmul|device_kernel" NCU_SKIP=0 \
+    --rounds "${PEERS_ROUNDS:-15}" ${PEERS_CASES:+--cases $PEERS_CASES} 2>&1 \
+    | tee "$OUT/peers_ab.log" | tail -40
+  [[ ${PEERS_NCU:-1} == 0 ]] || NCU_CASES="bf16_grouped torch_bf16_grouped" NCU_REGEX="matmul|device_kernel" NCU_SKIP=0 \
     NCU_COUNT=${NCU_COUNT:-2} SASS_CASES=none NCU_BUDGET=${NCU_BUDGET:-110} bash "$0" ncu
 elif [[ $STAGE == ncu ]]; then
   # Nsight Compute on each case of benchmarks/ncu_cases.py ($NCU_CASES), the sections first

@@ -24,9 +24,18 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   kernel's even/odd column order (the same products summed in another order: not bit for bit),
   with either decode of the codes and with two K steps a stage (the three checked bit for
   bit against each other);
-* dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS).
+* dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS);
+* dense 8192³ block FP8 (1×128 lhs, 128×128 rhs blocks, E4M3 codes, power-of-2 scales):
+  `dense_matmul_fp8_block`'s default against `torch._scaled_mm` with the same block scales
+  (cuBLASLt's block-scaled FP8 GEMM, CUDA ≥ 12.9: the GEMM TransformerEngine's
+  Float8BlockScaling recipe calls on Hopper), its output checked against ours first (a
+  different summation order, so close rather than bit for bit); XLA's dense FP8 GEMM without
+  block scales as the ceiling.
 
-    python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small]
+    python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small] [--cases NAME ...]
+
+`--cases` picks groups of cases: `grouped` (every G8 row), `dense_bf16`, `dense_fp8_block`
+(default: all).
 
 writes DIR/peers_ab.json and .md. `--small` runs tiny shapes, our kernels in the Pallas
 interpreter and no torch (a smoke test; the numbers mean nothing).
@@ -40,6 +49,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import pallas_kernels as pk
@@ -51,7 +61,7 @@ from benchmarks.timing import (
     report,
     same_bits_as_first,
 )
-from pallas_kernels.grouped_matmul_dense import dense_matmul
+from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig, grouped_matmul
 from pallas_kernels.grouped_matmul_mx_weights import (
     TWO_STEPS_WEIGHTS_CONFIG,
@@ -61,6 +71,9 @@ from pallas_kernels.grouped_matmul_mx_weights import (
 
 SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
+# (Block FP8 steps K by 128: its blocks.)
+SMALL_BLOCK_CONFIG = dataclasses.replace(SMALL_CONFIG, tile_k=128)
+CASE_GROUPS = ("grouped", "dense_bf16", "dense_fp8_block")
 
 
 def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
@@ -367,17 +380,96 @@ def dense_candidates(size: int, small: bool) -> dict:
     return candidates
 
 
-def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> str:
+def block_fp8_operands(size: int) -> tuple[jax.Array, ...]:
+    """Block-FP8 operands of a dense size³ GEMM: lhs (M, K) E4M3 codes and their 1x128 scales
+    K-major, (K/128, M) (the quantize kernels' GEMM-ready "tiles" order, which is also the
+    "outer-dim-major" order cuBLASLt wants); rhs (N, K) codes and (N/128, K/128) 128x128
+    scales. The scales are powers of two from 2^-3 to 2^3, as the recipe's are."""
+    keys = jax.random.split(jax.random.key(10), 4)
+    lhs8, rhs8 = (
+        jax.random.normal(key, (size, size), jnp.float32).astype(E4M3) for key in keys[:2]
+    )
+    blocks = size // 128
+    lhs_scale_k_major = 2.0 ** jax.random.randint(keys[2], (blocks, size), -3, 4).astype(
+        jnp.float32
+    )
+    rhs_scale = 2.0 ** jax.random.randint(keys[3], (blocks, blocks), -3, 4).astype(jnp.float32)
+    return lhs8, lhs_scale_k_major, rhs8, rhs_scale
+
+
+def torch_block_fp8_mm(torch):
+    """``torch._scaled_mm`` on our block-FP8 operands: lhs (M, K) row-major, rhs (N, K) seen as
+    the column-major (K, N) operand, the lhs scales (M, K/128) outer-dim-major (a transposed
+    view of our K-major array) and the rhs scales (K/128, N/128). torch picks cuBLASLt's
+    1x128 / 128x128 scale modes from these shapes (no fast accumulation there)."""
+
+    def mm(lhs8, lhs_scale_k_major, rhs8, rhs_scale):
+        return torch._scaled_mm(
+            lhs8, rhs8.t(), lhs_scale_k_major.t(), rhs_scale.t(), out_dtype=torch.bfloat16
+        )
+
+    return mm
+
+
+def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
+    """(candidates, {peer name: max |peer - ours| / max |ours|}) of the dense block-FP8 case:
+    each peer's output is compared with ours before timing, since a misread scale layout
+    would make a fast peer meaningless."""
+    lhs8, lhs_scale_k_major, rhs8, rhs_scale = block_fp8_operands(size)
+    config = SMALL_BLOCK_CONFIG if small else None
+    ours = jax.jit(
+        lambda a, sa, b, sb: dense_matmul_fp8_block(
+            a, sa, b, sb, config=config, interpret=small, lhs_scale_k_major=True
+        )
+    )
+    args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
+    candidates = {
+        "ours dense_matmul_fp8_block (default)": (ours, [args]),
+        "XLA dense FP8, no block scales (ceiling)": (
+            jax.jit(
+                lambda a, b: lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [(lhs8, rhs8)],
+        ),
+    }
+    differences = {}
+    torch = None if small else _torch()
+    if torch is not None:
+        name = "torch._scaled_mm 1x128 / 128x128 (cuBLASLt)"
+        call, torch_sets = _torch_candidate(torch, torch_block_fp8_mm(torch), [args])
+        try:
+            theirs = torch_block_fp8_mm(torch)(*torch_sets[0]).float().cpu().numpy()
+        except RuntimeError as error:  # (an older torch or CUDA: the peer is skipped, said so)
+            print(f"{name}: not run ({str(error).splitlines()[0]})")
+        else:
+            mine = np.asarray(ours(*args).astype(jnp.float32))
+            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+            candidates[name] = (call, torch_sets)
+    return candidates, differences
+
+
+def main(
+    out_dir: str | None = None,
+    rounds: int = 15,
+    small: bool = False,
+    cases: tuple[str, ...] = CASE_GROUPS,
+) -> str:
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    unknown = sorted(set(cases) - set(CASE_GROUPS))
+    if unknown or not cases:
+        raise ValueError(f"cases must be a non-empty subset of {CASE_GROUPS}, got {cases!r}")
     shapes, dense_size = (SMALL_SHAPES, 128) if small else (SHAPES, DENSE_SIZE)
     # (In the interpreter every call is a whole interpretation and the times mean nothing.)
     batch = dict(calls_per_batch=1, warmup_seconds=0.0, compile_first=False) if small else {}
     rows = []
 
-    def run_case(case: str, flops: float, candidates: dict, same_bits=()) -> None:
+    def run_case(case: str, flops: float, candidates: dict, same_bits=(), differences=None) -> None:
         # `same_bits`: names whose outputs must equal the first one's bit for bit (checked
-        # before timing, reported in the table).
+        # before timing, reported in the table); `differences`: {name: relative difference
+        # from the first one} where the sums are ordered differently.
         bits = {}
         if same_bits:
             bits = same_bits_as_first(candidates, same_bits)
@@ -393,11 +485,12 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
                     tflops=flops / value / 1e12,
                     vs_fastest=fastest / value,
                     same_bits=bits.get(name),
+                    relative_difference=(differences or {}).get(name),
                 )
             )
             print(f"{case:28s} {name:44s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
 
-    for shape, (g, m, k, n, sizes) in shapes.items():
+    for shape, (g, m, k, n, sizes) in shapes.items() if "grouped" in cases else ():
         sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
         for fp8 in (False, True):
             if small and fp8:
@@ -412,7 +505,15 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
         # (The in-register decodes and stagings give the same values: checked bit for bit.)
         run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:4])
         del nv
-    run_case(f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small))
+    if "dense_bf16" in cases:
+        run_case(
+            f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small)
+        )
+    if "dense_fp8_block" in cases:
+        block, differences = dense_fp8_block_candidates(dense_size, small)
+        run_case(
+            f"dense {dense_size}^3 block FP8", 2 * dense_size**3, block, differences=differences
+        )
 
     lines = [
         f"Device: {device_description()}; {rounds} alternating rounds per case "
@@ -422,12 +523,21 @@ def main(out_dir: str | None = None, rounds: int = 15, small: bool = False) -> s
         "|---|---|---:|---:|---:|---|",
         *(
             f"| {r['case']} | {r['implementation']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-            f"{r['vs_fastest']:.3f} | "
-            f"{'' if r['same_bits'] is None else ('yes' if r['same_bits'] else '**NO**')} |"
+            f"{r['vs_fastest']:.3f} | {_agreement(r)} |"
             for r in rows
         ),
     ]
     return report(out_dir, "peers_ab", rows, "\n".join(lines) + "\n")
+
+
+def _agreement(row: dict) -> str:
+    """The table's last column: bit equality, or the relative difference where the sums are
+    ordered differently."""
+    if row["same_bits"] is not None:
+        return "yes" if row["same_bits"] else "**NO**"
+    if row["relative_difference"] is not None:
+        return f"no: max diff {row['relative_difference']:.1e} of max |ours|"
+    return ""
 
 
 if __name__ == "__main__":
@@ -435,5 +545,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=CASE_GROUPS, default=list(CASE_GROUPS))
     args = parser.parse_args()
-    main(args.out, rounds=args.rounds, small=args.small)
+    main(args.out, rounds=args.rounds, small=args.small, cases=tuple(args.cases))

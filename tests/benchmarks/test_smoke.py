@@ -737,6 +737,8 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),
+        ("dense 128^3 block FP8", "ours dense_matmul_fp8_block (default)"),
+        ("dense 128^3 block FP8", "XLA dense FP8, no block scales (ceiling)"),
     }
     assert all(r["ms"] > 0 and 0 < r["vs_fastest"] <= 1 for r in rows)
     # Checked against the library path (on the GPU both sum the same k16 products in order;
@@ -756,6 +758,37 @@ def test_peers_ab_runs_small(tmp_path):
     assert "| dense 128^3 bf16 | XLA dense bf16 |" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         peers_ab.main(str(tmp_path), rounds=0, small=True)
+    with pytest.raises(ValueError, match="cases must be a non-empty subset"):
+        peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("dense",))
+
+
+def test_peers_ab_block_fp8_operands_are_what_both_gemms_read():
+    # The block-FP8 peer row is only meaningful if torch and our kernel read the same values:
+    # our kernel on these operands must equal their dequantized product (the K-major lhs
+    # scales, (K/128, M), are torch's outer-dim-major (M, K/128) seen transposed).
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+    from benchmarks import peers_ab
+
+    lhs8, lhs_scale_k_major, rhs8, rhs_scale = peers_ab.block_fp8_operands(256)
+    assert lhs_scale_k_major.shape == (2, 256) and rhs_scale.shape == (2, 2)
+    scales = np.unique(np.asarray(jnp.concatenate([lhs_scale_k_major.ravel(), rhs_scale.ravel()])))
+    assert set(np.log2(scales)) <= set(range(-3, 4)) and len(scales) > 1
+    lhs = lhs8.astype(jnp.float32) * jnp.repeat(lhs_scale_k_major.T, 128, axis=1)
+    rhs = rhs8.astype(jnp.float32) * jnp.repeat(jnp.repeat(rhs_scale, 128, 0), 128, 1)
+    out = pk.dense_matmul_fp8_block(
+        lhs8,
+        lhs_scale_k_major,
+        rhs8,
+        rhs_scale,
+        out_dtype=jnp.float32,
+        config=peers_ab.SMALL_BLOCK_CONFIG,
+        interpret=True,
+        lhs_scale_k_major=True,
+    )
+    np.testing.assert_allclose(out, lhs @ rhs.T, rtol=1e-5, atol=1e-3)
 
 
 def test_the_parts_of_a_test_selection_cover_it_once():
