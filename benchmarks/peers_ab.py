@@ -30,12 +30,15 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   (cuBLASLt's block-scaled FP8 GEMM, CUDA ≥ 12.9: the GEMM TransformerEngine's
   Float8BlockScaling recipe calls on Hopper), its output checked against ours first (a
   different summation order, so close rather than bit for bit); XLA's dense FP8 GEMM without
-  block scales as the ceiling.
+  block scales as the ceiling;
+* G8 forward with block-FP8 tokens and weights: `grouped_matmul_fp8_block`'s default against
+  one such `torch._scaled_mm` per expert (TransformerEngine's grouped GEMM on Hopper calls
+  cuBLASLt per GEMM; only where every group's rows are a multiple of 4, cuBLASLt's rule).
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small] [--cases NAME ...]
 
-`--cases` picks groups of cases: `grouped` (every G8 row), `dense_bf16`, `dense_fp8_block`
-(default: all).
+`--cases` picks groups of cases: `grouped` (the bf16, FP8 rowwise, MXFP8 and NVFP4 G8 rows),
+`grouped_fp8_block`, `dense_bf16`, `dense_fp8_block` (default: all).
 
 writes DIR/peers_ab.json and .md. `--small` runs tiny shapes, our kernels in the Pallas
 interpreter and no torch (a smoke test; the numbers mean nothing).
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +77,7 @@ SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
 # (Block FP8 steps K by 128: its blocks.)
 SMALL_BLOCK_CONFIG = dataclasses.replace(SMALL_CONFIG, tile_k=128)
-CASE_GROUPS = ("grouped", "dense_bf16", "dense_fp8_block")
+CASE_GROUPS = ("grouped", "grouped_fp8_block", "dense_bf16", "dense_fp8_block")
 
 
 def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
@@ -109,7 +113,7 @@ def _torch():
     return torch
 
 
-def _to_torch(torch, array: jax.Array):
+def to_torch(torch, array: jax.Array):
     """A torch view of a jax GPU array (DLPack; FP8 as its bytes, viewed back as FP8, since
     DLPack's FP8 support varies between versions)."""
     fp8 = {jnp.dtype(jnp.float8_e4m3fn): "float8_e4m3fn", jnp.dtype(jnp.float8_e5m2): "float8_e5m2"}
@@ -121,7 +125,7 @@ def _to_torch(torch, array: jax.Array):
 
 def _torch_candidate(torch, fn, arg_sets) -> tuple:
     """An interleaved_seconds candidate running torch ``fn`` on jax arrays (via DLPack)."""
-    torch_sets = [tuple(_to_torch(torch, a) for a in args) for args in arg_sets]
+    torch_sets = [tuple(to_torch(torch, a) for a in args) for args in arg_sets]
 
     def call(*args):
         fn(*args)
@@ -380,20 +384,21 @@ def dense_candidates(size: int, small: bool) -> dict:
     return candidates
 
 
-def block_fp8_operands(size: int) -> tuple[jax.Array, ...]:
-    """Block-FP8 operands of a dense size³ GEMM: lhs (M, K) E4M3 codes and their 1x128 scales
+def block_fp8_operands(m: int, k: int, n: int, seed: int = 10) -> tuple[jax.Array, ...]:
+    """Block-FP8 operands of an (M, K) @ (N, K)ᵀ GEMM: lhs E4M3 codes and their 1x128 scales
     K-major, (K/128, M) (the quantize kernels' GEMM-ready "tiles" order, which is also the
-    "outer-dim-major" order cuBLASLt wants); rhs (N, K) codes and (N/128, K/128) 128x128
-    scales. The scales are powers of two from 2^-3 to 2^3, as the recipe's are."""
-    keys = jax.random.split(jax.random.key(10), 4)
-    lhs8, rhs8 = (
-        jax.random.normal(key, (size, size), jnp.float32).astype(E4M3) for key in keys[:2]
-    )
-    blocks = size // 128
-    lhs_scale_k_major = 2.0 ** jax.random.randint(keys[2], (blocks, size), -3, 4).astype(
-        jnp.float32
-    )
-    rhs_scale = 2.0 ** jax.random.randint(keys[3], (blocks, blocks), -3, 4).astype(jnp.float32)
+    "outer-dim-major" order cuBLASLt wants); rhs (N, K) codes and (ceil(N/128), K/128)
+    128x128 scales. The scales are powers of two from 2^-3 to 2^3, as the recipe's are."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    lhs8 = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
+    rhs8 = jax.random.normal(keys[1], (n, k), jnp.float32).astype(E4M3)
+    k_blocks = k // 128
+
+    def powers_of_two(key, shape):
+        return 2.0 ** jax.random.randint(key, shape, -3, 4).astype(jnp.float32)
+
+    lhs_scale_k_major = powers_of_two(keys[2], (k_blocks, m))
+    rhs_scale = powers_of_two(keys[3], (-(-n // 128), k_blocks))
     return lhs8, lhs_scale_k_major, rhs8, rhs_scale
 
 
@@ -415,7 +420,7 @@ def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
     """(candidates, {peer name: max |peer - ours| / max |ours|}) of the dense block-FP8 case:
     each peer's output is compared with ours before timing, since a misread scale layout
     would make a fast peer meaningless."""
-    lhs8, lhs_scale_k_major, rhs8, rhs_scale = block_fp8_operands(size)
+    lhs8, lhs_scale_k_major, rhs8, rhs_scale = block_fp8_operands(size, size, size)
     config = SMALL_BLOCK_CONFIG if small else None
     ours = jax.jit(
         lambda a, sa, b, sb: dense_matmul_fp8_block(
@@ -447,6 +452,79 @@ def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
             mine = np.asarray(ours(*args).astype(jnp.float32))
             differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
             candidates[name] = (call, torch_sets)
+    return candidates, differences
+
+
+def grouped_fp8_block_candidates(
+    g: int, m: int, k: int, n: int, sizes, small: bool
+) -> tuple[dict, dict]:
+    """(candidates, relative differences) of a grouped block-FP8 forward: our
+    `grouped_matmul_fp8_block` default against one `torch._scaled_mm` per group (what
+    TransformerEngine's grouped GEMM does on Hopper: a cuBLASLt call per expert), where every
+    group's rows are a multiple of 4 (cuBLASLt's rule for these scales; otherwise the peer is
+    left out, said so), and XLA's dense FP8 GEMM of the same flops as the ceiling."""
+    lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(m, k, n)
+    keys = jax.random.split(jax.random.key(11), 2)
+    rhs8 = jax.random.normal(keys[0], (g, n, k), jnp.float32).astype(E4M3)
+    rhs_scale = 2.0 ** jax.random.randint(keys[1], (g, -(-n // 128), k // 128), -3, 4).astype(
+        jnp.float32
+    )
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    config = SMALL_BLOCK_CONFIG if small else None
+    ours = jax.jit(
+        lambda a, sa, b, sb, s: pk.grouped_matmul_fp8_block(
+            a, sa, b, sb, s, config=config, interpret=small, lhs_scale_k_major=True
+        )
+    )
+    args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale, group_sizes)
+    candidates = {
+        "ours grouped_matmul_fp8_block (default)": (ours, [args]),
+        "XLA dense FP8, no block scales (same flops)": (
+            jax.jit(
+                lambda a, b: lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [(lhs8, rhs8[0])],
+        ),
+    }
+    differences = {}
+    torch = None if small else _torch()
+    name = "torch._scaled_mm 1x128 / 128x128, one per group (cuBLASLt)"
+    if torch is not None and any(size % 4 for size in sizes):
+        print(f"{name}: not run (group sizes {sizes} are not all multiples of 4)")
+    elif torch is not None:
+        mm = torch_block_fp8_mm(torch)
+        lhs_t, lhs_scale_t, rhs_t, rhs_scale_t = (
+            to_torch(torch, a) for a in (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
+        )
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        # Each group's scales copied out once, outside the timing: a column slice of the
+        # (K/128, M) array is not the contiguous outer-dim-major operand cuBLASLt takes.
+        per_group = [
+            (
+                lhs_t[start:stop],
+                lhs_scale_t[:, start:stop].contiguous(),
+                rhs_t[group],
+                rhs_scale_t[group],
+            )
+            for group, (start, stop) in enumerate(itertools.pairwise(bounds))
+        ]
+
+        def per_group_mm():
+            # (No concatenation: TE writes each expert's rows into its output in place.)
+            for operands in per_group:
+                mm(*operands)
+            return _TorchResult(torch)
+
+        try:
+            theirs = torch.cat([mm(*operands) for operands in per_group]).float().cpu().numpy()
+        except RuntimeError as error:
+            print(f"{name}: not run ({str(error).splitlines()[0]})")
+        else:
+            mine = np.asarray(ours(*args).astype(jnp.float32))
+            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+            candidates[name] = (per_group_mm, [()])
     return candidates, differences
 
 
@@ -505,6 +583,10 @@ def main(
         # (The in-register decodes and stagings give the same values: checked bit for bit.)
         run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:4])
         del nv
+    for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_fp8_block" in cases else ():
+        block, differences = grouped_fp8_block_candidates(g, m, k, n, sizes, small)
+        run_case(f"{shape} fwd block FP8", 2 * m * k * n, block, differences=differences)
+        del block
     if "dense_bf16" in cases:
         run_case(
             f"dense {dense_size}^3 bf16", 2 * dense_size**3, dense_candidates(dense_size, small)
@@ -535,6 +617,8 @@ def _agreement(row: dict) -> str:
     ordered differently."""
     if row["same_bits"] is not None:
         return "yes" if row["same_bits"] else "**NO**"
+    if row["relative_difference"] == 0:
+        return "yes (every element equal)"
     if row["relative_difference"] is not None:
         return f"no: max diff {row['relative_difference']:.1e} of max |ours|"
     return ""

@@ -772,7 +772,7 @@ def test_peers_ab_block_fp8_operands_are_what_both_gemms_read():
     import pallas_kernels as pk
     from benchmarks import peers_ab
 
-    lhs8, lhs_scale_k_major, rhs8, rhs_scale = peers_ab.block_fp8_operands(256)
+    lhs8, lhs_scale_k_major, rhs8, rhs_scale = peers_ab.block_fp8_operands(256, 256, 256)
     assert lhs_scale_k_major.shape == (2, 256) and rhs_scale.shape == (2, 2)
     scales = np.unique(np.asarray(jnp.concatenate([lhs_scale_k_major.ravel(), rhs_scale.ravel()])))
     assert set(np.log2(scales)) <= set(range(-3, 4)) and len(scales) > 1

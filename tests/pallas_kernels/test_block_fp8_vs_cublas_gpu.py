@@ -1,0 +1,97 @@
+"""Our dense block-FP8 GEMM against cuBLASLt's, through torch, on the GPU (`-m gpu`).
+
+TransformerEngine's Float8BlockScaling recipe runs its GEMMs on Hopper through cuBLASLt's
+block-scaled FP8 mode (1x128 activation blocks, 128x128 weight blocks: CUDA >= 12.9), which
+`torch._scaled_mm` exposes. Both GEMMs multiply each 128-wide K block on the FP8 tensor cores
+and add it, times its two scales, into an f32 sum, so they should agree bit for bit where
+cuBLAS does not split K; the stop-51 benchmark run found every element of the 8192³ product
+equal. These tests pin that down on shapes with partial row and column tiles, and say how far
+apart the two are where they are not equal. They are skipped without torch's CUDA build (the
+CPU CI) or where torch refuses block scales (an older torch or CUDA: the skip says why).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.peers_ab import block_fp8_operands, to_torch, torch_block_fp8_mm
+from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
+
+pytestmark = pytest.mark.gpu
+
+# (M, K, N): cuBLASLt wants M a multiple of 4 and K / 128 a multiple of 4 for these scales.
+SHAPES = {
+    "8192^3": (8192, 8192, 8192),
+    "partial row tile": (1000, 2048, 1536),
+    "partial column block": (2048, 1024, 1472),
+    "long K": (512, 7168, 2048),
+}
+
+
+def _torch_or_skip():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    return torch
+
+
+def _torch_block_fp8_mm_or_skip(torch, *operands):
+    try:
+        return torch_block_fp8_mm(torch)(*operands).float().cpu().numpy()
+    except RuntimeError as error:
+        pytest.skip(f"torch._scaled_mm refuses 1x128 / 128x128 scales: {error}")
+
+
+def _assert_equal_to_cublas(ours: np.ndarray, theirs: np.ndarray) -> None:
+    assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+    differing = np.count_nonzero(ours != theirs)
+    relative = np.abs(ours - theirs).max() / np.abs(ours).max()
+    assert differing == 0, (
+        f"{differing} of {ours.size} elements differ from cuBLASLt's, by at most "
+        f"{relative:.1e} of max |out|"
+    )
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_dense_fp8_block_equals_cublas_block_scaled_gemm(shape):
+    torch = _torch_or_skip()
+    operands = block_fp8_operands(*SHAPES[shape])
+    ours = dense_matmul_fp8_block(*operands, lhs_scale_k_major=True)
+    theirs = _torch_block_fp8_mm_or_skip(torch, *(to_torch(torch, a) for a in operands))
+    _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
+
+
+def test_gpu_grouped_fp8_block_equals_cublas_per_group():
+    # TransformerEngine's grouped GEMM on Hopper is one cuBLASLt GEMM per expert: each group's
+    # rows of our grouped kernel must be that GEMM's bits (an empty group included).
+    torch = _torch_or_skip()
+    sizes, k, n = [1000, 0, 2048, 512], 1024, 1536
+    lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(sum(sizes), k, n)
+    rhs_operands = [block_fp8_operands(4, k, n, seed=group)[2:] for group in range(len(sizes))]
+    rhs8 = jnp.stack([rhs for rhs, _ in rhs_operands])
+    rhs_scale = jnp.stack([scale for _, scale in rhs_operands])
+    ours = grouped_matmul_fp8_block(
+        lhs8,
+        lhs_scale_k_major,
+        rhs8,
+        rhs_scale,
+        jnp.asarray(sizes, jnp.int32),
+        lhs_scale_k_major=True,
+    )
+    ours = np.asarray(ours.astype(jnp.float32))
+    start = 0
+    for size, (rhs, scale) in zip(sizes, rhs_operands, strict=True):
+        if size:
+            rows = slice(start, start + size)
+            theirs = _torch_block_fp8_mm_or_skip(
+                torch,
+                to_torch(torch, lhs8[rows]),
+                to_torch(torch, lhs_scale_k_major[:, rows]),
+                to_torch(torch, rhs),
+                to_torch(torch, scale),
+            )
+            _assert_equal_to_cublas(ours[rows], theirs)
+        start += size
