@@ -30,7 +30,9 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   (cuBLASLt's block-scaled FP8 GEMM, CUDA ≥ 12.9: the GEMM TransformerEngine's
   Float8BlockScaling recipe calls on Hopper), its output checked against ours first (a
   different summation order, so close rather than bit for bit); XLA's dense FP8 GEMM without
-  block scales as the ceiling;
+  block scales as the ceiling; and the same with 1×128 blocks on both operands (a wgrad's
+  two token-direction copies: `rhs_block_rows=1`) against the path the library took before
+  (both dequantized to bf16, XLA's GEMM) and cuBLASLt's two-1×128 GEMM (TE's wgrad);
 * G8 forward with block-FP8 tokens and weights: `grouped_matmul_fp8_block`'s default against
   one such `torch._scaled_mm` per expert (TransformerEngine's grouped GEMM on Hopper calls
   cuBLASLt per GEMM; only where every group's rows are a multiple of 4, cuBLASLt's rule).
@@ -455,6 +457,63 @@ def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
     return candidates, differences
 
 
+def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict]:
+    """(candidates, relative differences) of a wgrad-like dense block-FP8 GEMM, 1x128 blocks
+    on both operands (the layers' dw of two token-direction copies): our kernel with
+    ``rhs_block_rows=1`` against what the library ran before it (both copies dequantized to
+    bfloat16, exactly, and XLA's bf16 GEMM), cuBLASLt's two-1x128 block-scaled GEMM (TE's
+    wgrad on Hopper) and XLA's FP8 GEMM without block scales."""
+    lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(size, size, size)
+    rhs_scale = block_fp8_operands(size, size, 4, seed=12)[1].T  # (N, K/128)
+    config = SMALL_BLOCK_CONFIG if small else None
+    ours = jax.jit(
+        lambda a, sa, b, sb: dense_matmul_fp8_block(
+            a, sa, b, sb, config=config, interpret=small, lhs_scale_k_major=True, rhs_block_rows=1
+        )
+    )
+
+    def dequantized_bf16_gemm(a, sa, b, sb):
+        a16 = (a.astype(jnp.float32) * jnp.repeat(sa.T, 128, axis=1)).astype(BF16)
+        b16 = (b.astype(jnp.float32) * jnp.repeat(sb, 128, axis=1)).astype(BF16)
+        return lax.dot_general(a16, b16, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
+
+    args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
+    candidates = {
+        "ours dense_matmul_fp8_block, rhs_block_rows=1": (ours, [args]),
+        "before: both dequantized to bf16 + XLA bf16 GEMM": (
+            jax.jit(dequantized_bf16_gemm),
+            [args],
+        ),
+        "XLA dense FP8, no block scales (ceiling)": (
+            jax.jit(
+                lambda a, b: lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [(lhs8, rhs8)],
+        ),
+    }
+    differences = {}
+    torch = None if small else _torch()
+    if torch is not None:
+        name = "torch._scaled_mm 1x128 / 1x128 (cuBLASLt)"
+        torch_args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
+
+        def mm(a, sa, b, sb_k_major):
+            return torch._scaled_mm(a, b.t(), sa.t(), sb_k_major, out_dtype=torch.bfloat16)
+
+        call, torch_sets = _torch_candidate(torch, mm, [torch_args])
+        try:
+            theirs = mm(*torch_sets[0]).float().cpu().numpy()
+        except RuntimeError as error:
+            print(f"{name}: not run ({str(error).splitlines()[0]})")
+        else:
+            mine = np.asarray(ours(*args).astype(jnp.float32))
+            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+            candidates[name] = (call, torch_sets)
+    return candidates, differences
+
+
 def grouped_fp8_block_candidates(
     g: int, m: int, k: int, n: int, sizes, small: bool
 ) -> tuple[dict, dict]:
@@ -595,6 +654,13 @@ def main(
         block, differences = dense_fp8_block_candidates(dense_size, small)
         run_case(
             f"dense {dense_size}^3 block FP8", 2 * dense_size**3, block, differences=differences
+        )
+        block, differences = dense_fp8_block_wgrad_candidates(dense_size, small)
+        run_case(
+            f"dense {dense_size}^3 block FP8, 1x128 rhs (wgrad)",
+            2 * dense_size**3,
+            block,
+            differences=differences,
         )
 
     lines = [

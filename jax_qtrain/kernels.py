@@ -377,9 +377,13 @@ def gemm_kernels_enabled() -> bool:
 # slower than the dequantize-then-GEMM path they would replace (docs/benchmarks.md, stop 47;
 # stops 48-49: still 10-20% slower on an H200 and an H100, with every variant tried), so
 # "auto" does not take them; "pallas" does.
+# Opt-in until its gpu tests pass and it is timed against the path it replaces: the dense
+# layers' block-FP8 wgrad on the FP8 kernel with 1×128 blocks on both operands
+# ("fp8_block_wgrad", stop 51; before it, XLA's bf16 GEMM of the two dequantized copies).
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
+    "fp8_block_wgrad",
 }
 
 
@@ -571,10 +575,20 @@ def grouped_nvfp4_weights_gemm(
     )
 
 
-def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, *, lhs_scale_k_major: bool = False):
-    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks;
-    lhs_scale (M, K/128), or (K/128, M) with `lhs_scale_k_major` (the "tiles" layout)."""
-    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[0] % 128:
+def dense_fp8_block_gemm(
+    lhs,
+    lhs_scale,
+    rhs,
+    rhs_scale,
+    *,
+    lhs_scale_k_major: bool = False,
+    rhs_block_rows: int = 128,
+):
+    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks
+    with scales (N/128, K/128), or 1×128 blocks with scales (N, K/128) (``rhs_block_rows=1``:
+    the wgrad of two token-direction copies); lhs_scale (M, K/128), or (K/128, M) with
+    `lhs_scale_k_major` (the "tiles" layout)."""
+    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[0] % rhs_block_rows:
         return None
     return _pallas().dense_matmul_fp8_block(
         lhs,
@@ -583,4 +597,5 @@ def dense_fp8_block_gemm(lhs, lhs_scale, rhs, rhs_scale, *, lhs_scale_k_major: b
         rhs_scale,
         out_dtype=jnp.float32,
         lhs_scale_k_major=lhs_scale_k_major,
+        rhs_block_rows=rhs_block_rows,
     )

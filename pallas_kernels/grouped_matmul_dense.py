@@ -80,20 +80,24 @@ def dense_matmul_fp8_block(
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
     lhs_scale_k_major: bool = False,
+    rhs_block_rows: int = 128,
 ) -> jax.Array:
-    """Block-scaled FP8 ``out = lhs @ rhsᵀ``: lhs 1x128 blocks, rhs 128x128 blocks.
+    """Block-scaled FP8 ``out = lhs @ rhsᵀ``: lhs 1x128 blocks, rhs 128x128 blocks (or 1x128
+    with ``rhs_block_rows=1``: a wgrad ``dyᵀ x`` of two token-direction copies).
 
     Args:
       lhs: (M, K) FP8; K a multiple of 128.
       lhs_scale: (M, K/128) f32, or (K/128, M) with `lhs_scale_k_major` (the order the
         kernel reads, as the quantize kernels' "tiles" layout gives it: no transpose).
       rhs: (N, K) FP8.
-      rhs_scale: (ceil(N/128), K/128) f32.
+      rhs_scale: (ceil(N/128), K/128) f32, or (N, K/128) with ``rhs_block_rows=1``.
       out_dtype: bfloat16 or float32.
       config: tiling (block FP8's rules: `grouped_matmul_fp8_block`); None: the block-FP8
         default for K with the lhs scales streamed and the persistent pipeline where the K
         steps allow it.
       interpret: run the Pallas interpreter.
+      lhs_scale_k_major: see `grouped_matmul_fp8_block`.
+      rhs_block_rows: 128 (128x128 rhs blocks) or 1 (1x128 rhs blocks).
     """
     common.check_rank("lhs", lhs, 2)
     common.check_rank("rhs", rhs, 2)
@@ -105,7 +109,11 @@ def dense_matmul_fp8_block(
         # three consumers: on the H200 8192³ 1107 -> 1216 TFLOP/s in alternation (stop 45,
         # XLA's dense FP8 1291 in the same run; stop 43: 1089 -> 1206), the same bits.
         config = fp8_block_default_config(
-            k, out_dtype, persistent_pipeline=True, stream_lhs_scales=True
+            k,
+            out_dtype,
+            persistent_pipeline=True,
+            stream_lhs_scales=True,
+            rhs_block_rows=rhs_block_rows,
         )
     return grouped_matmul_fp8_block(
         lhs,
@@ -117,4 +125,5 @@ def dense_matmul_fp8_block(
         config=config,
         interpret=interpret,
         lhs_scale_k_major=lhs_scale_k_major,
+        rhs_block_rows=rhs_block_rows,
     )

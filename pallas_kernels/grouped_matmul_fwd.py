@@ -14,11 +14,12 @@ Two entry points live here:
   (``rhs_layout="kn"``; 16-bit wgmma reads either major order). FP8 wgmma requires
   K-major operands, hence ``(G, N, K)`` only.
 * :func:`grouped_matmul_fp8_block` — DeepSeek-V3 style block-scaled FP8: lhs 1x128
-  blocks (scales ``(M, K/128)``), rhs 128x128 blocks (scales ``(G, N/128, K/128)``).
-  Each 128-wide K step runs fp8 wgmma into a fresh accumulator, which is then promoted
-  into the f32 main accumulator as ``main += chunk * lhs_scale[row] * rhs_scale``
-  (the split accumulator of DeepSeek-V3 / DeepGEMM), so the tensor core never
-  accumulates more than 128 products in its reduced-precision adder.
+  blocks (scales ``(M, K/128)``), rhs 128x128 blocks (scales ``(G, N/128, K/128)``), or
+  1x128 rhs blocks too (``rhs_block_rows=1``, scales ``(G, N, K/128)``: a wgrad's two
+  token-direction copies). Each 128-wide K step runs fp8 wgmma into a fresh accumulator,
+  which is then promoted into the f32 main accumulator as ``main += chunk *
+  lhs_scale[row] * rhs_scale`` (the split accumulator of DeepSeek-V3 / DeepGEMM), so the
+  tensor core never accumulates more than 128 products in its reduced-precision adder.
 
 Run-time values of ``group_sizes`` cannot be checked at trace time. The kernels
 clamp them: a negative size counts as 0, and once the running sum reaches ``M`` the
@@ -838,26 +839,42 @@ def _vector_bytes(config: GroupedMatmulConfig) -> int:
     return config.num_consumers * 4 * sum(config.consumer_part_shape())
 
 
-def _block_stage_bytes(config: GroupedMatmulConfig) -> int:
-    # fp8 lhs and rhs tiles, and the K block's f32 lhs scales of the tile's rows if streamed
-    # (else they are prefetched per tile, `_block_scale_bytes`).
+def _block_stage_bytes(config: GroupedMatmulConfig, rhs_block_rows: int = 128) -> int:
+    # fp8 lhs and rhs tiles, the K block's f32 lhs scales of the tile's rows if streamed
+    # (else they are prefetched per tile, `_block_scale_bytes`), and with 1x128 rhs blocks
+    # the K block's f32 scales of the tile's rhs rows (always streamed).
     scales = 4 * config.tile_m if config.stream_lhs_scales else 0
+    if rhs_block_rows == 1:
+        scales += 4 * 2 * config.tile_n
     return config.tile_k * (config.tile_m + 2 * config.tile_n) + scales
 
 
+def _check_rhs_block_rows(rhs_block_rows) -> None:
+    if rhs_block_rows not in (1, 128) or isinstance(rhs_block_rows, bool):
+        raise ValueError(
+            f"rhs_block_rows must be 128 (128x128 weight blocks) or 1 (1x128 blocks), "
+            f"got {rhs_block_rows!r}"
+        )
+
+
 def fit_fp8_block_config(
-    config: GroupedMatmulConfig, k: int, out_dtype: jnp.dtype
+    config: GroupedMatmulConfig, k: int, out_dtype: jnp.dtype, rhs_block_rows: int = 128
 ) -> GroupedMatmulConfig:
     """``config`` shrunk as `fit_default_config` does until the block-FP8 kernel's stages,
-    epilogue and prefetched lhs scales for contraction size ``k`` fit in shared memory."""
+    epilogue and prefetched lhs scales for contraction size ``k`` fit in shared memory
+    (``rhs_block_rows``: 128 or 1, the rhs scale blocks, as `grouped_matmul_fp8_block`)."""
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 128 or k % 128:
         raise ValueError(f"k must be a positive multiple of 128 (1x128 blocks), got {k!r}")
     if jnp.dtype(out_dtype) not in common.OUT_DTYPES:
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}")
+    _check_rhs_block_rows(rhs_block_rows)
     return fit_default_config(
-        config, _block_stage_bytes(config), out_dtype, _block_scale_bytes(config, k)
+        config,
+        _block_stage_bytes(config, rhs_block_rows),
+        out_dtype,
+        _block_scale_bytes(config, k),
     )
 
 
@@ -869,6 +886,7 @@ def fp8_block_default_config(
     num_consumers: int = 3,
     stream_lhs_scales: bool = False,
     rows_per_group: float | None = None,
+    rhs_block_rows: int = 128,
 ) -> GroupedMatmulConfig:
     """The block-FP8 kernel's default config for contraction size ``k``, fitted to SMEM.
 
@@ -884,7 +902,10 @@ def fp8_block_default_config(
     at any K. ``rows_per_group``: a grouped call's lhs rows over its groups; below
     `MIN_ROWS_PER_GROUP_THREE_CONSUMERS` three consumers' taller tiles waste more rows at the
     group boundaries than they gain, so two are used (None: one group, as the dense GEMM).
+    ``rhs_block_rows``: 128 or 1, the rhs scale blocks (1: each stage also carries the K
+    block's rhs scales, `grouped_matmul_fp8_block`).
     """
+    _check_rhs_block_rows(rhs_block_rows)
     if num_consumers not in (2, 3):
         raise ValueError(f"num_consumers must be 2 or 3, got {num_consumers!r}")
     if not isinstance(stream_lhs_scales, bool):
@@ -899,8 +920,9 @@ def fp8_block_default_config(
     config = None
     if num_consumers == 3:
         config = dataclasses.replace(DEFAULT_FP8_BLOCK_CONFIG, stream_lhs_scales=stream_lhs_scales)
-        config = fit_fp8_block_config(config, k, out_dtype)
-        stage, scales = _block_stage_bytes(config), _block_scale_bytes(config, k)
+        config = fit_fp8_block_config(config, k, out_dtype, rhs_block_rows)
+        stage = _block_stage_bytes(config, rhs_block_rows)
+        scales = _block_scale_bytes(config, k)
         fits = _smem_bytes(config, stage, out_dtype, scales) <= SMEM_BYTES
         if not fits or config.max_concurrent_steps < 3:
             config = None
@@ -908,7 +930,7 @@ def fp8_block_default_config(
         config = dataclasses.replace(
             TWO_CONSUMER_FP8_BLOCK_CONFIG, stream_lhs_scales=stream_lhs_scales
         )
-        config = fit_fp8_block_config(config, k, out_dtype)
+        config = fit_fp8_block_config(config, k, out_dtype, rhs_block_rows)
     num_k_steps = k // 128
     depth = min(config.max_concurrent_steps, num_k_steps)
     if persistent_pipeline and num_k_steps % depth == 0:
@@ -929,18 +951,21 @@ def grouped_matmul_fp8_block(
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
     lhs_scale_k_major: bool = False,
+    rhs_block_rows: int = 128,
 ) -> jax.Array:
-    """Block-scaled FP8 ragged-row GEMM (1x128 lhs blocks, 128x128 rhs blocks).
+    """Block-scaled FP8 ragged-row GEMM (1x128 lhs blocks, 128x128 or 1x128 rhs blocks).
 
     ``out[r, c] = Σ_kb (Σ_{k in kb} lhs[r, k] rhs[g, c, k]) * lhs_scale[r, kb] *
-    rhs_scale[g, c // 128, kb]`` for the group g of row r, with every 128-wide inner sum
-    taken by fp8 wgmma into a fresh accumulator and promoted to f32 (see module doc).
+    rhs_scale[g, c // rhs_block_rows, kb]`` for the group g of row r, with every 128-wide
+    inner sum taken by fp8 wgmma into a fresh accumulator and promoted to f32 (see module
+    doc).
 
     Args:
       lhs: (M, K) float8_e4m3fn or float8_e5m2; K a multiple of 128.
       lhs_scale: (M, K/128) f32 scale_inv of each 1x128 block.
       rhs: (G, N, K) FP8, K-major (the columnwise copy of the (K, N) weight).
-      rhs_scale: (G, ceil(N/128), K/128) f32 scale_inv of each 128x128 block.
+      rhs_scale: (G, ceil(N/128), K/128) f32 scale_inv of each 128x128 block, or (G, N,
+        K/128) of each 1x128 block with ``rhs_block_rows=1``.
       group_sizes: (G,) int32.
       out_dtype: bfloat16 or float32.
       group_starts, out_rows: a packed (out_rows, N) output, as `grouped_matmul`'s (lhs_scale
@@ -958,7 +983,13 @@ def grouped_matmul_fp8_block(
       lhs_scale_k_major: lhs_scale is given as (K/128, M), each K block's scales for
         consecutive rows, the order the kernel reads (the quantize kernels' "tiles" layout
         of 1x128 scales, docs/design/layouts.md), instead of being transposed here.
+      rhs_block_rows: 128 (128x128 weight blocks: one rhs scale per consumer and K step) or 1
+        (1x128 blocks along K, a wgrad's token-direction copy: each K step's scales of the
+        tile's rhs rows come through the pipeline with its operand tiles and multiply the
+        chunk's columns; no wgmma in flight).
     """
+    _check_rhs_block_rows(rhs_block_rows)
+    rhs_rowwise = rhs_block_rows == 1
     out_dtype, num_rows, k, num_groups, num_cols = common.check_block_scaled_operands(
         lhs, lhs_scale, rhs, rhs_scale, jnp.float32, out_dtype
     )
@@ -970,16 +1001,24 @@ def grouped_matmul_fp8_block(
         raise TypeError(f"lhs_scale_k_major must be a bool, got {lhs_scale_k_major!r}")
     lhs_scale_shape = (k // 128, num_rows) if lhs_scale_k_major else (num_rows, k // 128)
     common.check_shape("lhs_scale", lhs_scale, lhs_scale_shape)
-    common.check_shape("rhs_scale", rhs_scale, (num_groups, pl.cdiv(num_cols, 128), k // 128))
+    rhs_scale_rows = num_cols if rhs_rowwise else pl.cdiv(num_cols, 128)
+    common.check_shape("rhs_scale", rhs_scale, (num_groups, rhs_scale_rows, k // 128))
     if config is None:
         rows_per_group = num_rows / num_groups if num_groups > 1 else None
-        config = fp8_block_default_config(k, out_dtype, rows_per_group=rows_per_group)
+        config = fp8_block_default_config(
+            k, out_dtype, rows_per_group=rows_per_group, rhs_block_rows=rhs_block_rows
+        )
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"config must be a GroupedMatmulConfig, got {type(config).__name__}")
     if config.tile_k != 128 or config.tile_n not in (64, 128):
         raise ValueError(
             f"config: block FP8 needs tile_k=128 and tile_n=128 or 64, got "
             f"tile_k={config.tile_k}, tile_n={config.tile_n}"
+        )
+    if rhs_rowwise and config.wgmma_in_flight:
+        raise ValueError(
+            "config: block FP8 with rhs_block_rows=1 needs wgmma_in_flight=0 (the previous K "
+            "step's rhs scales leave the pipeline with its stage)"
         )
     if config.consumer_split == "m" and config.tile_n != 64:
         raise ValueError(
@@ -998,7 +1037,12 @@ def grouped_matmul_fp8_block(
         )
     config.check_out_dtype(out_dtype)
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-    _check_smem(config, _block_stage_bytes(config), out_dtype, _block_scale_bytes(config, k))
+    _check_smem(
+        config,
+        _block_stage_bytes(config, rhs_block_rows),
+        out_dtype,
+        _block_scale_bytes(config, k),
+    )
 
     # Rows and columns padded to multiples of 8 (and one tile) for TMA; K is whole.
     rows_p = common.round_up(max(num_rows, tile_m), 8)
@@ -1010,6 +1054,9 @@ def grouped_matmul_fp8_block(
     scale_cols = common.round_up(rows_p, 4)
     lhs_scale_t = common.pad_axis(lhs_scale if lhs_scale_k_major else lhs_scale.T, 1, scale_cols)
     num_col_blocks = rhs_scale.shape[1]
+    if rhs_rowwise:
+        # (G, K/128, N): one K block's scales for consecutive rhs rows, one TMA row a step.
+        rhs_scale = common.pad_axis(jnp.swapaxes(rhs_scale, 1, 2), 2, cols_p)
 
     in_specs = (
         plgpu.BlockSpec(
@@ -1026,43 +1073,68 @@ def grouped_matmul_fp8_block(
     streamed = config.stream_lhs_scales
     if streamed:  # each K step's lhs scales of the tile's rows, with its operand tiles
         in_specs += (plgpu.BlockSpec((1, tile_m), lambda kk: (kk, 0)),)
+    if rhs_rowwise:  # each K step's scales of the tile's rhs rows (output columns)
+        in_specs += (plgpu.BlockSpec((1, 2 * tile_n), lambda kk: (kk, 0)),)
 
     def pipeline_refs(refs, ctx):
-        lhs_ref, rhs_ref = refs[0], refs[1]
+        lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref = refs[:4]
         rows = pl.ds(ctx.row_tile.block_start, tile_m)
         cols = pl.ds(ctx.col_tile * (2 * tile_n), 2 * tile_n)
         windows = (lhs_ref.at[rows], rhs_ref.at[ctx.row_tile.group].at[cols])
-        return (*windows, refs[2].at[:, rows]) if streamed else windows
+        if streamed:
+            windows += (lhs_scale_ref.at[:, rows],)
+        if rhs_rowwise:
+            windows += (rhs_scale_ref.at[ctx.row_tile.group].at[:, cols],)
+        return windows
 
     def allocation_refs(refs):
-        lhs_ref, rhs_ref, lhs_scale_ref = refs[0], refs[1], refs[2]
+        lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref = refs[:4]
         operands = (lhs_ref, rhs_ref.at[0])
-        return (*operands, lhs_scale_ref) if streamed else operands
+        if streamed:
+            operands += (lhs_scale_ref,)
+        if rhs_rowwise:
+            operands += (rhs_scale_ref.at[0],)
+        return operands
 
     overlap = config.wgmma_in_flight == 1
 
-    def block_scale(refs, ctx, k_block, streamed_scales=None):
-        """lhs_scale[rows, k_block] * rhs_scale[g, the 128-column block of this consumer's
-        columns, k_block]; `streamed_scales` is the K step's (1, tile_m) SMEM stage of lhs
-        scales when they are streamed."""
-        first_col = ctx.col_tile * (2 * tile_n) + ctx.col_slice.start
-        col_block = jnp.minimum(first_col // 128, num_col_blocks - 1)
-        rhs_block_scale = refs[3][ctx.row_tile.group, col_block, k_block]
+    def lhs_block_scale(ctx, k_block, streamed_scales=None):
+        """lhs_scale[rows of this consumer, k_block] as a row vector; `streamed_scales` is the
+        K step's (1, tile_m) SMEM stage of lhs scales when they are streamed."""
         if streamed_scales is not None:
             rows = ctx.row_slice if config.consumer_split == "m" else slice(None)
-            return driver.row_vector(streamed_scales.at[0, rows]) * rhs_block_scale
+            return driver.row_vector(streamed_scales.at[0, rows])
         # The tile's (K/128, rows of this consumer) lhs block scales, prefetched at tile start.
         lhs_scales_smem = ctx.prefetched[0][0]
-        return driver.row_vector(lhs_scales_smem.at[k_block]) * rhs_block_scale
+        return driver.row_vector(lhs_scales_smem.at[k_block])
 
-    def promote(main, chunk, scale):
-        return main + chunk * lax.broadcast_in_dim(scale, chunk.shape, [0])
+    def block_scale(refs, ctx, k_block, streamed_scales=None, rhs_scales_stage=None):
+        """(row factor, column factor or None) of this consumer's chunk at `k_block`:
+        lhs_scale[rows, k_block] times rhs_scale[g, the 128-column block of this consumer's
+        columns, k_block] with 128x128 rhs blocks; with 1x128 ones the lhs scales and the
+        K step's (1, 2 * tile_n) SMEM stage of rhs scales, this consumer's columns of it."""
+        row_scale = lhs_block_scale(ctx, k_block, streamed_scales)
+        if rhs_scales_stage is not None:
+            return row_scale, driver.col_vector(rhs_scales_stage.at[0, ctx.col_slice])
+        first_col = ctx.col_tile * (2 * tile_n) + ctx.col_slice.start
+        col_block = jnp.minimum(first_col // 128, num_col_blocks - 1)
+        return row_scale * refs[3][ctx.row_tile.group, col_block, k_block], None
+
+    def promote(main, chunk, scales):
+        row_scale, col_scale = scales
+        scaled = chunk * lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+        if col_scale is not None:
+            # Powers of two (the recipe's scales) make both products exact, so the order of
+            # the two multiplications does not change the sum's bits.
+            scaled = scaled * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
+        return main + scaled
 
     stagger = config.stagger_consumers
 
     def step(refs, ctx, smem_refs, carry):
-        lhs_smem, rhs_smem, *streamed_scales = smem_refs
-        streamed_scales = streamed_scales[0] if streamed else None
+        lhs_smem, rhs_smem, *scale_stages = smem_refs
+        streamed_scales = scale_stages.pop(0) if streamed else None
+        rhs_scales_stage = scale_stages.pop(0) if rhs_rowwise else None
         # This consumer's lhs rows (all of them unless consumer_split="m") and rhs columns.
         lhs_operand = lhs_smem.at[ctx.row_slice] if config.consumer_split == "m" else lhs_smem
         rhs_operand = rhs_smem.at[ctx.col_slice].transpose((1, 0))
@@ -1097,11 +1169,11 @@ def grouped_matmul_fp8_block(
             if config.early_block_scales:
                 # Loaded before reading the accumulator (which waits for the wgmma): the
                 # loads' latency runs under the MMA instead of after it.
-                scale = block_scale(refs, ctx, k_step, streamed_scales)
+                scale = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)
                 chunk = chunk_ref[...]
             else:
                 chunk = chunk_ref[...]
-                scale = block_scale(refs, ctx, k_step, streamed_scales)
+                scale = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)
             if stagger:
                 # The first consumer's MMA is done: the second one's may start.
                 pl.when(first_step_of(0))(lambda: plgpu.barrier_arrive(ctx.scratch[0]))
@@ -1138,7 +1210,8 @@ def grouped_matmul_fp8_block(
         prefetches=() if streamed else (driver.TilePrefetch(2, "rows"),),
         # stagger_consumers: the first consumer's first K block done, once per tile.
         scratch=(plgpu.Barrier(num_arrivals=1),) if stagger else (),
-        column_specs=(1,),
+        # (The rhs scale stage, like the rhs tiles, depends on the column tile and K step only.)
+        column_specs=(1, len(in_specs) - 1) if rhs_rowwise else (1,),
         # (With wgmma_in_flight=1 the last block is promoted after the pipeline, as block
         # num_k_blocks - 1: GroupedMatmulConfig refuses stream_k with it.)
         accumulate=accumulate,

@@ -92,9 +92,15 @@ def lhs_scale_layout(recipe, role: str, shape2d: tuple[int, int], dtype) -> str:
 
 def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Array | None:
     """The Pallas block-FP8 GEMM (DeepSeek-V3 style: FP8 wgmma, float32 promotion every 128 of
-    K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad); None for wgrad's two
-    1×128 operands, which no kernel covers yet."""
-    if a.spec.block_shape != (1, 128) or b.spec.block_shape != (128, 128):
+    K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad), or two 1×128-blocked
+    copies (wgrad: the path "fp8_block_wgrad"); None where it does not apply."""
+    if a.spec.block_shape != (1, 128):
+        return None
+    if b.spec.block_shape == (128, 128):
+        rhs_block_rows = 128
+    elif b.spec.block_shape == (1, 128) and kernels.gemm_path_enabled("fp8_block_wgrad"):
+        rhs_block_rows = 1
+    else:
         return None
     b_data, b_scale_inv, _ = _copy(b, b_usage)
     a_data = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
@@ -103,11 +109,22 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
         # reads, so neither the quantize kernel nor this GEMM rearranges them.
         tiled_scales = a.rowwise_scale_inv if a_usage == "rowwise" else a.columnwise_scale_inv
         out = kernels.dense_fp8_block_gemm(
-            a_data, tiled_scales[..., 0], b_data, b_scale_inv, lhs_scale_k_major=True
+            a_data,
+            tiled_scales[..., 0],
+            b_data,
+            b_scale_inv,
+            lhs_scale_k_major=True,
+            rhs_block_rows=rhs_block_rows,
         )
     else:
         a_scale_inv = a.line_scale_inv(a_usage)
-        out = kernels.dense_fp8_block_gemm(a_data[:rows], a_scale_inv[:rows], b_data, b_scale_inv)
+        out = kernels.dense_fp8_block_gemm(
+            a_data[:rows],
+            a_scale_inv[:rows],
+            b_data,
+            b_scale_inv,
+            rhs_block_rows=rhs_block_rows,
+        )
     return None if out is None else out[:, :cols]
 
 

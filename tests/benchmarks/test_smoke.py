@@ -735,10 +735,21 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd NVFP4", "ours: the same, codes decoded by byte permutes"),
         ("G2 small fwd NVFP4", "ours: the same by byte permutes, two K steps a stage"),
         ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
+        ("G2 small fwd block FP8", "ours grouped_matmul_fp8_block (default)"),
+        ("G2 small fwd block FP8", "XLA dense FP8, no block scales (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),
         ("dense 128^3 block FP8", "ours dense_matmul_fp8_block (default)"),
         ("dense 128^3 block FP8", "XLA dense FP8, no block scales (ceiling)"),
+        (
+            "dense 128^3 block FP8, 1x128 rhs (wgrad)",
+            "ours dense_matmul_fp8_block, rhs_block_rows=1",
+        ),
+        (
+            "dense 128^3 block FP8, 1x128 rhs (wgrad)",
+            "before: both dequantized to bf16 + XLA bf16 GEMM",
+        ),
+        ("dense 128^3 block FP8, 1x128 rhs (wgrad)", "XLA dense FP8, no block scales (ceiling)"),
     }
     assert all(r["ms"] > 0 and 0 < r["vs_fastest"] <= 1 for r in rows)
     # Checked against the library path (on the GPU both sum the same k16 products in order;

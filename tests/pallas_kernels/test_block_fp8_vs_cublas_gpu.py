@@ -95,3 +95,28 @@ def test_gpu_grouped_fp8_block_equals_cublas_per_group():
             )
             _assert_equal_to_cublas(ours[rows], theirs)
         start += size
+
+
+@pytest.mark.parametrize("shape", ["partial row tile", "long K"])
+def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
+    # A wgrad's two token-direction copies: 1x128 blocks on both operands, which TE's
+    # Float8BlockScaling wgrad hands to cuBLASLt as two 1x128 scale vectors. torch wants the
+    # rhs scales (N, K/128) outer-dim-major, so they go over as a (K/128, N) array.
+    torch = _torch_or_skip()
+    m, k, n = SHAPES[shape]
+    lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(m, k, n)
+    rhs_scale = block_fp8_operands(n, k, 4, seed=12)[1].T  # (N, K/128) powers of two
+    ours = dense_matmul_fp8_block(
+        lhs8, lhs_scale_k_major, rhs8, rhs_scale, lhs_scale_k_major=True, rhs_block_rows=1
+    )
+    try:
+        theirs = torch._scaled_mm(
+            to_torch(torch, lhs8),
+            to_torch(torch, rhs8).t(),
+            to_torch(torch, lhs_scale_k_major).t(),
+            to_torch(torch, rhs_scale.T),
+            out_dtype=torch.bfloat16,
+        )
+    except RuntimeError as error:
+        pytest.skip(f"torch._scaled_mm refuses 1x128 scales on both operands: {error}")
+    _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs.float().cpu().numpy())

@@ -29,6 +29,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
     DEFAULT_FP8_CONFIG,
     GroupedMatmulConfig,
+    fp8_block_default_config,
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
@@ -290,11 +291,14 @@ ROWS_SPLIT_BLOCK_CASES = {
 }
 
 
-def ragged_block_fp8_case(config, seed: int, *, powers_of_two_lhs_scales: bool):
+def ragged_block_fp8_case(
+    config, seed: int, *, powers_of_two_lhs_scales: bool, rhs_block_rows: int = 128
+):
     """The block-FP8 kernel in the interpreter and its dequantized reference: 300 rows in 4
     groups (37, 0, 150, 60: shared tiles, an empty group, tail rows), N = 320 (ending in half
-    an rhs scale block). rhs scales are powers of two far apart per block, so a consumer that
-    reads its neighbour's block fails; lhs scales too, or uniform in [2^-4, 2^4]."""
+    an rhs scale block). rhs scales are powers of two far apart per block (per rhs row with
+    ``rhs_block_rows=1``), so a consumer that reads its neighbour's scales fails; lhs scales
+    too, or uniform in [2^-4, 2^4]."""
     sizes = jnp.asarray([37, 0, 150, 60], jnp.int32)
     k = keys(4, seed=seed)
     lhs = random_fp8(k[0], (300, 256), E4M3)
@@ -303,13 +307,22 @@ def ragged_block_fp8_case(config, seed: int, *, powers_of_two_lhs_scales: bool):
         lhs_scale = 2.0 ** jax.random.randint(k[2], (300, 2), -6, 7).astype(jnp.float32)
     else:
         lhs_scale = jax.random.uniform(k[2], (300, 2), jnp.float32, 2.0**-4, 2.0**4)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (4, 3, 2), -6, 7).astype(jnp.float32)
+    rhs_scale_rows = -(-320 // rhs_block_rows)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (4, rhs_scale_rows, 2), -6, 7).astype(jnp.float32)
     out = grouped_matmul_fp8_block(
-        lhs, lhs_scale, rhs, rhs_scale, sizes, out_dtype=jnp.float32, config=config, interpret=True
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        sizes,
+        out_dtype=jnp.float32,
+        config=config,
+        interpret=True,
+        rhs_block_rows=rhs_block_rows,
     )
     ref = ref_ragged_rows(
         dequant_fp8_block(lhs, lhs_scale, 1, 128),
-        dequant_fp8_block(rhs, rhs_scale, 128, 128),
+        dequant_fp8_block(rhs, rhs_scale, rhs_block_rows, 128),
         sizes,
     )
     return out, ref
@@ -348,6 +361,68 @@ def test_fp8_block_dense_three_consumers():
 # 128-row tiles, 64 columns per consumer: both consumers of a CTA share one 128-column rhs
 # scale block; N = 320 ends in a half block (cols 256..319) and a padded consumer.
 TALL_BLOCK = dataclasses.replace(TINY_BLOCK, tile_m=128, tile_n=64)
+
+
+# 1x128 rhs blocks (a wgrad's token-direction copies): every K step's scales of the tile's rhs
+# rows come through the pipeline and multiply the chunk's columns; each consumer must read its
+# own columns of the stage (splitting columns) or all of them (splitting rows).
+RHS_ROWWISE_BLOCK_CASES = {
+    "two consumers splitting columns": TINY_BLOCK,
+    "two consumers splitting rows": TWO_CONSUMER_ROWS_BLOCK,
+    "three consumers, streamed lhs scales, persistent": dataclasses.replace(
+        THREE_CONSUMER_BLOCK, persistent_pipeline=True, stream_lhs_scales=True
+    ),
+    "tall tiles, late scale loads": dataclasses.replace(TALL_BLOCK, early_block_scales=False),
+    "stream-K": dataclasses.replace(TINY_BLOCK, stream_k=True, num_sms=5),
+}
+
+
+@pytest.mark.parametrize("case", list(RHS_ROWWISE_BLOCK_CASES))
+def test_fp8_block_with_1x128_rhs_blocks_matches_dequantized_reference(case):
+    config = RHS_ROWWISE_BLOCK_CASES[case]
+    out, ref = ragged_block_fp8_case(
+        config, seed=45, powers_of_two_lhs_scales=True, rhs_block_rows=1
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
+    # The dense entry point (the layers' wgrad dyᵀ x), with its default config fitted to the
+    # rhs scale stages, in the interpreter on 200 x 256 @ (192 x 256)ᵀ.
+    k = keys(4, seed=46)
+    lhs8 = random_fp8(k[0], (200, 256), E4M3)
+    rhs8 = random_fp8(k[1], (192, 256), E4M3)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (2, 200), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 2), -6, 7).astype(jnp.float32)
+    out = dense_matmul_fp8_block(
+        lhs8,
+        lhs_scale,
+        rhs8,
+        rhs_scale,
+        out_dtype=jnp.float32,
+        config=THREE_CONSUMER_BLOCK,
+        interpret=True,
+        lhs_scale_k_major=True,
+        rhs_block_rows=1,
+    )
+    lhs_dq = dequant_fp8_block(lhs8, lhs_scale.T, 1, 128)
+    ref = lhs_dq @ dequant_fp8_block(rhs8, rhs_scale, 1, 128).T
+    assert_close(out, ref, rel=1e-5)
+    with pytest.raises(ValueError, match=r"rhs_scale must have shape \(1, 192, 2\)"):
+        dense_matmul_fp8_block(
+            lhs8, lhs_scale.T, rhs8, jnp.ones((2, 2), jnp.float32), rhs_block_rows=1
+        )
+    with pytest.raises(ValueError, match=r"rhs_block_rows must be 128 .* or 1"):
+        dense_matmul_fp8_block(lhs8, lhs_scale.T, rhs8, rhs_scale, rhs_block_rows=64)
+    with pytest.raises(ValueError, match="rhs_block_rows=1 needs wgmma_in_flight=0"):
+        dense_matmul_fp8_block(
+            lhs8,
+            lhs_scale.T,
+            rhs8,
+            rhs_scale,
+            config=dataclasses.replace(TALL_BLOCK, wgmma_in_flight=1),
+            rhs_block_rows=1,
+        )
 
 
 @pytest.mark.parametrize("wgmma_in_flight", [0, 1])
@@ -1600,6 +1675,34 @@ CROSS_LOWERING_CASES = {
         lambda a, sa, b, sb: dense_matmul_fp8_block(a, sa, b, sb),
         (S((8192, 8192), E4M3), S((8192, 64), F32), S((8192, 8192), E4M3), S((64, 64), F32)),
     ),
+    # 1x128 rhs blocks (the layers' block-FP8 wgrad): the dense default (three consumers,
+    # streamed lhs scales, persistent) and the grouped three-consumer tile with stream-K.
+    "fp8_block_dense_1x128_rhs": (
+        lambda a, sa, b, sb: dense_matmul_fp8_block(
+            a, sa, b, sb, lhs_scale_k_major=True, rhs_block_rows=1
+        ),
+        (S((4096, 8192), E4M3), S((64, 4096), F32), S((2048, 8192), E4M3), S((2048, 64), F32)),
+    ),
+    "fp8_block_fwd_1x128_rhs_stream_k": (
+        lambda a, sa, b, sb, g: grouped_matmul_fp8_block(
+            a,
+            sa,
+            b,
+            sb,
+            g,
+            rhs_block_rows=1,
+            config=dataclasses.replace(
+                fp8_block_default_config(K, BF16, rhs_block_rows=1), stream_k=True
+            ),
+        ),
+        (
+            S((M, K), E4M3),
+            S((M, K // 128), F32),
+            S((G, N, K), E4M3),
+            S((G, N, K // 128), F32),
+            SIZES,
+        ),
+    ),
     "bf16_dense": (
         lambda a, b: dense_matmul(a, b),
         (S((8192, 8192), BF16), S((8192, 8192), BF16)),
@@ -1909,8 +2012,6 @@ def test_fp8_operand_that_is_not_k_major_is_refused():
 
 
 def test_block_fp8_default_config_is_persistent_only_where_asked_and_possible():
-    from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
-
     # 32 K steps (4 stages: whole rounds) for the dense entry point; never for grouped calls.
     assert fp8_block_default_config(4096, BF16, persistent_pipeline=True).persistent_pipeline
     assert not fp8_block_default_config(4096, BF16).persistent_pipeline
