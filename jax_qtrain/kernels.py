@@ -377,13 +377,15 @@ def gemm_kernels_enabled() -> bool:
 # slower than the dequantize-then-GEMM path they would replace (docs/benchmarks.md, stop 47;
 # stops 48-49: still 10-20% slower on an H200 and an H100, with every variant tried), so
 # "auto" does not take them; "pallas" does.
-# Opt-in until its gpu tests pass and it is timed against the path it replaces: the dense
-# layers' block-FP8 wgrad on the FP8 kernel with 1×128 blocks on both operands
-# ("fp8_block_wgrad", stop 51; before it, XLA's bf16 GEMM of the two dequantized copies).
+# Also verified, stop 51 (an H100, 2026-12-05): the dense layers' block-FP8 wgrad on the FP8
+# kernel with 1×128 blocks on both operands ("fp8_block_wgrad"; before it XLA's bf16 GEMM of
+# the two dequantized copies): every element equal to cuBLASLt's two-1×128 GEMM
+# (tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py), the layer test under "pallas"
+# (test_gemm_kernels.py::test_dense_fp8_block_on_the_kernel_gpu), and 1.10-1.15x the
+# path it replaces at 8192³ (722-744 vs 648-658 TFLOP/s; cuBLASLt 854), so "auto" takes it.
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
-    "fp8_block_wgrad",
 }
 
 

@@ -1122,12 +1122,12 @@ def grouped_matmul_fp8_block(
 
     def promote(main, chunk, scales):
         row_scale, col_scale = scales
-        scaled = chunk * lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+        scale = lax.broadcast_in_dim(row_scale, chunk.shape, [0])
         if col_scale is not None:
-            # Powers of two (the recipe's scales) make both products exact, so the order of
-            # the two multiplications does not change the sum's bits.
-            scaled = scaled * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
-        return main + scaled
+            # The two scales' product first, as with 128x128 blocks (each row's scale times
+            # the block's): then `main + chunk * scale` contracts to one FMA per element.
+            scale = scale * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
+        return main + chunk * scale
 
     stagger = config.stagger_consumers
 

@@ -23,11 +23,10 @@ ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
 @contextlib.contextmanager
-def kernel_gemms(gpu_backend: str = "auto"):
-    """The Pallas GEMMs: compiled on the GPU (under `gpu_backend`: "pallas" also takes the
-    opt-in paths), interpreted on CPU (always "pallas")."""
+def kernel_gemms():
+    """The Pallas GEMMs: compiled on the GPU, interpreted on CPU."""
     if ON_GPU:
-        with kernels.gemm_backend(gpu_backend):
+        with kernels.gemm_backend("auto"):
             yield
     else:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
@@ -79,7 +78,7 @@ def test_gemm_backend_setting():
             pass
 
 
-def _dense_case(monkeypatch, shape, gpu_backend="auto"):
+def _dense_case(monkeypatch, shape):
     m, k, n = shape
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (m, k), jnp.float32)
@@ -89,12 +88,11 @@ def _dense_case(monkeypatch, shape, gpu_backend="auto"):
     with kernels.gemm_backend("reference"):
         want = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
     calls = count_calls(monkeypatch, "dense_fp8_block_gemm")
-    with kernel_gemms(gpu_backend):
-        # wgrad's two 1×128 copies take the kernel where the opt-in path "fp8_block_wgrad" is
-        # on (the interpreter, and "pallas" on the GPU), else XLA's GEMM of their values.
-        wgrad_on_kernel = kernels.gemm_path_enabled("fp8_block_wgrad")
+    with kernel_gemms():
         got = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
-    assert calls == [True] * (3 if wgrad_on_kernel else 2)  # fprop, dgrad (and wgrad)
+    # fprop, dgrad and wgrad (two 1×128 copies, rhs_block_rows=1: the path "fp8_block_wgrad",
+    # the default since stop 51; before it XLA's GEMM of their dequantized values)
+    assert calls == [True, True, True]
     # Hopper's FP8 wgmma accumulates with fewer bits than float32 between the kernel's
     # promotions every 128 of K: 1.3e-4 of the norm on the H200 (2026-11-29), as
     # tests/pallas_kernels/test_grouped_matmul_gpu.py bounds the kernel itself (1e-3).
@@ -107,13 +105,8 @@ def test_dense_fp8_block_on_the_kernel(monkeypatch):
 
 @pytest.mark.gpu
 def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch):
+    # 1000 tokens: wgrad's copies are padded to 1024 along its K.
     _dense_case(monkeypatch, (1000, 1024, 768))
-
-
-@pytest.mark.gpu
-def test_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
-    # The opt-in wgrad path compiled: 1000 tokens (the copies padded to 1024 along K).
-    _dense_case(monkeypatch, (1000, 1024, 768), gpu_backend="pallas")
 
 
 def grouped_fwd_bwd(x, w, group_sizes, dy, recipe):

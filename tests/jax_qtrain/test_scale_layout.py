@@ -194,8 +194,10 @@ def _dense_layouts(monkeypatch, shape):
 def _check_dense_layouts(monkeypatch, shape):
     runs = _dense_layouts(monkeypatch, shape)
     (tiled_out, tiled_k_major), (lines_out, lines_k_major) = runs["tiles"], runs["lines"]
-    assert tiled_k_major == [True, True]  # fprop (x) and dgrad (dy) read the tiles as written
-    assert lines_k_major == [False, False]
+    # fprop (x), dgrad (dy) and wgrad (x's columnwise copy against dy's, the kernel path
+    # "fp8_block_wgrad", the default since stop 51) read the tiles as written.
+    assert tiled_k_major == [True, True, True]
+    assert lines_k_major == [False, False, False]
     # The same scale values reach the same kernel: the same bits.
     for got, want in zip(tiled_out, lines_out, strict=True):
         np.testing.assert_array_equal(bits(got), bits(want))
