@@ -1113,12 +1113,14 @@ def grouped_matmul_fp8_block(
         lhs_scale[rows, k_block] times rhs_scale[g, the 128-column block of this consumer's
         columns, k_block] with 128x128 rhs blocks; with 1x128 ones the lhs scales and the
         K step's (1, 2 * tile_n) SMEM stage of rhs scales, this consumer's columns of it."""
-        row_scale = lhs_block_scale(ctx, k_block, streamed_scales)
         if rhs_scales_stage is not None:
+            row_scale = lhs_block_scale(ctx, k_block, streamed_scales)
             return row_scale, driver.col_vector(rhs_scales_stage.at[0, ctx.col_slice])
+        # (The rhs scalar's global load first, as before stop 51: the same lowered module.)
         first_col = ctx.col_tile * (2 * tile_n) + ctx.col_slice.start
         col_block = jnp.minimum(first_col // 128, num_col_blocks - 1)
-        return row_scale * refs[3][ctx.row_tile.group, col_block, k_block], None
+        rhs_block_scale = refs[3][ctx.row_tile.group, col_block, k_block]
+        return lhs_block_scale(ctx, k_block, streamed_scales) * rhs_block_scale, None
 
     def promote(main, chunk, scales):
         row_scale, col_scale = scales
