@@ -35,12 +35,16 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   (both dequantized to bf16, XLA's GEMM) and cuBLASLt's two-1×128 GEMM (TE's wgrad);
 * G8 forward with block-FP8 tokens and weights: `grouped_matmul_fp8_block`'s default against
   one such `torch._scaled_mm` per expert (TransformerEngine's grouped GEMM on Hopper calls
-  cuBLASLt per GEMM; only where every group's rows are a multiple of 4, cuBLASLt's rule).
+  cuBLASLt per GEMM; only where every group's rows are a multiple of 4, cuBLASLt's rule);
+* G8 balanced block-FP8 wgrad (two 1×128 token-block copies): the FP8 wgrad kernel with block
+  scales (stop 51, opt-in in the library until timed here) against the library's current
+  path (both dequantized to bf16, the 16-bit wgrad kernel) and one cuBLASLt GEMM per expert.
 
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small] [--cases NAME ...]
 
 `--cases` picks groups of cases: `grouped` (the bf16, FP8 rowwise, MXFP8 and NVFP4 G8 rows),
-`grouped_fp8_block`, `dense_bf16`, `dense_fp8_block` (default: all).
+`grouped_fp8_block`, `grouped_fp8_block_wgrad` (G8 balanced only: whole 128-token groups),
+`dense_bf16`, `dense_fp8_block` (default: all).
 
 writes DIR/peers_ab.json and .md. `--small` runs tiny shapes, our kernels in the Pallas
 interpreter and no torch (a smoke test; the numbers mean nothing).
@@ -79,7 +83,13 @@ SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
 # (Block FP8 steps K by 128: its blocks.)
 SMALL_BLOCK_CONFIG = dataclasses.replace(SMALL_CONFIG, tile_k=128)
-CASE_GROUPS = ("grouped", "grouped_fp8_block", "dense_bf16", "dense_fp8_block")
+CASE_GROUPS = (
+    "grouped",
+    "grouped_fp8_block",
+    "grouped_fp8_block_wgrad",
+    "dense_bf16",
+    "dense_fp8_block",
+)
 
 
 def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
@@ -514,6 +524,96 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
     return candidates, differences
 
 
+def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, small: bool):
+    """(candidates, relative differences) of block FP8's MoE wgrad, dW[g] = x_gᵀ dy_g from the
+    two columnwise copies in 1x128 token blocks: our FP8 wgrad kernel with the block scales
+    (stop 51's opt-in path) against the path the library takes now (both copies dequantized
+    to bf16, exactly, then our 16-bit wgrad kernel), one cuBLASLt two-1x128 GEMM per expert
+    (TE's wgrad on Hopper; each expert's token slices copied out once, outside the timing) and
+    XLA's dense FP8 GEMM of the same flops."""
+    del g
+    lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, m, 4, seed=13)  # x columnwise (K, M)
+    rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)  # dy columnwise (N, M)
+    lhs_scale, rhs_scale = lhs_scale_k_major.T, rhs_scale_k_major.T  # (K, M/128), (N, M/128)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    config = None
+    if small:
+        config = pk.GroupedWgradConfig(
+            tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
+        )
+    ours = jax.jit(
+        lambda a, sa, b, sb, s: pk.grouped_matmul_wgrad(
+            a,
+            b,
+            s,
+            lhs_block_scale=sa,
+            rhs_block_scale=sb,
+            out_dtype=BF16,
+            config=config,
+            interpret=small,
+        )
+    )
+
+    def dequantized_then_16_bit_kernel(a, sa, b, sb, s):
+        a16 = (a.astype(jnp.float32) * jnp.repeat(sa, 128, axis=1)).astype(BF16)
+        b16 = (b.astype(jnp.float32) * jnp.repeat(sb, 128, axis=1)).astype(BF16)
+        return pk.grouped_matmul_wgrad(a16, b16, s, out_dtype=BF16, interpret=small)
+
+    args = (lhs8, lhs_scale, rhs8, rhs_scale, group_sizes)
+    candidates = {
+        "ours grouped_matmul_wgrad, 1x128 block scales": (ours, [args]),
+        "now: both dequantized to bf16 + our 16-bit wgrad kernel": (
+            jax.jit(dequantized_then_16_bit_kernel),
+            [args],
+        ),
+        "XLA dense FP8, no block scales (same flops)": (
+            jax.jit(
+                lambda a, b: lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16
+                )
+            ),
+            [(lhs8, rhs8)],
+        ),
+    }
+    differences = {}
+    torch = None if small else _torch()
+    name = "torch._scaled_mm 1x128 / 1x128, one per expert (cuBLASLt)"
+    if torch is not None and any(size % 128 for size in sizes):
+        print(f"{name}: not run (group sizes {sizes} are not whole 128-token blocks)")
+    elif torch is not None:
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        per_group = [
+            tuple(
+                to_torch(torch, part)
+                for part in (
+                    lhs8[:, start:stop],
+                    lhs_scale_k_major[start // 128 : stop // 128],
+                    rhs8[:, start:stop],
+                    rhs_scale_k_major[start // 128 : stop // 128],
+                )
+            )
+            for start, stop in itertools.pairwise(bounds)
+        ]
+
+        def mm(a, sa_k_major, b, sb_k_major):
+            return torch._scaled_mm(a, b.t(), sa_k_major.t(), sb_k_major, out_dtype=torch.bfloat16)
+
+        def per_group_mm():
+            for operands in per_group:
+                mm(*operands)
+            return _TorchResult(torch)
+
+        try:
+            theirs = np.stack([mm(*operands).float().cpu().numpy() for operands in per_group])
+        except RuntimeError as error:
+            print(f"{name}: not run ({str(error).splitlines()[0]})")
+        else:
+            mine = np.asarray(ours(*args).astype(jnp.float32))
+            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+            candidates[name] = (per_group_mm, [()])
+    return candidates, differences
+
+
 def grouped_fp8_block_candidates(
     g: int, m: int, k: int, n: int, sizes, small: bool
 ) -> tuple[dict, dict]:
@@ -645,6 +745,14 @@ def main(
     for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_fp8_block" in cases else ():
         block, differences = grouped_fp8_block_candidates(g, m, k, n, sizes, small)
         run_case(f"{shape} fwd block FP8", 2 * m * k * n, block, differences=differences)
+        del block
+    for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_fp8_block_wgrad" in cases else ():
+        if small:  # (the smoke test's groups, evened out to whole 128-token blocks)
+            sizes = [m // g] * g
+        if any(size % 128 for size in sizes):
+            continue  # (the layer aligns every group to 128 tokens; skewed G8 is not)
+        block, differences = grouped_fp8_block_wgrad_candidates(g, m, k, n, sizes, small)
+        run_case(f"{shape} wgrad block FP8", 2 * m * k * n, block, differences=differences)
         del block
     if "dense_bf16" in cases:
         run_case(

@@ -383,9 +383,14 @@ def gemm_kernels_enabled() -> bool:
 # (tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py), the layer test under "pallas"
 # (test_gemm_kernels.py::test_dense_fp8_block_on_the_kernel_gpu), and 1.10-1.15x the
 # path it replaces at 8192³ (722-744 vs 648-658 TFLOP/s; cuBLASLt 854), so "auto" takes it.
+# Awaiting its gpu tests and timing (built in stop 51, interpreter and H200 cross-lowering
+# only): the grouped (MoE) block-FP8 wgrad on the FP8 wgrad kernel with 1×128 token-block
+# scales on both copies ("fp8_block_grouped_wgrad"; until then both copies are dequantized
+# to bf16 for the 16-bit wgrad kernel).
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
+    "fp8_block_grouped_wgrad",
 }
 
 
@@ -451,6 +456,21 @@ def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False):
         return None
     return _pallas().grouped_matmul_wgrad(
         lhs, rhs, group_sizes, out_dtype=jnp.float32, token_major=token_major
+    )
+
+
+def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
+    """float32 (G, K, N) block-FP8 wgrad: lhs (K, M) and rhs (N, M) FP8 token-contiguous copies
+    in 1×128 token blocks with scales (K, M/128) and (N, M/128), promoted per 128-token chunk."""
+    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128:
+        return None
+    return _pallas().grouped_matmul_wgrad(
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_block_scale=lhs_scale,
+        rhs_block_scale=rhs_scale,
+        out_dtype=jnp.float32,
     )
 
 

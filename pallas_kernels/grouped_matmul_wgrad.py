@@ -24,8 +24,13 @@ Zeroing both keeps non-finite values of neighbouring groups (or of unused rows p
 Operand types: bf16/f16, or FP8 e4m3/e5m2 (mixed allowed) with optional f32 scales
 applied to the f32 accumulator: lhs ``()`` or ``(K,)`` and rhs ``()`` or ``(N,)``
 (per-tensor, or per row of the stored operand — scales that are constant along
-the contraction). Run-time group sizes are clamped as in the forward kernels:
-negative sizes count as 0 and the running sum is truncated at ``M``.
+the contraction). Or FP8 with 1x128 block scales along the tokens on both operands
+(``lhs_block_scale (K, M/128)``, ``rhs_block_scale (N, M/128)``: the block-FP8 recipe's
+columnwise copies of x and dy): each 128-token chunk is one scale block, its wgmma goes into a
+fresh accumulator and is promoted into the f32 sum as ``main += chunk * (lhs_scale[row] *
+rhs_scale[col])``, the forward block-FP8 kernel's split accumulator with the rhs scale per
+column (both scale stages stream with the chunks). Run-time group sizes are clamped as in
+the forward kernels: negative sizes count as 0 and the running sum is truncated at ``M``.
 """
 
 from __future__ import annotations
@@ -120,10 +125,23 @@ DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
 DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128, tile_n=128, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
 )
+# Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
+# each a thread); one 128-token scale block a step. Not yet timed on a GPU (stop 51).
+DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
+    tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=4, epi_tile_n=32
+)
 
 
-def _fit_default(config: GroupedWgradConfig, sizes: tuple[int, int, int]) -> GroupedWgradConfig:
-    while config.smem_bytes(*sizes) > SMEM_BYTES:
+def _block_scale_stage_bytes(config: GroupedWgradConfig) -> int:
+    """SMEM of the streamed 1x128 block scales: per stage, f32 scales of the tile's lhs rows
+    and rhs columns."""
+    return config.max_concurrent_steps * 4 * (config.tile_m + 2 * config.tile_n)
+
+
+def _fit_default(
+    config: GroupedWgradConfig, sizes: tuple[int, int, int], extra_bytes=lambda config: 0
+) -> GroupedWgradConfig:
+    while config.smem_bytes(*sizes) + extra_bytes(config) > SMEM_BYTES:
         if config.epi_tile_n > 32:
             config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
         elif config.epilogue_buffers > 1:
@@ -148,6 +166,8 @@ def grouped_matmul_wgrad(
     token_major: bool = False,
     config: GroupedWgradConfig | None = None,
     interpret: bool = False,
+    lhs_block_scale: jax.Array | None = None,
+    rhs_block_scale: jax.Array | None = None,
 ) -> jax.Array:
     """``out[g] = (lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ) * scales`` for every group.
 
@@ -164,6 +184,9 @@ def grouped_matmul_wgrad(
         forward pass stores them, 16-bit only.
       config: tiling; defaults per dtype.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
+      lhs_block_scale, rhs_block_scale: f32 scale_inv of each 1x128 token block, (K,
+        ceil(M/128)) and (N, ceil(M/128)), FP8 token-contiguous operands only, both or
+        neither and not with lhs_scale / rhs_scale; the config's tile_t must be 128.
 
     Returns:
       (G, K, N) array of out_dtype.
@@ -210,16 +233,32 @@ def grouped_matmul_wgrad(
             raise ValueError(
                 f"rhs_scale must have shape () or ({num_out_cols},), got {tuple(rhs_scale.shape)}"
             )
-    sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
-    if config is None:
-        config = _fit_default(
-            DEFAULT_FP8_WGRAD_CONFIG if is_fp8 else DEFAULT_BF16_WGRAD_CONFIG, sizes
+    block_scaled = lhs_block_scale is not None or rhs_block_scale is not None
+    if block_scaled:
+        _check_block_scales(
+            lhs, rhs, lhs_block_scale, rhs_block_scale, lhs_scale, rhs_scale, token_major
         )
+    sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
+    extra_bytes = _block_scale_stage_bytes if block_scaled else (lambda config: 0)
+    if config is None:
+        default = DEFAULT_FP8_WGRAD_CONFIG if is_fp8 else DEFAULT_BF16_WGRAD_CONFIG
+        if block_scaled:
+            default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+        config = _fit_default(default, sizes, extra_bytes)
     if not isinstance(config, GroupedWgradConfig):
         raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")
-    if config.smem_bytes(*sizes) > SMEM_BYTES:
+    if block_scaled and config.tile_t != 128:
+        raise ValueError(f"config: 1x128 block scales need tile_t=128, got {config.tile_t}")
+    if block_scaled and 2 * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
         raise ValueError(
-            f"config needs {config.smem_bytes(*sizes)} bytes of shared memory, more than "
+            f"config: 1x128 block scales keep a main and a chunk accumulator of tile_m x "
+            f"tile_n per consumer, 2 * {config.tile_m} * {config.tile_n} f32 > "
+            f"{_MAX_ACC_ELEMS_PER_WG}; use tile_n=64 with tile_m=128"
+        )
+    needed = config.smem_bytes(*sizes) + extra_bytes(config)
+    if needed > SMEM_BYTES:
+        raise ValueError(
+            f"config needs {needed} bytes of shared memory, more than "
             f"{SMEM_BYTES}; lower max_concurrent_steps, tile sizes or epi_tile_n"
         )
 
@@ -255,6 +294,15 @@ def grouped_matmul_wgrad(
             else common.pad_axis(rhs_scale, 0, common.round_up(cols_p, 2 * tile_n))
         )
 
+    if block_scaled:
+        # (M/128, K) and (M/128, N): one token block's scales for consecutive rows, one TMA
+        # row a step; padded token blocks hold zero codes, so their scales are irrelevant.
+        token_blocks = tokens_p // 128
+        for block_scale, extent in ((lhs_block_scale, rows_p), (rhs_block_scale, cols_p)):
+            operands.append(
+                common.pad_axis(common.pad_axis(block_scale.T, 0, token_blocks), 1, extent)
+            )
+
     out = _wgrad_call(
         group_sizes,
         operands,
@@ -265,6 +313,7 @@ def grouped_matmul_wgrad(
         valid_tokens=num_tokens,
         lhs_scale_kind=lhs_scale_kind,
         rhs_scale_kind=rhs_scale_kind,
+        block_scaled=block_scaled,
         out_dtype=out_dtype,
         token_major=token_major,
         config=config,
@@ -273,6 +322,27 @@ def grouped_matmul_wgrad(
     if (rows_p, cols_p) != (num_out_rows, num_out_cols):
         out = out[:, :num_out_rows, :num_out_cols]
     return out
+
+
+def _check_block_scales(
+    lhs, rhs, lhs_block_scale, rhs_block_scale, lhs_scale, rhs_scale, token_major
+) -> None:
+    if lhs_block_scale is None or rhs_block_scale is None:
+        raise ValueError("lhs_block_scale and rhs_block_scale go together: got only one")
+    if lhs_scale is not None or rhs_scale is not None:
+        raise ValueError("lhs_scale / rhs_scale do not combine with 1x128 block scales")
+    if token_major or jnp.dtype(lhs.dtype) not in common.FP8_DTYPES:
+        raise TypeError(
+            "1x128 block scales need FP8 token-contiguous operands, got "
+            f"{jnp.dtype(lhs.dtype).name} with token_major={token_major}"
+        )
+    token_blocks = pl.cdiv(lhs.shape[1], 128)
+    for name, block_scale, operand in (
+        ("lhs_block_scale", lhs_block_scale, lhs),
+        ("rhs_block_scale", rhs_block_scale, rhs),
+    ):
+        common.check_dtype(name, block_scale, (jnp.float32,))
+        common.check_shape(name, block_scale, (operand.shape[0], token_blocks))
 
 
 def _wgrad_call(
@@ -286,6 +356,7 @@ def _wgrad_call(
     valid_tokens,
     lhs_scale_kind,
     rhs_scale_kind,
+    block_scaled,
     out_dtype,
     token_major,
     config: GroupedWgradConfig,
@@ -322,6 +393,11 @@ def _wgrad_call(
         return plgpu.BlockSpec(shape, index, transforms=common.smem_transforms(shape[1], dtype))
 
     in_specs = (operand_spec(tile_m, lhs_dtype), operand_spec(2 * tile_n, rhs_dtype))
+    if block_scaled:  # each chunk's 1x128 scales of the tile's lhs rows and rhs columns
+        in_specs += (
+            plgpu.BlockSpec((1, tile_m), lambda t: (t, 0)),
+            plgpu.BlockSpec((1, 2 * tile_n), lambda t: (t, 0)),
+        )
 
     def body(group_bounds_gmem, *refs):
         lhs_gmem, rhs_gmem = refs[0], refs[1]
@@ -329,6 +405,7 @@ def _wgrad_call(
         out_gmem = refs[-1]
         lhs_scale_ref = scale_refs.pop(0) if lhs_scale_kind else None
         rhs_scale_ref = scale_refs.pop(0) if rhs_scale_kind else None
+        block_scale_refs = tuple(scale_refs) if block_scaled else ()
 
         def make_pipeline(step_fn, compute_context, num_steps):
             return plgpu.emit_pipeline_warp_specialized(
@@ -348,7 +425,7 @@ def _wgrad_call(
             pl.run_scoped,
             pipeline_allocs=make_pipeline(
                 ignore, ignore, config.max_concurrent_steps
-            ).get_allocations(lhs_gmem, rhs_gmem),
+            ).get_allocations(lhs_gmem, rhs_gmem, *block_scale_refs),
             out_smem=plgpu.SMEM(
                 (_NUM_CONSUMERS, num_buffers, tile_m, epi_tile_n),
                 out_dtype,
@@ -437,6 +514,12 @@ def _wgrad_call(
                         )
 
                 def compute_context(run_pipeline):
+                    if block_scaled:  # the promoted sum is the pipeline's carry
+                        zeros = plgpu.layout_cast(
+                            jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                        )
+                        store_tile(run_pipeline(zeros))
+                        return
                     prefetch_vectors()
 
                     def with_acc(acc_ref):
@@ -446,7 +529,8 @@ def _wgrad_call(
                     values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
                     store_tile(scale(values))
 
-                def step_fn(idxs, lhs_smem, rhs_smem, acc_ref):
+                def step_fn(idxs, lhs_smem, rhs_smem, *scale_stages_and_carry):
+                    *scale_stages, carry = scale_stages_and_carry
                     (t,) = idxs
                     token0 = (first_chunk + t) * tile_t
                     on_boundary = (token0 < tok_begin) | (token0 + tile_t > tok_end)
@@ -483,6 +567,9 @@ def _wgrad_call(
                         plgpu.barrier_arrive(mask_barrier)
                         plgpu.barrier_wait(mask_barrier)
 
+                    if block_scaled:
+                        return promoted_chunk(lhs_smem, rhs_half, *scale_stages, carry)
+                    acc_ref = carry
                     if token_major:  # MN-major A and B: wgmma's transpose bits
                         plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_half)
                     else:
@@ -492,12 +579,43 @@ def _wgrad_call(
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
+                def promoted_chunk(lhs_smem, rhs_half, lhs_scales, rhs_scales, main):
+                    """main + this chunk's products times its block scales: the wgmma into a
+                    fresh accumulator (never sharing the tensor core's adder with earlier
+                    chunks), the scales loaded while it runs."""
+
+                    def product(chunk_ref):
+                        plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                        row_scale = plgpu.load(
+                            lhs_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(1)
+                        )
+                        col_scale = plgpu.load(
+                            rhs_scales.at[0, pl.ds(wg * tile_n, tile_n)],
+                            layout=plgpu.Layout.WGMMA.reduce(0),
+                        )
+                        plgpu.wgmma_wait(0)
+                        chunk = chunk_ref[...]
+                        scale = lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+                        scale = scale * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
+                        return main + chunk * scale
+
+                    return pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
                 @pl.when(num_steps > 0)
                 def _matmul_tile():
                     window = pl.ds(first_chunk * tile_t, num_tokens)
+                    scale_windows = ()
+                    if block_scaled:  # (tile_t = 128: one scale block per chunk)
+                        blocks = pl.ds(first_chunk, num_tokens // tile_t)
+                        lhs_block_scales, rhs_block_scales = block_scale_refs
+                        scale_windows = (
+                            lhs_block_scales.at[blocks, pl.ds(row0, tile_m)],
+                            rhs_block_scales.at[blocks, pl.ds(col_tile * (2 * tile_n), 2 * tile_n)],
+                        )
                     make_pipeline(step_fn, compute_context, num_steps)(
                         at_tokens(lhs_gmem, window, pl.ds(row0, tile_m)),
                         at_tokens(rhs_gmem, window, pl.ds(col_tile * (2 * tile_n), 2 * tile_n)),
+                        *scale_windows,
                         allocations=pipeline_allocs,
                     )
 

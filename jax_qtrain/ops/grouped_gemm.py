@@ -335,6 +335,25 @@ def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spe
     )
 
 
+def _fp8_block_wgrad_kernel(
+    lhs: GroupedQuantizedTensor, rhs: GroupedQuantizedTensor, layout: GroupLayout, *, rows, cols
+) -> jax.Array | None:
+    """The block-FP8 wgrad on the FP8 wgrad kernel (two 1×128 token-block copies with
+    power-of-2 scales, promoted per 128-token chunk), where the path "fp8_block_grouped_wgrad"
+    is on; None elsewhere."""
+    token_blocks = all(
+        spec.format == "fp8_block" and spec.block_shape == (1, 128) and spec.power_2_scale
+        for spec in (lhs.spec, rhs.spec)
+    )
+    if not (token_blocks and pallas_dispatch.gemm_path_enabled("fp8_block_grouped_wgrad")):
+        return None
+    a_data, a_scale_inv, _ = lhs.copy("columnwise")
+    b_data, b_scale_inv, _ = rhs.copy("columnwise")
+    return pallas_dispatch.grouped_fp8_block_wgrad_gemm(
+        a_data[:rows], a_scale_inv[:rows], b_data[:cols], b_scale_inv[:cols], layout.aligned_sizes
+    )
+
+
 def grouped_matmul_wgrad(
     lhs: GroupedQuantizedTensor,
     rhs: GroupedQuantizedTensor,
@@ -346,6 +365,9 @@ def grouped_matmul_wgrad(
     """float32 wgrad GEMM (G, rows, cols): the columnwise copies (K', P) and (N', P) contracted
     over each group's slots. Hadamard-rotated copies are rotated alike, so the rotation cancels."""
     _check_same_format(lhs.spec, rhs.spec)
+    out = _fp8_block_wgrad_kernel(lhs, rhs, layout, rows=rows, cols=cols)
+    if out is not None:
+        return out
     if lhs.spec.format == "fp8" and pallas_dispatch.gemm_kernels_enabled():
         a_data, a_scale_inv, _ = lhs.copy("columnwise")
         b_data, b_scale_inv, _ = rhs.copy("columnwise")

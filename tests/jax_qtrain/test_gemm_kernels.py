@@ -23,10 +23,11 @@ ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
 @contextlib.contextmanager
-def kernel_gemms():
-    """The Pallas GEMMs: compiled on the GPU, interpreted on CPU."""
+def kernel_gemms(gpu_backend: str = "auto"):
+    """The Pallas GEMMs: compiled on the GPU (under `gpu_backend`; "pallas" also takes the
+    opt-in paths), interpreted on CPU (always "pallas")."""
     if ON_GPU:
-        with kernels.gemm_backend("auto"):
+        with kernels.gemm_backend(gpu_backend):
             yield
     else:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
@@ -121,9 +122,13 @@ GROUPED_KERNELS = {
         jq.Float8CurrentScaling(),
         ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"],
     ),
+    # wgrad: on the FP8 wgrad kernel with 1×128 token-block scales under "pallas" (the opt-in
+    # path "fp8_block_grouped_wgrad", stop 51, awaiting its GPU run); on the GPU ("auto") the
+    # 16-bit kernel on the two dequantized copies until then.
     "fp8_block": (
         jq.Float8BlockScaling(),
-        ["grouped_fp8_block_gemm", "grouped_fp8_block_gemm", "grouped_wgrad_gemm"],
+        ["grouped_fp8_block_gemm"] * 2
+        + (["grouped_wgrad_gemm"] if ON_GPU else ["grouped_fp8_block_wgrad_gemm"]),
     ),
     # no native kernel. Under gemm_backend("pallas") (the interpreter here), which takes the
     # paths awaiting GPU verification: fprop and dgrad with the weights dequantized in the GEMM
@@ -149,8 +154,10 @@ GROUPED_KERNELS = {
 }
 
 
-def _grouped_case(monkeypatch, name, rows, features, group_sizes):
+def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="auto"):
     recipe, expected = GROUPED_KERNELS[name]
+    if gpu_backend == "pallas" and name == "fp8_block":  # the opt-in wgrad path, compiled
+        expected = ["grouped_fp8_block_gemm"] * 2 + ["grouped_fp8_block_wgrad_gemm"]
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     groups = len(group_sizes)
     x = jax.random.normal(kx, (rows, features), jnp.bfloat16)
@@ -166,7 +173,7 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes):
     calls = {
         adapter: count_calls(monkeypatch, adapter, keywords[adapter]) for adapter in set(expected)
     }
-    with kernel_gemms():
+    with kernel_gemms(gpu_backend):
         got = run(x, w, sizes, dy, recipe)
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
@@ -199,6 +206,12 @@ def test_grouped_dense_on_the_kernels(monkeypatch, name):
 @pytest.mark.parametrize("name", sorted(GROUPED_KERNELS))
 def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
     _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
+
+
+@pytest.mark.gpu
+def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
+    # The opt-in path "fp8_block_grouped_wgrad" compiled (stop 51: not yet run on a GPU).
+    _grouped_case(monkeypatch, "fp8_block", 4096, 1024, [1000, 0, 1700, 1], gpu_backend="pallas")
 
 
 def _auto_and_pallas_moe(monkeypatch, recipe, adapter: str):

@@ -19,6 +19,7 @@ import pytest
 from benchmarks.peers_ab import block_fp8_operands, to_torch, torch_block_fp8_mm
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
 
 pytestmark = pytest.mark.gpu
 
@@ -43,6 +44,22 @@ def _torch_block_fp8_mm_or_skip(torch, *operands):
         return torch_block_fp8_mm(torch)(*operands).float().cpu().numpy()
     except RuntimeError as error:
         pytest.skip(f"torch._scaled_mm refuses 1x128 / 128x128 scales: {error}")
+
+
+def _cublas_two_1x128_mm(torch, lhs8, lhs_scale_k_major, rhs8, rhs_scale_k_major):
+    """cuBLASLt's GEMM lhs · rhsᵀ with 1x128 blocks on both operands (TE's block-FP8 wgrad):
+    torch wants both scales outer-dim-major, (rows, K/128) views of (K/128, rows) arrays."""
+    try:
+        out = torch._scaled_mm(
+            to_torch(torch, lhs8),
+            to_torch(torch, rhs8).t(),
+            to_torch(torch, lhs_scale_k_major).t(),
+            to_torch(torch, rhs_scale_k_major),
+            out_dtype=torch.bfloat16,
+        )
+    except RuntimeError as error:
+        pytest.skip(f"torch._scaled_mm refuses 1x128 scales on both operands: {error}")
+    return out.float().cpu().numpy()
 
 
 def _assert_equal_to_cublas(ours: np.ndarray, theirs: np.ndarray) -> None:
@@ -109,14 +126,36 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     ours = dense_matmul_fp8_block(
         lhs8, lhs_scale_k_major, rhs8, rhs_scale, lhs_scale_k_major=True, rhs_block_rows=1
     )
-    try:
-        theirs = torch._scaled_mm(
-            to_torch(torch, lhs8),
-            to_torch(torch, rhs8).t(),
-            to_torch(torch, lhs_scale_k_major).t(),
-            to_torch(torch, rhs_scale.T),
-            out_dtype=torch.bfloat16,
+    theirs = _cublas_two_1x128_mm(torch, lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
+    _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
+
+
+def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
+    # The MoE wgrad of block FP8 (stop 51's opt-in path "fp8_block_grouped_wgrad"): each
+    # expert's dW is TE's cuBLASLt GEMM of its tokens' two 1x128 copies. The layer aligns every
+    # group to 128 tokens, so each group's scale blocks are its own (an empty group included).
+    torch = _torch_or_skip()
+    sizes, k, n = [1024, 0, 384, 640], 512, 768
+    lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, sum(sizes), 4, seed=13)
+    rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, sum(sizes), 4, seed=14)
+    lhs_scale, rhs_scale = lhs_scale_k_major.T, rhs_scale_k_major.T  # (K, M/128), (N, M/128)
+    ours = grouped_matmul_wgrad(
+        lhs8,
+        rhs8,
+        jnp.asarray(sizes, jnp.int32),
+        lhs_block_scale=lhs_scale,
+        rhs_block_scale=rhs_scale,
+        out_dtype=jnp.bfloat16,
+    )
+    ours = np.asarray(ours.astype(jnp.float32))
+    start = 0
+    for group, size in enumerate(sizes):
+        tokens, blocks = slice(start, start + size), slice(start // 128, (start + size) // 128)
+        start += size
+        if not size:
+            assert not ours[group].any()
+            continue
+        theirs = _cublas_two_1x128_mm(
+            torch, lhs8[:, tokens], lhs_scale[:, blocks].T, rhs8[:, tokens], rhs_scale[:, blocks].T
         )
-    except RuntimeError as error:
-        pytest.skip(f"torch._scaled_mm refuses 1x128 scales on both operands: {error}")
-    _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs.float().cpu().numpy())
+        _assert_equal_to_cublas(ours[group], theirs)

@@ -1066,6 +1066,86 @@ def test_fp8_mixed_wgrad_with_scales_bf16_out():
     assert_close(out, ref, rel=2**-7)
 
 
+@pytest.mark.parametrize("sizes", [[50, 0, 177, 100], [384, 0, 0, 0], [0, 0, 0, 0]])
+def test_fp8_wgrad_with_1x128_block_scales_matches_dequantized_reference(sizes):
+    # Block FP8's wgrad: both columnwise copies in 1x128 blocks along the 384 tokens. Groups
+    # share 128-token chunks (whose foreign tokens are zeroed before the wgmma), and every
+    # row's and column's scales are powers of two far apart, so a consumer reading another
+    # row's, column's or chunk's scale fails; NaN codes past the groups must not leak.
+    sizes = jnp.asarray(sizes, jnp.int32)
+    k = keys(4, seed=9)
+    lhs = random_fp8(k[0], (128, 384), E4M3)
+    rhs = random_fp8(k[1], (192, 384), E4M3)
+    used = clamped_bounds(sizes, 384)[-1][1]
+    nan = jnp.asarray(jnp.nan, E4M3)
+    lhs, rhs = lhs.at[:, used + 2 :].set(nan), rhs.at[:, used + 5 :].set(nan)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (128, 3), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 3), -6, 7).astype(jnp.float32)
+    out = grouped_matmul_wgrad(
+        lhs,
+        rhs,
+        sizes,
+        lhs_block_scale=lhs_scale,
+        rhs_block_scale=rhs_scale,
+        config=tiny_wgrad(128),
+        interpret=True,
+    )
+    assert out.shape == (4, 128, 192) and out.dtype == jnp.float32
+    ref = ref_ragged_contraction(
+        f64(lhs) * np.repeat(f64(lhs_scale), 128, axis=1),
+        f64(rhs) * np.repeat(f64(rhs_scale), 128, axis=1),
+        sizes,
+    )
+    assert_close(out, ref, rel=1e-5)
+
+
+def test_fp8_wgrad_block_scales_refusals():
+    lhs, rhs, sizes = jnp.zeros((128, 256), E4M3), jnp.zeros((64, 256), E4M3), jnp.asarray([256])
+    lhs_scale, rhs_scale = jnp.ones((128, 2), jnp.float32), jnp.ones((64, 2), jnp.float32)
+    sizes = sizes.astype(jnp.int32)
+    with pytest.raises(ValueError, match="go together: got only one"):
+        grouped_matmul_wgrad(lhs, rhs, sizes, lhs_block_scale=lhs_scale)
+    with pytest.raises(ValueError, match="do not combine with 1x128 block scales"):
+        grouped_matmul_wgrad(
+            lhs,
+            rhs,
+            sizes,
+            lhs_scale=jnp.float32(1),
+            lhs_block_scale=lhs_scale,
+            rhs_block_scale=rhs_scale,
+        )
+    with pytest.raises(TypeError, match="need FP8 token-contiguous operands"):
+        grouped_matmul_wgrad(
+            lhs.astype(BF16),
+            rhs.astype(BF16),
+            sizes,
+            lhs_block_scale=lhs_scale,
+            rhs_block_scale=rhs_scale,
+        )
+    with pytest.raises(ValueError, match=r"rhs_block_scale must have shape \(64, 2\)"):
+        grouped_matmul_wgrad(
+            lhs, rhs, sizes, lhs_block_scale=lhs_scale, rhs_block_scale=rhs_scale[:, :1]
+        )
+    with pytest.raises(ValueError, match="1x128 block scales need tile_t=128"):
+        grouped_matmul_wgrad(
+            lhs,
+            rhs,
+            sizes,
+            lhs_block_scale=lhs_scale,
+            rhs_block_scale=rhs_scale,
+            config=tiny_wgrad(64),
+        )
+    with pytest.raises(ValueError, match="a main and a chunk accumulator"):
+        grouped_matmul_wgrad(
+            lhs,
+            rhs,
+            sizes,
+            lhs_block_scale=lhs_scale,
+            rhs_block_scale=rhs_scale,
+            config=dataclasses.replace(tiny_wgrad(128), tile_n=128),
+        )
+
+
 # ---------------------------------------------------------------------------- bad inputs
 
 
@@ -1721,6 +1801,13 @@ CROSS_LOWERING_CASES = {
     "bf16_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),
         (S((K, M), BF16), S((N, M), BF16), SIZES),
+    ),
+    # Block FP8's wgrad: 1x128 token blocks on both copies, the scales streamed per chunk.
+    "fp8_wgrad_1x128_block_scales": (
+        lambda a, b, g, sa, sb: grouped_matmul_wgrad(
+            a, b, g, lhs_block_scale=sa, rhs_block_scale=sb
+        ),
+        (S((K, M), E4M3), S((N, M), E4M3), SIZES, S((K, M // 128), F32), S((N, M // 128), F32)),
     ),
     "fp8_wgrad_e4m3_x_e5m2_scaled": (
         lambda a, b, g, sa, sb: grouped_matmul_wgrad(
