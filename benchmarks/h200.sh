@@ -18,11 +18,10 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (defaults: the MXFP8 / NVFP4
-#                                      weights-in-registers kernels' gpu tests, ptxas resources
-#                                      and grouped_ab --variants weights_in_registers, verified on
-#                                      an H100 in stop 49; then whatever PENDING_AB /
-#                                      PENDING_BENCH name while time is left)
+#                                      and their timing (defaults: stop 51's grouped block-FP8
+#                                      wgrad kernel, its gpu tests and peers_ab --cases
+#                                      grouped_fp8_block_wgrad; then whatever PENDING_RESOURCES /
+#                                      PENDING_AB / PENDING_GROUPED_AB / PENDING_BENCH name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
 #                                      torch, jax's Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
@@ -98,31 +97,37 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (the in-register kernels, two K steps a stage included, all verified in stop 49): their gpu
-  # tests, their ptxas resources, then quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
+  # (stop 51's grouped block-FP8 wgrad on the FP8 kernel, opt-in "fp8_block_grouped_wgrad"):
+  # its gpu tests (bits against cuBLASLt per expert, the layer under "pallas"), then
+  # peers_ab's case groups ($PENDING_PEERS), ptxas resources ($PENDING_RESOURCES, e.g.
+  # "weights in registers"), quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
   # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
   # fewer than $GROUPED_AB_MIN_S seconds of $PENDING_DEADLINE_S are left; its rows print as
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-weights_in_registers}" \
-    ${PENDING_FILES:-tests/pallas_kernels/test_grouped_matmul_gpu.py \
-    tests/jax_qtrain/test_gemm_kernels.py tests/pallas_kernels/test_quantize.py} \
+    -rfE -k "${PENDING_TESTS:-wgrad}" \
+    ${PENDING_FILES:-tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py \
+    tests/jax_qtrain/test_gemm_kernels.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
   # ptxas's resources of the kernels named by $PENDING_RESOURCES (the in-register kernels:
   # do the second step's A registers spill? A refusal writes ptxas_error.txt into the
   # archive).
-  if [[ -n ${PENDING_RESOURCES-weights in registers} ]]; then
+  if [[ -n ${PENDING_PEERS-grouped_fp8_block_wgrad} ]]; then
+    timeout "${PEERS_BUDGET:-200}" python3 -m benchmarks.peers_ab --out "$OUT" --rounds 15 \
+      --cases ${PENDING_PEERS-grouped_fp8_block_wgrad} 2>&1 | tail -8
+  fi
+  if [[ -n ${PENDING_RESOURCES-} ]]; then
     res=$(mktemp -d)
-    timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES-weights in registers}" | tail -10
+    timeout 90 python3 benchmarks/kernel_resources.py "$res" "${PENDING_RESOURCES}" | tail -10
     tar -czf "$OUT/pending_resources.tar.gz" -C "$res" .
   fi
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for entry in ${PENDING_GROUPED_AB-weights_in_registers}; do
+  for entry in ${PENDING_GROUPED_AB-}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
