@@ -407,14 +407,20 @@ def block_fp8_operands(m: int, k: int, n: int, seed: int = 10) -> tuple[jax.Arra
     keys = jax.random.split(jax.random.key(seed), 4)
     lhs8 = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
     rhs8 = jax.random.normal(keys[1], (n, k), jnp.float32).astype(E4M3)
-    k_blocks = k // 128
-
-    def powers_of_two(key, shape):
-        return 2.0 ** jax.random.randint(key, shape, -3, 4).astype(jnp.float32)
-
-    lhs_scale_k_major = powers_of_two(keys[2], (k_blocks, m))
-    rhs_scale = powers_of_two(keys[3], (-(-n // 128), k_blocks))
+    lhs_scale_k_major = _powers_of_two(keys[2], (k // 128, m))
+    rhs_scale = _powers_of_two(keys[3], (-(-n // 128), k // 128))
     return lhs8, lhs_scale_k_major, rhs8, rhs_scale
+
+
+def _powers_of_two(key, shape) -> jax.Array:
+    """Block scales as the recipe's are: powers of two, here from 2^-3 to 2^3."""
+    return 2.0 ** jax.random.randint(key, shape, -3, 4).astype(jnp.float32)
+
+
+def _dequantize_1x128(codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """bfloat16 values (exact) of (rows, K) FP8 codes in 1x128 blocks with (rows, K/128)
+    power-of-two scales: what the library feeds its 16-bit GEMMs before stop 51's kernels."""
+    return (codes.astype(jnp.float32) * jnp.repeat(scale, 128, axis=1)).astype(BF16)
 
 
 def torch_block_fp8_mm(torch):
@@ -429,6 +435,33 @@ def torch_block_fp8_mm(torch):
         )
 
     return mm
+
+
+def torch_two_1x128_mm(torch):
+    """``torch._scaled_mm`` with 1x128 blocks on both operands (cuBLASLt's two-1x128 mode,
+    TE's block-FP8 wgrad): lhs (M, K) and rhs (N, K) codes, both scales K-major, (K/128, M)
+    and (K/128, N), which torch reads as outer-dim-major (M, K/128) / (N, K/128)."""
+
+    def mm(lhs8, lhs_scale_k_major, rhs8, rhs_scale_k_major):
+        return torch._scaled_mm(
+            lhs8, rhs8.t(), lhs_scale_k_major.t(), rhs_scale_k_major, out_dtype=torch.bfloat16
+        )
+
+    return mm
+
+
+def _add_torch_peer(candidates, differences, name, first_output, timed, ours) -> None:
+    """Adds the torch peer `name` (`timed`: its interleaved_seconds candidate) when its first
+    output (`first_output()`, float32 numpy) runs, with its max difference from `ours()`
+    relative to max |ours|; an older torch or CUDA that refuses it leaves it out, said so."""
+    try:
+        theirs = first_output()
+    except RuntimeError as error:
+        print(f"{name}: not run ({str(error).splitlines()[0]})")
+        return
+    mine = np.asarray(ours().astype(jnp.float32))
+    differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+    candidates[name] = timed
 
 
 def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
@@ -453,16 +486,16 @@ def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
     differences = {}
     torch = None if small else _torch()
     if torch is not None:
-        name = "torch._scaled_mm 1x128 / 128x128 (cuBLASLt)"
-        call, torch_sets = _torch_candidate(torch, torch_block_fp8_mm(torch), [args])
-        try:
-            theirs = torch_block_fp8_mm(torch)(*torch_sets[0]).float().cpu().numpy()
-        except RuntimeError as error:  # (an older torch or CUDA: the peer is skipped, said so)
-            print(f"{name}: not run ({str(error).splitlines()[0]})")
-        else:
-            mine = np.asarray(ours(*args).astype(jnp.float32))
-            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
-            candidates[name] = (call, torch_sets)
+        mm = torch_block_fp8_mm(torch)
+        call, torch_sets = _torch_candidate(torch, mm, [args])
+        _add_torch_peer(
+            candidates,
+            differences,
+            "torch._scaled_mm 1x128 / 128x128 (cuBLASLt)",
+            lambda: mm(*torch_sets[0]).float().cpu().numpy(),
+            (call, torch_sets),
+            lambda: ours(*args),
+        )
     return candidates, differences
 
 
@@ -482,8 +515,7 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
     )
 
     def dequantized_bf16_gemm(a, sa, b, sb):
-        a16 = (a.astype(jnp.float32) * jnp.repeat(sa.T, 128, axis=1)).astype(BF16)
-        b16 = (b.astype(jnp.float32) * jnp.repeat(sb, 128, axis=1)).astype(BF16)
+        a16, b16 = _dequantize_1x128(a, sa.T), _dequantize_1x128(b, sb)
         return lax.dot_general(a16, b16, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
     args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
@@ -501,21 +533,18 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
     differences = {}
     torch = None if small else _torch()
     if torch is not None:
-        name = "torch._scaled_mm 1x128 / 1x128 (cuBLASLt)"
-        torch_args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
-
-        def mm(a, sa, b, sb_k_major):
-            return torch._scaled_mm(a, b.t(), sa.t(), sb_k_major, out_dtype=torch.bfloat16)
-
-        call, torch_sets = _torch_candidate(torch, mm, [torch_args])
-        try:
-            theirs = mm(*torch_sets[0]).float().cpu().numpy()
-        except RuntimeError as error:
-            print(f"{name}: not run ({str(error).splitlines()[0]})")
-        else:
-            mine = np.asarray(ours(*args).astype(jnp.float32))
-            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
-            candidates[name] = (call, torch_sets)
+        mm = torch_two_1x128_mm(torch)
+        call, torch_sets = _torch_candidate(
+            torch, mm, [(lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)]
+        )
+        _add_torch_peer(
+            candidates,
+            differences,
+            "torch._scaled_mm 1x128 / 1x128 (cuBLASLt)",
+            lambda: mm(*torch_sets[0]).float().cpu().numpy(),
+            (call, torch_sets),
+            lambda: ours(*args),
+        )
     return candidates, differences
 
 
@@ -550,8 +579,7 @@ def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, sm
     )
 
     def dequantized_then_16_bit_kernel(a, sa, b, sb, s):
-        a16 = (a.astype(jnp.float32) * jnp.repeat(sa, 128, axis=1)).astype(BF16)
-        b16 = (b.astype(jnp.float32) * jnp.repeat(sb, 128, axis=1)).astype(BF16)
+        a16, b16 = _dequantize_1x128(a, sa), _dequantize_1x128(b, sb)
         return pk.grouped_matmul_wgrad(a16, b16, s, out_dtype=BF16, interpret=small)
 
     args = (lhs8, lhs_scale, rhs8, rhs_scale, group_sizes)
@@ -586,23 +614,28 @@ def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, sm
             for start, stop in itertools.pairwise(bounds)
         ]
 
-        def mm(a, sa_k_major, b, sb_k_major):
-            return torch._scaled_mm(a, b.t(), sa_k_major.t(), sb_k_major, out_dtype=torch.bfloat16)
-
-        def per_group_mm():
-            for operands in per_group:
-                mm(*operands)
-            return _TorchResult(torch)
-
-        try:
-            theirs = np.stack([mm(*operands).float().cpu().numpy() for operands in per_group])
-        except RuntimeError as error:
-            print(f"{name}: not run ({str(error).splitlines()[0]})")
-        else:
-            mine = np.asarray(ours(*args).astype(jnp.float32))
-            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
-            candidates[name] = (per_group_mm, [()])
+        mm = torch_two_1x128_mm(torch)
+        _add_torch_peer(
+            candidates,
+            differences,
+            name,
+            lambda: np.stack([mm(*operands).float().cpu().numpy() for operands in per_group]),
+            (_torch_per_group(torch, mm, per_group), [()]),
+            lambda: ours(*args),
+        )
     return candidates, differences
+
+
+def _torch_per_group(torch, mm, per_group):
+    """An interleaved_seconds call running `mm` once per group's operands, as TE's grouped
+    GEMM on Hopper does (no concatenation: TE writes each expert's rows in place)."""
+
+    def call():
+        for operands in per_group:
+            mm(*operands)
+        return _TorchResult(torch)
+
+    return call
 
 
 def grouped_fp8_block_candidates(
@@ -616,9 +649,7 @@ def grouped_fp8_block_candidates(
     lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(m, k, n)
     keys = jax.random.split(jax.random.key(11), 2)
     rhs8 = jax.random.normal(keys[0], (g, n, k), jnp.float32).astype(E4M3)
-    rhs_scale = 2.0 ** jax.random.randint(keys[1], (g, -(-n // 128), k // 128), -3, 4).astype(
-        jnp.float32
-    )
+    rhs_scale = _powers_of_two(keys[1], (g, -(-n // 128), k // 128))
     group_sizes = jnp.asarray(sizes, jnp.int32)
     config = SMALL_BLOCK_CONFIG if small else None
     ours = jax.jit(
@@ -657,20 +688,14 @@ def grouped_fp8_block_candidates(
             for group, (start, stop) in enumerate(itertools.pairwise(bounds))
         ]
 
-        def per_group_mm():
-            # (No concatenation: TE writes each expert's rows into its output in place.)
-            for operands in per_group:
-                mm(*operands)
-            return _TorchResult(torch)
-
-        try:
-            theirs = torch.cat([mm(*operands) for operands in per_group]).float().cpu().numpy()
-        except RuntimeError as error:
-            print(f"{name}: not run ({str(error).splitlines()[0]})")
-        else:
-            mine = np.asarray(ours(*args).astype(jnp.float32))
-            differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
-            candidates[name] = (per_group_mm, [()])
+        _add_torch_peer(
+            candidates,
+            differences,
+            name,
+            lambda: torch.cat([mm(*operands) for operands in per_group]).float().cpu().numpy(),
+            (_torch_per_group(torch, mm, per_group), [()]),
+            lambda: ours(*args),
+        )
     return candidates, differences
 
 

@@ -132,16 +132,19 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
 )
 
 
-def _block_scale_stage_bytes(config: GroupedWgradConfig) -> int:
-    """SMEM of the streamed 1x128 block scales: per stage, f32 scales of the tile's lhs rows
-    and rhs columns."""
-    return config.max_concurrent_steps * 4 * (config.tile_m + 2 * config.tile_n)
+def _smem_needed(
+    config: GroupedWgradConfig, sizes: tuple[int, int, int], block_scaled: bool
+) -> int:
+    """The config's SMEM, with the streamed 1x128 block scales if `block_scaled` (per stage,
+    f32 scales of the tile's lhs rows and rhs columns)."""
+    scales = config.max_concurrent_steps * 4 * (config.tile_m + 2 * config.tile_n)
+    return config.smem_bytes(*sizes) + (scales if block_scaled else 0)
 
 
 def _fit_default(
-    config: GroupedWgradConfig, sizes: tuple[int, int, int], extra_bytes=lambda config: 0
+    config: GroupedWgradConfig, sizes: tuple[int, int, int], block_scaled: bool
 ) -> GroupedWgradConfig:
-    while config.smem_bytes(*sizes) + extra_bytes(config) > SMEM_BYTES:
+    while _smem_needed(config, sizes, block_scaled) > SMEM_BYTES:
         if config.epi_tile_n > 32:
             config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
         elif config.epilogue_buffers > 1:
@@ -239,12 +242,11 @@ def grouped_matmul_wgrad(
             lhs, rhs, lhs_block_scale, rhs_block_scale, lhs_scale, rhs_scale, token_major
         )
     sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
-    extra_bytes = _block_scale_stage_bytes if block_scaled else (lambda config: 0)
     if config is None:
         default = DEFAULT_FP8_WGRAD_CONFIG if is_fp8 else DEFAULT_BF16_WGRAD_CONFIG
         if block_scaled:
             default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
-        config = _fit_default(default, sizes, extra_bytes)
+        config = _fit_default(default, sizes, block_scaled)
     if not isinstance(config, GroupedWgradConfig):
         raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")
     if block_scaled and config.tile_t != 128:
@@ -255,7 +257,7 @@ def grouped_matmul_wgrad(
             f"tile_n per consumer, 2 * {config.tile_m} * {config.tile_n} f32 > "
             f"{_MAX_ACC_ELEMS_PER_WG}; use tile_n=64 with tile_m=128"
         )
-    needed = config.smem_bytes(*sizes) + extra_bytes(config)
+    needed = _smem_needed(config, sizes, block_scaled)
     if needed > SMEM_BYTES:
         raise ValueError(
             f"config needs {needed} bytes of shared memory, more than "

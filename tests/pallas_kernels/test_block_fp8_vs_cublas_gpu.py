@@ -16,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.peers_ab import block_fp8_operands, to_torch, torch_block_fp8_mm
+from benchmarks.peers_ab import (
+    block_fp8_operands,
+    to_torch,
+    torch_block_fp8_mm,
+    torch_two_1x128_mm,
+)
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
 from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
@@ -39,26 +44,13 @@ def _torch_or_skip():
     return torch
 
 
-def _torch_block_fp8_mm_or_skip(torch, *operands):
+def _cublas_or_skip(torch, mm, *operands):
+    """float32 numpy output of the peers_ab torch GEMM `mm(torch)` on jax `operands`; a skip,
+    saying why, where this torch or CUDA refuses those block scales."""
     try:
-        return torch_block_fp8_mm(torch)(*operands).float().cpu().numpy()
+        out = mm(torch)(*(to_torch(torch, a) for a in operands))
     except RuntimeError as error:
-        pytest.skip(f"torch._scaled_mm refuses 1x128 / 128x128 scales: {error}")
-
-
-def _cublas_two_1x128_mm(torch, lhs8, lhs_scale_k_major, rhs8, rhs_scale_k_major):
-    """cuBLASLt's GEMM lhs · rhsᵀ with 1x128 blocks on both operands (TE's block-FP8 wgrad):
-    torch wants both scales outer-dim-major, (rows, K/128) views of (K/128, rows) arrays."""
-    try:
-        out = torch._scaled_mm(
-            to_torch(torch, lhs8),
-            to_torch(torch, rhs8).t(),
-            to_torch(torch, lhs_scale_k_major).t(),
-            to_torch(torch, rhs_scale_k_major),
-            out_dtype=torch.bfloat16,
-        )
-    except RuntimeError as error:
-        pytest.skip(f"torch._scaled_mm refuses 1x128 scales on both operands: {error}")
+        pytest.skip(f"torch._scaled_mm refuses these block scales: {error}")
     return out.float().cpu().numpy()
 
 
@@ -77,7 +69,7 @@ def test_gpu_dense_fp8_block_equals_cublas_block_scaled_gemm(shape):
     torch = _torch_or_skip()
     operands = block_fp8_operands(*SHAPES[shape])
     ours = dense_matmul_fp8_block(*operands, lhs_scale_k_major=True)
-    theirs = _torch_block_fp8_mm_or_skip(torch, *(to_torch(torch, a) for a in operands))
+    theirs = _cublas_or_skip(torch, torch_block_fp8_mm, *operands)
     _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
 
 
@@ -103,12 +95,8 @@ def test_gpu_grouped_fp8_block_equals_cublas_per_group():
     for size, (rhs, scale) in zip(sizes, rhs_operands, strict=True):
         if size:
             rows = slice(start, start + size)
-            theirs = _torch_block_fp8_mm_or_skip(
-                torch,
-                to_torch(torch, lhs8[rows]),
-                to_torch(torch, lhs_scale_k_major[:, rows]),
-                to_torch(torch, rhs),
-                to_torch(torch, scale),
+            theirs = _cublas_or_skip(
+                torch, torch_block_fp8_mm, lhs8[rows], lhs_scale_k_major[:, rows], rhs, scale
             )
             _assert_equal_to_cublas(ours[rows], theirs)
         start += size
@@ -126,7 +114,7 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     ours = dense_matmul_fp8_block(
         lhs8, lhs_scale_k_major, rhs8, rhs_scale, lhs_scale_k_major=True, rhs_block_rows=1
     )
-    theirs = _cublas_two_1x128_mm(torch, lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
+    theirs = _cublas_or_skip(torch, torch_two_1x128_mm, lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
     _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
 
 
@@ -155,7 +143,12 @@ def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
         if not size:
             assert not ours[group].any()
             continue
-        theirs = _cublas_two_1x128_mm(
-            torch, lhs8[:, tokens], lhs_scale[:, blocks].T, rhs8[:, tokens], rhs_scale[:, blocks].T
+        theirs = _cublas_or_skip(
+            torch,
+            torch_two_1x128_mm,
+            lhs8[:, tokens],
+            lhs_scale[:, blocks].T,
+            rhs8[:, tokens],
+            rhs_scale[:, blocks].T,
         )
         _assert_equal_to_cublas(ours[group], theirs)
