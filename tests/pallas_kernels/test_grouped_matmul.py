@@ -412,8 +412,9 @@ def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
         dense_matmul_fp8_block(
             lhs8, lhs_scale.T, rhs8, jnp.ones((2, 2), jnp.float32), rhs_block_rows=1
         )
-    with pytest.raises(ValueError, match=r"rhs_block_rows must be 128 .* or 1"):
-        dense_matmul_fp8_block(lhs8, lhs_scale.T, rhs8, rhs_scale, rhs_block_rows=64)
+    for bad in (64, True):
+        with pytest.raises(ValueError, match=r"rhs_block_rows must be 128 .* or 1"):
+            dense_matmul_fp8_block(lhs8, lhs_scale.T, rhs8, rhs_scale, rhs_block_rows=bad)
     with pytest.raises(ValueError, match="rhs_block_rows=1 needs wgmma_in_flight=0"):
         dense_matmul_fp8_block(
             lhs8,
@@ -1125,6 +1126,10 @@ def test_fp8_wgrad_block_scales_refusals():
     with pytest.raises(ValueError, match=r"rhs_block_scale must have shape \(64, 2\)"):
         grouped_matmul_wgrad(
             lhs, rhs, sizes, lhs_block_scale=lhs_scale, rhs_block_scale=rhs_scale[:, :1]
+        )
+    with pytest.raises(TypeError, match=r"lhs_block_scale must have dtype in \(float32\)"):
+        grouped_matmul_wgrad(
+            lhs, rhs, sizes, lhs_block_scale=lhs_scale.astype(BF16), rhs_block_scale=rhs_scale
         )
     with pytest.raises(ValueError, match="1x128 block scales need tile_t=128"):
         grouped_matmul_wgrad(
