@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_qtrain.nn.linear import check_positive_sizes
 from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.ops.grouped_dense import grouped_dense
@@ -70,12 +71,6 @@ def _kept_value(variable: QuantizedKernel | None, kernel: jax.Array):
     return kernel.astype(quantized.dtype), quantized
 
 
-def _check_sizes(**sizes) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class GroupedLinear(nnx.Module):
     """G linear layers applied to the row groups of one input (TE's `GroupedLinear`).
 
@@ -110,7 +105,9 @@ class GroupedLinear(nnx.Module):
         quantized_weight: bool = False,
         rngs: nnx.Rngs,
     ):
-        _check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
+        check_positive_sizes(
+            num_groups=num_groups, in_features=in_features, out_features=out_features
+        )
         _check_recipe(recipe)
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype)
@@ -184,7 +181,7 @@ class GroupedMLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         out_features = in_features if out_features is None else out_features
-        _check_sizes(
+        check_positive_sizes(
             num_experts=num_experts,
             in_features=in_features,
             ffn_features=ffn_features,

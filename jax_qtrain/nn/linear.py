@@ -14,6 +14,13 @@ from jax_qtrain.quantize import Usage
 from jax_qtrain.recipes import Recipe
 
 
+def check_positive_sizes(**sizes) -> None:
+    """Each keyword's value must be a positive int (a layer's feature or group counts)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 class Linear(nnx.Linear):
     """`nnx.Linear` (same arguments) plus:
 
@@ -54,6 +61,7 @@ class Linear(nnx.Linear):
         quantized_weight_usages: Iterable[Usage] | None = None,
         **kwargs,
     ):
+        check_positive_sizes(in_features=in_features, out_features=out_features)
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(
                 f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}"

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax_qtrain.nn.grouped import GroupedMLP, _check_sizes, default_expert_kernel_init
+from jax_qtrain.nn.grouped import GroupedMLP, default_expert_kernel_init
+from jax_qtrain.nn.linear import check_positive_sizes
 from jax_qtrain.recipes import Recipe
 
 default_router_init = nnx.initializers.normal(0.02)
@@ -224,7 +225,7 @@ class MoE(nnx.Module):
         router_init=default_router_init,
         rngs: nnx.Rngs,
     ):
-        _check_sizes(top_k=top_k, num_experts=num_experts)
+        check_positive_sizes(top_k=top_k, num_experts=num_experts)
         if top_k > num_experts:
             raise ValueError(f"top_k ({top_k}) must be at most num_experts ({num_experts})")
         self.router = nnx.Linear(

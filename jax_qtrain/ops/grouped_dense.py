@@ -286,10 +286,10 @@ def validate_grouped_operands(x, kernels, group_sizes, *, kernels_name: str = "k
         )
     if x.shape[1] != kernels.shape[1]:
         raise ValueError(
-            f"x's last dim ({x.shape[1]}) must equal {kernels_name}'s in_features "
+            f"x's last dim ({x.shape[1]}) must equal the in_features of {kernels_name} "
             f"({kernels.shape[1]})"
         )
-    check_group_sizes(group_sizes, kernels.shape[0])
+    check_group_sizes(group_sizes, kernels.shape[0], num_rows=x.shape[0])
 
 
 def grouped_dense(

@@ -558,7 +558,7 @@ def grouped_matmul(
         default_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     if contract != depth:
         raise ValueError(f"rhs's contraction size ({contract}) must equal lhs's last dim ({depth})")
-    check_group_sizes(group_sizes, num_groups)
+    check_group_sizes(group_sizes, num_groups, num_rows=rows)
     out_dtype = default_dtype if out_dtype is None else jnp.dtype(out_dtype)
 
     if backend == "pallas" and not _kernel_covers(lhs, rhs, transpose_rhs):

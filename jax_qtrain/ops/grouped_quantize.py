@@ -22,10 +22,13 @@ every activation of a grouped op (x and dy; in the MLP also the activation and i
 because the wgrad GEMM contracts two columnwise copies over the same token positions. The cost
 is up to G·(align − 1) extra rows per stored copy (G=64 experts with FP8 blocks: 8128 rows).
 
-Run-time group sizes cannot be checked at trace time. They are clamped as the Pallas grouped
-matmul kernels do: a negative size counts as 0, and once the running sum reaches M the remaining
-groups are truncated (they get the rows that are left, possibly none). Rows past the clamped sum
-belong to no group: they are not quantized, and every grouped op returns zeros for them.
+Group sizes given as a numpy array are checked on the host (no negative size, a sum of at most
+the rows: `check_group_sizes`). A jax array's values are not read, which would copy them from
+the device and wait for it, and under `jit` they are not known: they are clamped as the Pallas
+grouped matmul kernels do: a negative size counts as 0, and once the running sum reaches M the
+remaining groups are truncated (they get the rows that are left, possibly none). Rows past the
+clamped sum belong to no group: they are not quantized, and every grouped op returns zeros for
+them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_qtrain import kernels
 from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
@@ -140,9 +144,13 @@ class GroupLayout:
         return common.f32_from_bits(group_bits[: self.num_groups])
 
 
-def check_group_sizes(group_sizes, num_groups: int, name: str = "group_sizes") -> None:
-    """Trace-time checks of a group_sizes argument (its values are checked nowhere: see the
-    module docstring for how they are clamped)."""
+def check_group_sizes(
+    group_sizes, num_groups: int, name: str = "group_sizes", *, num_rows: int | None = None
+) -> None:
+    """Checks of a group_sizes argument: its type, dtype and shape always, and its values where
+    the host already holds them (a numpy array): no negative size, and a sum of at most
+    `num_rows` when given. A jax array's values are not read (that would copy them from the
+    device and wait for it); they are clamped at run time (module docstring)."""
     if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
         raise TypeError(f"{name} must be an int32 array of shape (G,), got {type(group_sizes)}")
     if jnp.dtype(group_sizes.dtype) != jnp.int32:
@@ -152,6 +160,15 @@ def check_group_sizes(group_sizes, num_groups: int, name: str = "group_sizes") -
             f"{name} must have shape ({num_groups},) (one size per group), got "
             f"{tuple(group_sizes.shape)}"
         )
+    if isinstance(group_sizes, np.ndarray):
+        if (group_sizes < 0).any():
+            raise ValueError(f"{name} must not be negative, got {group_sizes.tolist()}")
+        total = int(group_sizes.sum(dtype=np.int64))
+        if num_rows is not None and total > num_rows:
+            raise ValueError(
+                f"{name} sum to {total}, more than the {num_rows} rows they split: "
+                f"{group_sizes.tolist()}"
+            )
 
 
 def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:

@@ -461,7 +461,7 @@ def fsdp_grouped_dense(
             f"x must have shape (tokens, {in_features}) for kernels of whole shape "
             f"({num_groups}, {in_features}, {out_features}), got {tuple(x.shape)}"
         )
-    check_group_sizes(group_sizes, num_groups)
+    check_group_sizes(group_sizes, num_groups, num_rows=x.shape[0])
     if bias is not None:
         check_float("bias", bias)
         if tuple(bias.shape) != (num_groups, out_features):
@@ -548,7 +548,7 @@ def fsdp_grouped_mlp(
         raise ValueError(f"fc1_shard and fc2_shard hold {num_groups} and {fc2_groups} experts")
     if x.ndim != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must have shape (tokens, {in_features}), got {tuple(x.shape)}")
-    check_group_sizes(group_sizes, num_groups)
+    check_group_sizes(group_sizes, num_groups, num_rows=x.shape[0])
     if probs is not None:
         check_float("probs", probs)
         if tuple(probs.shape) != (x.shape[0],):

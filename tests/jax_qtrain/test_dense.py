@@ -401,3 +401,9 @@ def test_bad_inputs_are_rejected_with_clear_errors():
     with pytest.raises(TypeError, match="autocast"):
         with jq.autocast("mxfp8"):
             pass
+    # The layer refuses empty or non-int sizes as GroupedLinear and MoE do (nnx.Linear itself
+    # would build a (0, 32) kernel).
+    with pytest.raises(ValueError, match="in_features must be a positive int, got 0"):
+        jq.nn.Linear(0, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"out_features must be a positive int, got 2\.0"):
+        jq.nn.Linear(64, 2.0, rngs=nnx.Rngs(0))

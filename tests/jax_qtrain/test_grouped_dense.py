@@ -429,6 +429,37 @@ def test_bad_inputs_name_the_argument():
             call()
 
 
+def test_host_group_sizes_are_checked_and_device_ones_clamped():
+    # A numpy array's values are on the host: a negative size or a sum past the rows is an
+    # error. The same values in a jax array are not read (that would wait for the device):
+    # they are clamped, as the module docstring of ops/grouped_quantize.py says.
+    x, w, _, _ = make_inputs()
+    fc1 = jnp.concatenate([w, w], axis=-1)  # a gated MLP over the same shapes
+    fc2 = jnp.swapaxes(w, 1, 2)
+    recipe = RECIPES["fp8"]
+    calls = {
+        "grouped_matmul": lambda gs: jq.grouped_matmul(x, w, gs),
+        "grouped_dense": lambda gs: jq.grouped_dense(x, w, gs, recipe=recipe),
+        "grouped_mlp": lambda gs: jq.grouped_mlp(x, fc1, fc2, gs, recipe=recipe),
+    }
+    negative = [130, -10, 120, 120]
+    too_many = [120, 10, 120, 160]  # 410 rows of 384
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"group_sizes must not be negative.*-10"):
+            call(np.array(negative, np.int32))
+        with pytest.raises(ValueError, match="group_sizes sum to 410, more than the 384 rows"):
+            call(np.array(too_many, np.int32))
+        # Host values that pass: the same result as the jax array of them.
+        host, device = call(np.array(LOOP_SIZES, np.int32)), call(sizes_array(LOOP_SIZES))
+        np.testing.assert_array_equal(np.asarray(host), np.asarray(device), err_msg=name)
+    # On the device, the clamped sizes: negative counts as 0, the last group gets what is left.
+    for sizes, clamped in ((negative, [130, 0, 120, 120]), (too_many, [120, 10, 120, 134])):
+        np.testing.assert_array_equal(
+            np.asarray(jq.grouped_matmul(x, w, sizes_array(sizes))),
+            np.asarray(jq.grouped_matmul(x, w, sizes_array(clamped))),
+        )
+
+
 @pytest.mark.parametrize("contraction", ["rows", "wgrad"])
 def test_exact_values_gemm_gives_a_groups_rows_the_same_bits_without_the_later_groups(contraction):
     # Expert parallelism relies on it: a device holding experts 0 and 1 only must compute their

@@ -316,7 +316,7 @@ def test_bad_inputs_name_the_argument():
         ),
         (ValueError, "must be even", lambda: jq.grouped_mlp(x, fc1[..., :7], fc2, gs)),
         (ValueError, "probs must have shape", lambda: jq.grouped_mlp(x, fc1, fc2, gs, probs[:5])),
-        (ValueError, "fc1's in_features", lambda: jq.grouped_mlp(x[:, :8], fc1, fc2, gs)),
+        (ValueError, "the in_features of fc1", lambda: jq.grouped_mlp(x[:, :8], fc1, fc2, gs)),
         (ValueError, "group_sizes must have shape", lambda: jq.grouped_mlp(x, fc1, fc2, gs[:2])),
         (TypeError, "fc2 must be", lambda: jq.grouped_mlp(x, fc1, fc2.astype(jnp.int8), gs)),
         (TypeError, "recipe", lambda: jq.grouped_mlp(x, fc1, fc2, gs, recipe=r.name)),
