@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import jax
@@ -15,9 +16,10 @@ from jax_qtrain.recipes import Recipe
 
 
 def check_positive_sizes(**sizes) -> None:
-    """Each keyword's value must be a positive int (a layer's feature or group counts)."""
+    """Each keyword's value must be a positive integer (a layer's feature or group counts):
+    Python or numpy ints, not bools or floats."""
     for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

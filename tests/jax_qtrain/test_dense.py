@@ -407,3 +407,4 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         jq.nn.Linear(0, 32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"out_features must be a positive int, got 2\.0"):
         jq.nn.Linear(64, 2.0, rngs=nnx.Rngs(0))
+    assert jq.nn.Linear(np.int64(64), 32, rngs=nnx.Rngs(0)).kernel.shape == (64, 32)
