@@ -179,10 +179,12 @@ def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
 
 def group_layout(group_sizes: jax.Array, num_rows: int, align: int) -> GroupLayout:
-    """The aligned layout of `num_rows` rows sorted into groups of `group_sizes` (clamped)."""
+    """The aligned layout of `num_rows` rows sorted into groups of `group_sizes` (checked on the
+    host if numpy, else clamped: module docstring)."""
     if align < 1 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
-    num_groups = group_sizes.shape[0]
+    num_groups = getattr(group_sizes, "shape", (0,))[0]
+    check_group_sizes(group_sizes, num_groups, num_rows=num_rows)
     padded_rows = common.round_up(num_rows + num_groups * (align - 1), align)
     sizes = clamp_group_sizes(group_sizes, num_rows)
     ends = jnp.cumsum(sizes)

@@ -441,6 +441,7 @@ def test_host_group_sizes_are_checked_and_device_ones_clamped():
         "grouped_matmul": lambda gs: jq.grouped_matmul(x, w, gs),
         "grouped_dense": lambda gs: jq.grouped_dense(x, w, gs, recipe=recipe),
         "grouped_mlp": lambda gs: jq.grouped_mlp(x, fc1, fc2, gs, recipe=recipe),
+        "group_layout": lambda gs: jq.group_layout(gs, NUM_ROWS, 16).group_sizes,
     }
     negative = [130, -10, 120, 120]
     too_many = [120, 10, 120, 160]  # 410 rows of 384
