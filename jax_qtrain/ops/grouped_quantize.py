@@ -145,7 +145,7 @@ class GroupLayout:
 
 
 def check_group_sizes(
-    group_sizes, num_groups: int, name: str = "group_sizes", *, num_rows: int | None = None
+    group_sizes, num_groups: int | None, name: str = "group_sizes", *, num_rows: int | None = None
 ) -> None:
     """Checks of a group_sizes argument: its type, dtype and shape always, and its values where
     the host already holds them (a numpy array): no negative size, and a sum of at most
@@ -155,10 +155,10 @@ def check_group_sizes(
         raise TypeError(f"{name} must be an int32 array of shape (G,), got {type(group_sizes)}")
     if jnp.dtype(group_sizes.dtype) != jnp.int32:
         raise TypeError(f"{name} must have dtype int32, got {group_sizes.dtype}")
-    if tuple(group_sizes.shape) != (num_groups,):
+    if group_sizes.ndim != 1 or num_groups not in (None, group_sizes.shape[0]):
         raise ValueError(
-            f"{name} must have shape ({num_groups},) (one size per group), got "
-            f"{tuple(group_sizes.shape)}"
+            f"{name} must have shape ({'G' if num_groups is None else num_groups},) (one size "
+            f"per group), got {tuple(group_sizes.shape)}"
         )
     if isinstance(group_sizes, np.ndarray):
         if (group_sizes < 0).any():
@@ -183,8 +183,8 @@ def group_layout(group_sizes: jax.Array, num_rows: int, align: int) -> GroupLayo
     host if numpy, else clamped: module docstring)."""
     if align < 1 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
-    num_groups = getattr(group_sizes, "shape", (0,))[0]
-    check_group_sizes(group_sizes, num_groups, num_rows=num_rows)
+    check_group_sizes(group_sizes, None, num_rows=num_rows)
+    num_groups = group_sizes.shape[0]
     padded_rows = common.round_up(num_rows + num_groups * (align - 1), align)
     sizes = clamp_group_sizes(group_sizes, num_rows)
     ends = jnp.cumsum(sizes)
