@@ -168,16 +168,19 @@ def nvfp4_rows() -> list[tuple[str, float]]:
         # roundings; the counts are MLIR's: the carry's sign add folds into one IADD3 later)
         # and float32 block amaxes by a float max (on the hardware, which this lowering is for).
         "lean float-sign": dict(lean_arithmetic=True),
+        # Stop 53 (opt-in): NaN-amax blocks cleared by the grid-min clamp's limit, no mask.
+        "lean nan-clamp": dict(lean_arithmetic=True, clamp_clears_nan_blocks=True),
     }
     for arithmetic, options in arithmetics.items():
-        if arithmetic != "lean float-sign":  # the earlier kernels: block amaxes on bit patterns
+        if arithmetic not in ("lean float-sign", "lean nan-clamp"):
+            # the earlier kernels: block amaxes on bit patterns
             options = dict(options, float_block_amax=False)
         config = pk.NVFP4QuantizeConfig(loop_blocks=False, **options)
         for rowwise, columnwise in ((True, False), (False, True), (True, True)):
             for stochastic in (False, True):
                 if arithmetic.endswith("-sr") and not stochastic:
                     continue  # the same kernel as "lean"
-                if arithmetic.endswith("grid-min") and stochastic:
+                if arithmetic.endswith(("grid-min", "nan-clamp")) and stochastic:
                     continue  # the same kernel as "lean carry-sr"
                 copies = "+".join(c for c, w in (("row", rowwise), ("col+rht", columnwise)) if w)
                 name = f"nvfp4 bfloat16 {arithmetic} {copies}{' sr' if stochastic else ''}"

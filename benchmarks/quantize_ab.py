@@ -9,7 +9,8 @@ its first kernel (exact arithmetic, unrolled blocks, integer division) against s
 default and stops 34-35's changes (`native_division`, `packed_row_amax`,
 `carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_amax`: NVFP4
 row + Hadamard col with its global amaxes, by the separate amax kernel against the amax taken
-inside the quantize launch (GPU only); `--kernel nvfp4_weight`: NVFP4 16×16 weight blocks
+inside the quantize launch (GPU only); `--kernel nvfp4_nan_clamp`: NVFP4 row + Hadamard col,
+the default against `clamp_clears_nan_blocks` (stop 53); `--kernel nvfp4_weight`: NVFP4 16×16 weight blocks
 row+col, the default (compact block amaxes, preloaded per tile) against per-line copies of
 them and per-group loads; earlier variants (unrolled lean blocks, float stochastic rounding,
 steps_per_cta=4) are in docs/benchmarks.md; written to OUT_DIR/quantize_ab_KERNEL.{json,md}.
@@ -119,6 +120,15 @@ NVFP4_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
     # Stop 36: float32 block amaxes by a float max (the Hadamard copy's, float32 x's).
     "+ float block amax (default)": pk.NVFP4QuantizeConfig(),
 }
+# NVFP4 row + Hadamard col, nearest rounding (`--kernel nvfp4_nan_clamp`): the default against
+# stop 53's opt-in NaN-amax blocks cleared by the clamp (no mask on the packed codes; counted
+# by count_quantize_ops.py: 34.8 -> 33.8 operations per element), on its own so the call is
+# short.
+NVFP4_NAN_CLAMP_BASELINE = "default (NaN blocks by a mask)"
+NVFP4_NAN_CLAMP_VARIANTS: dict[str, pk.NVFP4QuantizeConfig] = {
+    NVFP4_NAN_CLAMP_BASELINE: pk.NVFP4QuantizeConfig(),
+    "clamp_clears_nan_blocks": pk.NVFP4QuantizeConfig(clamp_clears_nan_blocks=True),
+}
 # NVFP4 16×16 weight blocks (`--kernel nvfp4_weight`): each group's block amaxes loaded just
 # before it against the tile's loaded at its start (stop 37), read from per-line copies written
 # by XLA or from the compact (M/16, K/16) array (stop 38); both of the latter are the default.
@@ -151,6 +161,7 @@ KERNELS = (
     "nvfp4_sr",
     "nvfp4_weight",
     "nvfp4_amax",
+    "nvfp4_nan_clamp",
 )
 SKELETON = "row+col e4m3 cast skeleton"
 SKELETON_REUSE = "row+col e4m3 cast skeleton, reuse_input_tile"
@@ -254,6 +265,15 @@ def kernel_setup(kernel: str) -> dict:
             baseline=NVFP4_BASELINE,
             variants=NVFP4_VARIANTS,
             make=nvfp4_row_col(stochastic),
+            nbytes=nvfp4_bytes,
+            width=16,
+        )
+    if kernel == "nvfp4_nan_clamp":
+        return dict(
+            title="NVFP4 (Hadamard on col), NaN blocks by the clamp",
+            baseline=NVFP4_NAN_CLAMP_BASELINE,
+            variants=NVFP4_NAN_CLAMP_VARIANTS,
+            make=nvfp4_row_col(False),
             nbytes=nvfp4_bytes,
             width=16,
         )

@@ -235,6 +235,18 @@ def scale_add(
     return _inline_ptx_f32(values, layout, f"fma.rn.f32 $0, $1, {_ptx_f32(scale)}, $2;", addends)
 
 
+def min_ignoring_nan(
+    values: jax.Array, limits: jax.Array, layout, *, on_hardware: bool
+) -> jax.Array:
+    """min(values, limits) element by element, float32, where a NaN value gives its limit (IEEE
+    minNum; `limits` are never NaN). On the hardware PTX's `min.f32`, which returns the other
+    operand of a NaN (Mosaic GPU lowers `jnp.minimum` to `min.NaN.f32`, which propagates it);
+    in the interpreter the same spelled out."""
+    if not on_hardware:
+        return jnp.where(jnp.isnan(values), limits, jnp.minimum(values, limits))
+    return _inline_ptx_f32(values, layout, "min.f32 $0, $1, $2;", limits)
+
+
 def is_nan_bits(bits: jax.Array) -> jax.Array:
     return bits > jnp.uint32(F32_INF_BITS)
 

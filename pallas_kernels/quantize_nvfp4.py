@@ -204,6 +204,14 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         writes first (two (lines, blocks) arrays, 16 MiB each for an 8192² weight). The same
         words, so the same bits. The interpreter cannot run the inline address arithmetic and
         always reads the per-line copies (False does too on the hardware).
+      clamp_clears_nan_blocks (stop 53, not yet timed on a GPU: off): nearest rounding by grid
+        minima with the float sign test (the defaults) clamps |x·enc| at a per-block limit, 6
+        or, in a block whose amax is NaN, 0, by a clamp that gives a NaN its limit (PTX
+        `min.f32`, `qc.min_ignoring_nan`), so such a block's NaN products get code 0 and its
+        sign test 0; the mask that cleared its packed codes (one AND per pair of elements of
+        each copy, the ALU pipe's) goes, for one compare and select per block. The same bits
+        (every product of a NaN-amax block is NaN, and no other block has a NaN product: see
+        `lean_arithmetic`). No effect on stochastic rounding, which keeps the mask.
 
     Lean arithmetic's sign test multiplies x by enc · 2^64, formed once per block, instead of
     (x · 2^64) · enc: one multiply per element less, the same products
@@ -222,6 +230,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
     float_block_amax: bool = True
     preload_block_amaxes: bool = True
     compact_block_amaxes: bool = True
+    clamp_clears_nan_blocks: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -246,6 +255,7 @@ class NVFP4QuantizeConfig(qc.TileConfig):
             "float_block_amax",
             "preload_block_amaxes",
             "compact_block_amaxes",
+            "clamp_clears_nan_blocks",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -551,7 +561,9 @@ _INTEGER_GRID = 2.0**23  # float32 in [2^23, 2^24) are the integers (ulp 1)
 _INTEGER_GRID_BITS = 0x4B000000
 
 
-def e2m1_nearest_grid_min(p: jax.Array, layout, *, on_hardware: bool) -> jax.Array:
+def e2m1_nearest_grid_min(
+    p: jax.Array, layout, *, on_hardware: bool, limits: jax.Array | None = None
+) -> jax.Array:
     """`e2m1_nearest(p)` (float32 p held in `layout`; a = min(|p|, 6)), as the float
     2^23 + code (its bits: 0x4B000000 + code), by float operations.
 
@@ -565,8 +577,13 @@ def e2m1_nearest_grid_min(p: jax.Array, layout, *, on_hardware: bool) -> jax.Arr
     first only when subnormal, whose rint is 0 either way). Three FMA-pipe instructions and
     two minima instead of `_e2m1_round`'s seven integer ones: the integer / logic (ALU) pipe
     is the kernel's busiest (Nsight Compute on the H200, docs/benchmarks.md stop 35). NaN p
-    gives NaN (the caller clears NaN blocks)."""
-    a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
+    gives NaN (the caller clears NaN blocks), unless `limits` (float32, p's shape and layout,
+    never NaN) replace 6 as the clamp: a = min(|p|, limit) then gives a NaN p its limit
+    (`qc.min_ignoring_nan`), so a limit of 0 makes its code 0."""
+    if limits is None:
+        a = jnp.minimum(jnp.abs(p), jnp.float32(E2M1_MAX))
+    else:
+        a = qc.min_ignoring_nan(jnp.abs(p), limits, layout, on_hardware=on_hardware)
     halves = qc.exact_scale_add(a, 2.0, _INTEGER_GRID, layout, on_hardware=on_hardware)
     units = a + jnp.float32(_INTEGER_GRID + 2)
     doubles = qc.exact_scale_add(a, 0.5, _INTEGER_GRID + 4, layout, on_hardware=on_hardware)
@@ -608,6 +625,7 @@ def quantize_block_lines(
     grid_min=False,
     float_sign=False,
     float_amax=False,
+    nan_clamp=False,
 ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 of each row of a (R, 16) float32 array (one block per row) held in `layout`.
     `block_amax_bits` (R,) uint32: each row's block amax when the block spans more than the
@@ -622,7 +640,9 @@ def quantize_block_lines(
     `float_sign`: the sign bits by `negative_units` (`NVFP4QuantizeConfig.float_sign_test`;
     needs `lean`; used by the grid-min and carry paths, the others keep the compare).
     `float_amax`: the block amax taken in float32 on the hardware
-    (`NVFP4QuantizeConfig.float_block_amax`).
+    (`NVFP4QuantizeConfig.float_block_amax`). `nan_clamp`: NaN-amax blocks get code 0 from
+    the grid-min clamp instead of the packed-code mask (`NVFP4QuantizeConfig.
+    clamp_clears_nan_blocks`; used by the grid-min path with `float_sign`).
 
     Returns (packed codes (R, 8) uint8, block scales (R,) float8_e4m3fn)."""
     if block_amax_bits is None and float_amax and on_hardware:
@@ -667,8 +687,18 @@ def quantize_block_lines(
     signed = False  # whether `magnitude` carries the sign bit already
     if uniforms is not None:  # made in RPT1 (four columns per hash word): into v's layout
         uniforms = plgpu.layout_cast(uniforms, layout)
+    # NaN-amax blocks by the clamp: every product of such a block is NaN (enc is NaN), and a
+    # clamp limit of 0 that a NaN product takes gives it code 0, its sign test 0 (.sat maps
+    # NaN to 0): the reference's zero codes without the mask below.
+    nan_clamp = nan_clamp and grid_min_path and float_sign
     if grid_min_path:
-        grid_code = e2m1_nearest_grid_min(p, layout, on_hardware=on_hardware)
+        limits = None
+        if nan_clamp:
+            block_limit = jnp.where(
+                qc.is_nan_bits(block_amax_bits), jnp.float32(0.0), jnp.float32(E2M1_MAX)
+            )
+            limits = qc.broadcast_rows(block_limit, v.shape, layout)
+        grid_code = e2m1_nearest_grid_min(p, layout, on_hardware=on_hardware, limits=limits)
         if float_sign:
             # 2^23 + code + 8 where negative, exactly: its bits are 0x4B000000 + the signed
             # code, whose bits above the nibble packing drops (`packed & keep` below).
@@ -716,7 +746,7 @@ def quantize_block_lines(
     low = qc.concat_columns([codes[:, i : i + 1] for i in range(0, BLOCK, 2)])
     high = qc.concat_columns([codes[:, i : i + 1] for i in range(1, BLOCK, 2)])
     packed = low | (high << 4)
-    if lean:
+    if lean and not nan_clamp:
         # Only a NaN-amax block has NaN products (whose lean codes are garbage): its codes are
         # all 0, like the reference's. One mask per block instead of a test per element.
         keep = jnp.where(qc.is_nan_bits(block_amax_bits), jnp.uint32(0), jnp.uint32(0xFF))
@@ -823,6 +853,7 @@ def _quantize_copy(
     grid_min_rounding=False,
     float_sign_test=False,
     float_block_amax=False,
+    clamp_clears_nan_blocks=False,
     line_table=None,
     block_table=None,
 ):
@@ -939,6 +970,7 @@ def _quantize_copy(
                     grid_min=grid_min_rounding,
                     float_sign=float_sign_test,
                     float_amax=float_block_amax,
+                    nan_clamp=clamp_clears_nan_blocks,
                 )
                 packed_group.append(packed)
                 scales.append(qc.column(block_scale))
@@ -1127,6 +1159,7 @@ def _tile(
         grid_min_rounding=config.grid_min_rounding,
         float_sign_test=config.float_sign_test,
         float_block_amax=config.float_block_amax,
+        clamp_clears_nan_blocks=config.clamp_clears_nan_blocks,
     )
     tile_block_amaxes = [None, None]
     if config.preload_block_amaxes:

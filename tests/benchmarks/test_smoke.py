@@ -313,6 +313,17 @@ def test_quantize_ab_nvfp4_weight_runs_small(tmp_path):
     assert all(r["us"] > 0 for r in rows)
 
 
+def test_quantize_ab_nvfp4_nan_clamp_runs_small(tmp_path):
+    # Stop 53's NaN blocks cleared by the clamp against the default: the same bits on the
+    # timed input and on the one with NaN / Inf / zero / tiny blocks, then timed.
+    from benchmarks import quantize_ab
+
+    quantize_ab.main(str(tmp_path), small=True, kernel="nvfp4_nan_clamp")
+    rows = json.loads((tmp_path / "quantize_ab_nvfp4_nan_clamp.json").read_text())
+    checked = [r for r in rows if r["variant"] == "clamp_clears_nan_blocks"]
+    assert checked and all(r["bits"] == "identical" and r["us"] > 0 for r in checked)
+
+
 @pytest.mark.slow
 def test_quantize_scale_split_runs_small(tmp_path):
     # In the interpreter: every quantizer's outputs equal its default's (Inf / NaN / tiny

@@ -412,6 +412,9 @@ NVFP4_PER_GROUP = pk.NVFP4QuantizeConfig(preload_block_amaxes=False)
 # 16×16 block amaxes read from per-line copies that XLA writes (the only path the interpreter
 # has; on the hardware the kernel reads the compact (M/16, K/16) array by default).
 NVFP4_PER_LINE_BLOCK_AMAXES = pk.NVFP4QuantizeConfig(compact_block_amaxes=False)
+# NaN-amax blocks cleared by a clamp limit of 0 instead of a mask on the packed codes (stop 53,
+# opt-in): the same bits.
+NVFP4_NAN_CLAMP = pk.NVFP4QuantizeConfig(clamp_clears_nan_blocks=True)
 
 
 @cpu_only
@@ -426,6 +429,7 @@ NVFP4_PER_LINE_BLOCK_AMAXES = pk.NVFP4QuantizeConfig(compact_block_amaxes=False)
         NVFP4_COMPARISON_SR,
         NVFP4_MAGIC_ROUNDING,
         NVFP4_COMPARE_SIGN,
+        NVFP4_NAN_CLAMP,
     ],
 )
 @pytest.mark.parametrize(
@@ -2257,6 +2261,23 @@ def test_gpu_nvfp4_bit_exact(rht, sr, dtype, config, block):
         )
         for g, w in zip(kernel_amaxes, amaxes, strict=True):
             assert_same_bits(g, w, "nvfp4 global amax")
+
+
+@gpu_cases
+@pytest.mark.parametrize(
+    "rht, sr, dtype, block",
+    [
+        (True, False, jnp.bfloat16, (1, 16)),
+        (False, False, jnp.float32, (1, 16)),
+        (False, False, jnp.bfloat16, (16, 16)),
+        (True, True, jnp.bfloat16, (1, 16)),  # stochastic rounding keeps the mask
+    ],
+)
+def test_gpu_nvfp4_nan_clamp_bit_exact(rht, sr, dtype, block):
+    # clamp_clears_nan_blocks (stop 53, opt-in): NaN-amax blocks get code 0 from PTX's
+    # min.f32 (a NaN gives the limit 0), which the interpreter spells out: only the hardware
+    # runs the instruction. The reference's bits on the adversarial inputs (NaN / Inf blocks).
+    test_gpu_nvfp4_bit_exact(rht, sr, dtype, NVFP4_NAN_CLAMP, block)
 
 
 def planted_maximum_input(shape, dtype, seed, where):
