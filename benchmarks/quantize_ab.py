@@ -10,10 +10,11 @@ default and stops 34-35's changes (`native_division`, `packed_row_amax`,
 `carry_stochastic_rounding`, `grid_min_rounding`) one by one; `--kernel nvfp4_amax`: NVFP4
 row + Hadamard col with its global amaxes, by the separate amax kernel against the amax taken
 inside the quantize launch (GPU only); `--kernel nvfp4_nan_clamp`: NVFP4 row + Hadamard col,
-the default against `clamp_clears_nan_blocks` (stop 53); `--kernel nvfp4_weight`: NVFP4 16×16 weight blocks
-row+col, the default (compact block amaxes, preloaded per tile) against per-line copies of
-them and per-group loads; earlier variants (unrolled lean blocks, float stochastic rounding,
-steps_per_cta=4) are in docs/benchmarks.md; written to OUT_DIR/quantize_ab_KERNEL.{json,md}.
+the default against `clamp_clears_nan_blocks` (stop 53); `--kernel nvfp4_weight`: NVFP4 16×16
+weight blocks row+col, the default (compact block amaxes, preloaded per tile) against
+per-line copies of them and per-group loads; earlier variants (unrolled lean blocks, float
+stochastic rounding, steps_per_cta=4) are in docs/benchmarks.md; written to
+OUT_DIR/quantize_ab_KERNEL.{json,md}.
 
 For bf16 inputs of each shape, the candidates are the first kernel's exact arithmetic
 (`lean_arithmetic=False`, the baseline), each variant (`split_copies`, `lean_arithmetic` (now
