@@ -585,7 +585,7 @@ def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, sm
     args = (lhs8, lhs_scale, rhs8, rhs_scale, group_sizes)
     candidates = {
         "ours grouped_matmul_wgrad, 1x128 block scales": (ours, [args]),
-        "now: both dequantized to bf16 + our 16-bit wgrad kernel": (
+        "dequantized to bf16 + our 16-bit wgrad (before stop 53)": (
             jax.jit(dequantized_then_16_bit_kernel),
             [args],
         ),

@@ -383,14 +383,15 @@ def gemm_kernels_enabled() -> bool:
 # (tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py), the layer test under "pallas"
 # (test_gemm_kernels.py::test_dense_fp8_block_on_the_kernel_gpu), and 1.10-1.15x the
 # path it replaces at 8192³ (722-744 vs 648-658 TFLOP/s; cuBLASLt 854), so "auto" takes it.
-# Awaiting its gpu tests and timing (built in stop 51, interpreter and H200 cross-lowering
-# only): the grouped (MoE) block-FP8 wgrad on the FP8 wgrad kernel with 1×128 token-block
-# scales on both copies ("fp8_block_grouped_wgrad"; until then both copies are dequantized
-# to bf16 for the 16-bit wgrad kernel).
+# Also verified, stop 53 (an H100, 2026-12-05): the grouped (MoE) block-FP8 wgrad on the FP8
+# wgrad kernel with 1×128 token-block scales on both copies ("fp8_block_grouped_wgrad", built
+# in stop 51; before it both copies were dequantized to bf16 for the 16-bit wgrad kernel):
+# every element equal to one cuBLASLt two-1×128 GEMM per expert
+# (test_block_fp8_vs_cublas_gpu.py), the layer test, and 1.05x the path it replaces (G8
+# balanced, 609 vs 581 TFLOP/s; cuBLASLt per expert 769), so "auto" takes it.
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
-    "fp8_block_grouped_wgrad",
 }
 
 

@@ -204,7 +204,8 @@ class NVFP4QuantizeConfig(qc.TileConfig):
         writes first (two (lines, blocks) arrays, 16 MiB each for an 8192² weight). The same
         words, so the same bits. The interpreter cannot run the inline address arithmetic and
         always reads the per-line copies (False does too on the hardware).
-      clamp_clears_nan_blocks (stop 53, not yet timed on a GPU: off): nearest rounding by grid
+      clamp_clears_nan_blocks (stop 53, off: 0.998x the default on an H100, in alternation;
+        the same bits there, docs/benchmarks.md; not yet timed on an H200): nearest rounding by grid
         minima with the float sign test (the defaults) clamps |x·enc| at a per-block limit, 6
         or, in a block whose amax is NaN, 0, by a clamp that gives a NaN its limit (PTX
         `min.f32`, `qc.min_ignoring_nan`), so such a block's NaN products get code 0 and its

@@ -749,7 +749,7 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd block FP8", "ours grouped_matmul_fp8_block (default)"),
         ("G2 small fwd block FP8", "XLA dense FP8, no block scales (same flops)"),
         ("G2 small wgrad block FP8", "ours grouped_matmul_wgrad, 1x128 block scales"),
-        ("G2 small wgrad block FP8", "now: both dequantized to bf16 + our 16-bit wgrad kernel"),
+        ("G2 small wgrad block FP8", "dequantized to bf16 + our 16-bit wgrad (before stop 53)"),
         ("G2 small wgrad block FP8", "XLA dense FP8, no block scales (same flops)"),
         ("dense 128^3 bf16", "ours dense_matmul bf16 (default)"),
         ("dense 128^3 bf16", "XLA dense bf16"),

@@ -122,13 +122,12 @@ GROUPED_KERNELS = {
         jq.Float8CurrentScaling(),
         ["grouped_fp8_gemm", "grouped_fp8_gemm", "grouped_wgrad_gemm"],
     ),
-    # wgrad: on the FP8 wgrad kernel with 1×128 token-block scales under "pallas" (the opt-in
-    # path "fp8_block_grouped_wgrad", stop 51, awaiting its GPU run); on the GPU ("auto") the
-    # 16-bit kernel on the two dequantized copies until then.
+    # wgrad: on the FP8 wgrad kernel with 1×128 token-block scales (the path
+    # "fp8_block_grouped_wgrad": built in stop 51, verified on an H100 in stop 53, taken by
+    # "auto" since).
     "fp8_block": (
         jq.Float8BlockScaling(),
-        ["grouped_fp8_block_gemm"] * 2
-        + (["grouped_wgrad_gemm"] if ON_GPU else ["grouped_fp8_block_wgrad_gemm"]),
+        ["grouped_fp8_block_gemm"] * 2 + ["grouped_fp8_block_wgrad_gemm"],
     ),
     # no native kernel. Under gemm_backend("pallas") (the interpreter here), which takes the
     # paths awaiting GPU verification: fprop and dgrad with the weights dequantized in the GEMM
@@ -156,8 +155,6 @@ GROUPED_KERNELS = {
 
 def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="auto"):
     recipe, expected = GROUPED_KERNELS[name]
-    if gpu_backend == "pallas" and name == "fp8_block":  # the opt-in wgrad path, compiled
-        expected = ["grouped_fp8_block_gemm"] * 2 + ["grouped_fp8_block_wgrad_gemm"]
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     groups = len(group_sizes)
     x = jax.random.normal(kx, (rows, features), jnp.bfloat16)
@@ -210,7 +207,8 @@ def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
 
 @pytest.mark.gpu
 def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
-    # The opt-in path "fp8_block_grouped_wgrad" compiled (stop 51: not yet run on a GPU).
+    # The block-FP8 wgrad kernel ("fp8_block_grouped_wgrad") under "pallas" too (stop 53:
+    # passed on an H100 while the path was opt-in, before "auto" took it).
     _grouped_case(monkeypatch, "fp8_block", 4096, 1024, [1000, 0, 1700, 1], gpu_backend="pallas")
 
 

@@ -119,9 +119,10 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
 
 
 def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
-    # The MoE wgrad of block FP8 (stop 51's opt-in path "fp8_block_grouped_wgrad"): each
-    # expert's dW is TE's cuBLASLt GEMM of its tokens' two 1x128 copies. The layer aligns every
-    # group to 128 tokens, so each group's scale blocks are its own (an empty group included).
+    # The MoE wgrad of block FP8 (the path "fp8_block_grouped_wgrad", the default since stop
+    # 53): each expert's dW is TE's cuBLASLt GEMM of its tokens' two 1x128 copies. The layer
+    # aligns every group to 128 tokens, so each group's scale blocks are its own (an empty
+    # group included).
     torch = _torch_or_skip()
     sizes, k, n = [1024, 0, 384, 640], 512, 768
     lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, sum(sizes), 4, seed=13)
