@@ -97,7 +97,8 @@ elif [[ $STAGE == quantize ]]; then
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
   # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (stop 51's grouped block-FP8 wgrad on the FP8 kernel, "fp8_block_grouped_wgrad", verified and the default since stop 53):
+  # (stop 51's grouped block-FP8 wgrad on the FP8 kernel, "fp8_block_grouped_wgrad",
+  # verified and the default since stop 53: the defaults now re-check it):
   # its gpu tests (bits against cuBLASLt per expert, the layer under "pallas"), then
   # peers_ab's case groups ($PENDING_PEERS), ptxas resources ($PENDING_RESOURCES, e.g.
   # "weights in registers"), quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
