@@ -96,12 +96,17 @@ for the run's clocks) are timed batch by batch in alternation
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
   the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing). Balanced and
-  skewed G8 shapes.
+  skewed G8 shapes;
+* ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
+  kernel with its block scales, the default since stop 53) under pipeline depths and grid
+  orders around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
+  accumulator of 128 x 64 per consumer fill the register budget), G8 balanced (whole
+  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
-                    wgrad]
+                    wgrad|fp8_block_wgrad]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -151,6 +156,7 @@ from pallas_kernels.grouped_matmul_mx_weights import (
 )
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
     grouped_matmul_wgrad,
 )
@@ -500,6 +506,7 @@ VARIANT_SETS = {
     "wide_three_consumers": wide_three_consumer_variants,  # bf16 and FP8 rowwise
     "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
+    "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
 
@@ -669,6 +676,66 @@ def wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
         candidates["XLA dense bf16"] = xla_dense_yardstick(sets)
         run_case(f"{shape} wgrad bf16", 2 * m * k * n, candidates)
         del sets, token_major, k_major, candidates
+
+
+def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
+    """name -> config: the default first (the others are compared with it), then pipeline
+    depths (5 stages with two epilogue buffers is the most the shared memory holds; 6 with
+    one) and grid orders."""
+    default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    steps = {
+        "3 stages": dict(max_concurrent_steps=3),
+        "5 stages": dict(max_concurrent_steps=5),
+        "6 stages, 1 epilogue buffer": dict(max_concurrent_steps=6, epilogue_buffers=1),
+        "grid minor 0": dict(grid_minor_dim=0),
+        "grid width 1": dict(grid_tile_width=1),
+        "grid width 8": dict(grid_tile_width=8),
+    }
+    variants = {"default (4 stages, grid minor 1, width 4)": default}
+    variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
+    return variants
+
+
+def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
+    """Block FP8's MoE wgrad variants on each shape (`tiny`: config fields for the
+    interpreter): dW[g] = x_gᵀ dy_g from the columnwise copies (K, M) and (N, M) with their
+    1x128 token-block scales, as the layer calls the kernel."""
+    from benchmarks.peers_ab import block_fp8_operands
+
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        del g
+        lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, m, 4, seed=13)
+        rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)
+        args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T, jnp.asarray(sizes))
+        candidates = {}
+        for name, config in fp8_block_wgrad_variants().items():
+            config = dataclasses.replace(config, **tiny) if tiny else config
+            candidates[name] = (
+                jax.jit(
+                    lambda a, sa, b, sb, s, c=config: grouped_matmul_wgrad(
+                        a,
+                        b,
+                        s,
+                        lhs_block_scale=sa,
+                        rhs_block_scale=sb,
+                        out_dtype=jnp.bfloat16,
+                        config=c,
+                        interpret=interpret,
+                    )
+                ),
+                [args],
+            )
+        # (K, M) · (N, M)ᵀ over the tokens: the same flops without block scales.
+        candidates["XLA dense FP8"] = (
+            jax.jit(
+                lambda a, b: jax.lax.dot_general(
+                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
+                )
+            ),
+            [(lhs8, rhs8)],
+        )
+        run_case(f"{shape} wgrad block FP8", 2 * m * k * n, candidates)
+        del candidates, args
 
 
 def weights_in_registers_variants(small: bool) -> dict[str, dict]:
@@ -872,6 +939,14 @@ def main(
         if small:
             shapes = {"G8 balanced": (2, 256, 128, 128, [100, 156])}
         weights_cases(run_case, shapes, small)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "fp8_block_wgrad":
+        tiny_block = None
+        shapes = {"G8 balanced": shapes["G8 balanced"]}
+        if small:  # two 128-token groups, 128 x 128 CTA tiles
+            shapes = {"G8 balanced": (2, 256, 128, 128, [128, 128])}
+            tiny_block = dict(num_sms=2, grid_tile_width=1)
+        fp8_block_wgrad_cases(run_case, shapes, interpret, tiny_block)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None

@@ -96,6 +96,18 @@ def test_grouped_ab_cluster_m_runs_small(tmp_path):
     assert all(r["same_bits"] for r in rows if not r["variant"].startswith("XLA"))
 
 
+def test_grouped_ab_fp8_block_wgrad_runs_small(tmp_path):
+    # Block FP8's MoE wgrad under every pipeline depth and grid order of the sweep, in the
+    # interpreter: the default's bits from each before any is timed.
+    from benchmarks import grouped_ab
+
+    grouped_ab.main(str(tmp_path), small=True, variants="fp8_block_wgrad")
+    rows = json.loads((tmp_path / "grouped_ab_fp8_block_wgrad.json").read_text())
+    kernels = [r for r in rows if not r["variant"].startswith("XLA")]
+    assert {r["variant"] for r in kernels} == set(grouped_ab.fp8_block_wgrad_variants())
+    assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
+
+
 def test_grouped_ab_weights_in_registers_runs_small(tmp_path):
     # The MXFP8 / NVFP4 in-register kernels' variants in the interpreter: every group runs,
     # and NVFP4's decodes and tiles give the same f32 bits (the interpreter's wgmma is one dot
