@@ -684,14 +684,14 @@ def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
     one) and grid orders."""
     default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
     steps = {
-        "3 stages": dict(max_concurrent_steps=3),
+        "4 stages (stop 51's default)": dict(max_concurrent_steps=4),
         "5 stages": dict(max_concurrent_steps=5),
         "6 stages, 1 epilogue buffer": dict(max_concurrent_steps=6, epilogue_buffers=1),
         "grid minor 0": dict(grid_minor_dim=0),
         "grid width 1": dict(grid_tile_width=1),
         "grid width 8": dict(grid_tile_width=8),
     }
-    variants = {"default (4 stages, grid minor 1, width 4)": default}
+    variants = {"default (3 stages, grid minor 1, width 4)": default}
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 

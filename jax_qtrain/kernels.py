@@ -387,8 +387,9 @@ def gemm_kernels_enabled() -> bool:
 # wgrad kernel with 1×128 token-block scales on both copies ("fp8_block_grouped_wgrad", built
 # in stop 51; before it both copies were dequantized to bf16 for the 16-bit wgrad kernel):
 # every element equal to one cuBLASLt two-1×128 GEMM per expert
-# (test_block_fp8_vs_cublas_gpu.py), the layer test, and 1.05x the path it replaces (G8
-# balanced, 609 vs 581 TFLOP/s; cuBLASLt per expert 769), so "auto" takes it.
+# (test_block_fp8_vs_cublas_gpu.py), the layer test, and with its 3-stage default 1.34x the
+# path it replaces (G8 balanced, 759 vs 568 TFLOP/s; cuBLASLt per expert 750, same call), so
+# "auto" takes it.
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
