@@ -101,12 +101,17 @@ for the run's clocks) are timed batch by batch in alternation
   kernel with its block scales, the default since stop 53) under pipeline depths and grid
   orders around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
   accumulator of 128 x 64 per consumer fill the register budget), G8 balanced (whole
-  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick.
+  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick;
+* ``dense_fp8_block_wgrad``: the dense layers' block-FP8 wgrad (`dense_matmul_fp8_block(...,
+  rhs_block_rows=1)`, 1x128 blocks on both operands, 8192³) under pipeline depths, without
+  the persistent pipeline or the streamed lhs scales, and on the two-consumer tile, around
+  the config the entry point picks (stop 53 found the grouped wgrad's 4 stages 1.25x slower
+  than 3: does this one have such a spot?).
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
-                    wgrad|fp8_block_wgrad]
+                    wgrad|fp8_block_wgrad|dense_fp8_block_wgrad]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -143,6 +148,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
     DEFAULT_FP8_BLOCK_CONFIG,
     DEFAULT_FP8_CONFIG,
+    TWO_CONSUMER_FP8_BLOCK_CONFIG,
     GroupedMatmulConfig,
     fit_fp8_block_config,
     fp8_block_default_config,
@@ -507,6 +513,7 @@ VARIANT_SETS = {
     "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
     "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
+    "dense_fp8_block_wgrad": None,  # the dense layers' block-FP8 wgrad: see dense_fp8_block_...
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
 
@@ -738,6 +745,74 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
         del candidates, args
 
 
+def dense_fp8_block_wgrad_variants(k: int, small: bool) -> dict[str, GroupedMatmulConfig]:
+    """name -> config of `dense_matmul_fp8_block(..., rhs_block_rows=1)` for contraction size
+    `k`: the entry point's own pick first, then one change each (a variant that does not fit
+    shared memory is reported by `run_case`, not timed). `small`: the interpreter's tiny
+    two-consumer tile and its stage counts only."""
+    default = fp8_block_default_config(
+        k, jnp.bfloat16, persistent_pipeline=True, stream_lhs_scales=True, rhs_block_rows=1
+    )
+    if small:
+        default = dataclasses.replace(
+            TWO_CONSUMER_FP8_BLOCK_CONFIG, tile_m=64, tile_n=128, num_sms=2, grid_tile_width=1
+        )
+    variants = {f"default ({default.max_concurrent_steps} stages)": default}
+    for steps in (2, 3, 4, 5):
+        if steps != default.max_concurrent_steps:
+            # The persistent pipeline needs whole rounds of stages over the K steps.
+            persistent = default.persistent_pipeline and (k // 128) % steps == 0
+            variants[f"{steps} stages"] = dataclasses.replace(
+                default, max_concurrent_steps=steps, persistent_pipeline=persistent
+            )
+    if small:
+        return variants
+    variants["no persistent pipeline"] = dataclasses.replace(default, persistent_pipeline=False)
+    variants["lhs scales prefetched per tile"] = fp8_block_default_config(
+        k, jnp.bfloat16, persistent_pipeline=True, rhs_block_rows=1
+    )
+    variants["two consumers (64 x (2 x 128))"] = fp8_block_default_config(
+        k, jnp.bfloat16, persistent_pipeline=True, num_consumers=2, rhs_block_rows=1
+    )
+    return variants
+
+
+def dense_fp8_block_wgrad_cases(run_case, size: int, small: bool) -> None:
+    """The dense block-FP8 wgrad variants on size³ operands: lhs (M, K) and rhs (N, K) FP8,
+    both with 1x128 block scales along K (the tokens of a layer's two columnwise copies)."""
+    from benchmarks.peers_ab import block_fp8_operands
+
+    lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(size, size, size)
+    rhs_scale = block_fp8_operands(size, size, 4, seed=12)[1].T  # (N, K/128)
+    args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
+    candidates = {}
+    for name, config in dense_fp8_block_wgrad_variants(size, small).items():
+        candidates[name] = (
+            jax.jit(
+                lambda a, sa, b, sb, c=config: dense_matmul_fp8_block(
+                    a,
+                    sa,
+                    b,
+                    sb,
+                    config=c,
+                    interpret=small,
+                    lhs_scale_k_major=True,
+                    rhs_block_rows=1,
+                )
+            ),
+            [args],
+        )
+    candidates["XLA dense FP8"] = (
+        jax.jit(
+            lambda a, b: jax.lax.dot_general(
+                a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
+            )
+        ),
+        [(lhs8, rhs8)],
+    )
+    run_case(f"dense {size}^3 wgrad block FP8", 2 * size**3, candidates)
+
+
 def weights_in_registers_variants(small: bool) -> dict[str, dict]:
     """name -> (format, out dtype, kernel keywords) of the `weights_in_registers` set; the
     first of each (format, out dtype) is the kernel's default, which the others' bits are
@@ -939,6 +1014,9 @@ def main(
         if small:
             shapes = {"G8 balanced": (2, 256, 128, 128, [100, 156])}
         weights_cases(run_case, shapes, small)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "dense_fp8_block_wgrad":
+        dense_fp8_block_wgrad_cases(run_case, 256 if small else DENSE_SIZE, small)
         return _report(out_dir, variants, rows, rounds)
     if variants == "fp8_block_wgrad":
         tiny_block = None

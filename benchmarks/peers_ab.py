@@ -551,7 +551,7 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
 def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, small: bool):
     """(candidates, relative differences) of block FP8's MoE wgrad, dW[g] = x_gᵀ dy_g from the
     two columnwise copies in 1x128 token blocks: our FP8 wgrad kernel with the block scales
-    (stop 51's opt-in path) against the path the library takes now (both copies dequantized
+    (the library's path since stop 53) against the path before it (both copies dequantized
     to bf16, exactly, then our 16-bit wgrad kernel), one cuBLASLt two-1x128 GEMM per expert
     (TE's wgrad on Hopper; each expert's token slices copied out once, outside the timing) and
     XLA's dense FP8 GEMM of the same flops."""
