@@ -126,10 +126,9 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128, tile_n=128, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
 )
 # Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
-# each a thread); one 128-token scale block a step. Not yet timed on a GPU (stop 51).
-# Block FP8 (1x128 token blocks): 3 stages, from stop 53's sweep on an H100 (`grouped_ab
-# --variants fp8_block_wgrad`, G8 balanced, in alternation, two calls): 807 / 810 TFLOP/s
-# against 647 / 664 with 4 stages, 800 / 802 with 5, the same bits.
+# each a thread); one 128-token scale block a step. 3 stages, from stop 53's sweep on an H100
+# (`grouped_ab --variants fp8_block_wgrad`, G8 balanced, in alternation, two calls): 807 / 810
+# TFLOP/s against 647 / 664 with stop 51's 4 stages, 800 / 802 with 5, the same bits.
 DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
 )

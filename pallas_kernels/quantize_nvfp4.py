@@ -702,7 +702,7 @@ def quantize_block_lines(
         grid_code = e2m1_nearest_grid_min(p, layout, on_hardware=on_hardware, limits=limits)
         if float_sign:
             # 2^23 + code + 8 where negative, exactly: its bits are 0x4B000000 + the signed
-            # code, whose bits above the nibble packing drops (`packed & keep` below).
+            # code, whose bits above the nibble the packing drops (the byte conversion below).
             signed_code = qc.scale_add(
                 negative_unit, 8.0, grid_code, layout, on_hardware=on_hardware
             )
