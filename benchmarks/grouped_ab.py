@@ -707,7 +707,7 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
     """Block FP8's MoE wgrad variants on each shape (`tiny`: config fields for the
     interpreter): dW[g] = x_gᵀ dy_g from the columnwise copies (K, M) and (N, M) with their
     1x128 token-block scales, as the layer calls the kernel."""
-    from benchmarks.peers_ab import block_fp8_operands
+    from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         del g
@@ -733,14 +733,7 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
                 [args],
             )
         # (K, M) · (N, M)ᵀ over the tokens: the same flops without block scales.
-        candidates["XLA dense FP8"] = (
-            jax.jit(
-                lambda a, b: jax.lax.dot_general(
-                    a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
-                )
-            ),
-            [(lhs8, rhs8)],
-        )
+        candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
         run_case(f"{shape} wgrad block FP8", 2 * m * k * n, candidates)
         del candidates, args
 
@@ -780,7 +773,7 @@ def dense_fp8_block_wgrad_variants(k: int, small: bool) -> dict[str, GroupedMatm
 def dense_fp8_block_wgrad_cases(run_case, size: int, small: bool) -> None:
     """The dense block-FP8 wgrad variants on size³ operands: lhs (M, K) and rhs (N, K) FP8,
     both with 1x128 block scales along K (the tokens of a layer's two columnwise copies)."""
-    from benchmarks.peers_ab import block_fp8_operands
+    from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
 
     lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(size, size, size)
     rhs_scale = block_fp8_operands(size, size, 4, seed=12)[1].T  # (N, K/128)
@@ -802,14 +795,7 @@ def dense_fp8_block_wgrad_cases(run_case, size: int, small: bool) -> None:
             ),
             [args],
         )
-    candidates["XLA dense FP8"] = (
-        jax.jit(
-            lambda a, b: jax.lax.dot_general(
-                a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
-            )
-        ),
-        [(lhs8, rhs8)],
-    )
+    candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
     run_case(f"dense {size}^3 wgrad block FP8", 2 * size**3, candidates)
 
 
