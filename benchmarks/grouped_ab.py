@@ -102,16 +102,17 @@ for the run's clocks) are timed batch by batch in alternation
   orders around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
   accumulator of 128 x 64 per consumer fill the register budget), G8 balanced (whole
   128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick;
-* ``dense_fp8_block_wgrad``: the dense layers' block-FP8 wgrad (`dense_matmul_fp8_block(...,
-  rhs_block_rows=1)`, 1x128 blocks on both operands, 8192³) under pipeline depths, without
+* ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
+  as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
+  wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
   the persistent pipeline or the streamed lhs scales, and on the two-consumer tile, around
   the config the entry point picks (stop 53 found the grouped wgrad's 4 stages 1.25x slower
-  than 3: does this one have such a spot?).
+  than 3: do these have such a spot?).
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
-                    wgrad|fp8_block_wgrad|dense_fp8_block_wgrad]
+                    wgrad|fp8_block_wgrad|dense_fp8_block_stages]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -513,7 +514,7 @@ VARIANT_SETS = {
     "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
     "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
-    "dense_fp8_block_wgrad": None,  # the dense layers' block-FP8 wgrad: see dense_fp8_block_...
+    "dense_fp8_block_stages": None,  # dense block FP8, fwd and wgrad: see dense_fp8_block_...
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
 
@@ -738,13 +739,16 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
         del candidates, args
 
 
-def dense_fp8_block_wgrad_variants(k: int, small: bool) -> dict[str, GroupedMatmulConfig]:
-    """name -> config of `dense_matmul_fp8_block(..., rhs_block_rows=1)` for contraction size
-    `k`: the entry point's own pick first, then one change each (a variant that does not fit
-    shared memory is reported by `run_case`, not timed). `small`: the interpreter's tiny
-    two-consumer tile and its stage counts only."""
+def dense_fp8_block_variants(
+    k: int, rhs_block_rows: int, small: bool
+) -> dict[str, GroupedMatmulConfig]:
+    """name -> config of `dense_matmul_fp8_block(..., rhs_block_rows=rhs_block_rows)` for
+    contraction size `k`: the entry point's own pick first, then one change each (a variant
+    that does not fit shared memory is reported by `run_case`, not timed). `small`: the
+    interpreter's tiny two-consumer tile and its stage counts only."""
+    blocks = dict(rhs_block_rows=rhs_block_rows)
     default = fp8_block_default_config(
-        k, jnp.bfloat16, persistent_pipeline=True, stream_lhs_scales=True, rhs_block_rows=1
+        k, jnp.bfloat16, persistent_pipeline=True, stream_lhs_scales=True, **blocks
     )
     if small:
         default = dataclasses.replace(
@@ -762,41 +766,46 @@ def dense_fp8_block_wgrad_variants(k: int, small: bool) -> dict[str, GroupedMatm
         return variants
     variants["no persistent pipeline"] = dataclasses.replace(default, persistent_pipeline=False)
     variants["lhs scales prefetched per tile"] = fp8_block_default_config(
-        k, jnp.bfloat16, persistent_pipeline=True, rhs_block_rows=1
+        k, jnp.bfloat16, persistent_pipeline=True, **blocks
     )
     variants["two consumers (64 x (2 x 128))"] = fp8_block_default_config(
-        k, jnp.bfloat16, persistent_pipeline=True, num_consumers=2, rhs_block_rows=1
+        k, jnp.bfloat16, persistent_pipeline=True, num_consumers=2, **blocks
     )
     return variants
 
 
-def dense_fp8_block_wgrad_cases(run_case, size: int, small: bool) -> None:
-    """The dense block-FP8 wgrad variants on size³ operands: lhs (M, K) and rhs (N, K) FP8,
-    both with 1x128 block scales along K (the tokens of a layer's two columnwise copies)."""
+def dense_fp8_block_cases(run_case, size: int, small: bool) -> None:
+    """The dense block-FP8 variants on size³ operands, lhs (M, K) FP8 with 1x128 scales: the
+    forward (rhs (N, K) in 128x128 blocks) and the layers' wgrad (rhs in 1x128 blocks along
+    K: the tokens of a layer's two columnwise copies)."""
     from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
 
-    lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(size, size, size)
-    rhs_scale = block_fp8_operands(size, size, 4, seed=12)[1].T  # (N, K/128)
-    args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
-    candidates = {}
-    for name, config in dense_fp8_block_wgrad_variants(size, small).items():
-        candidates[name] = (
-            jax.jit(
-                lambda a, sa, b, sb, c=config: dense_matmul_fp8_block(
-                    a,
-                    sa,
-                    b,
-                    sb,
-                    config=c,
-                    interpret=small,
-                    lhs_scale_k_major=True,
-                    rhs_block_rows=1,
-                )
-            ),
-            [args],
-        )
-    candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
-    run_case(f"dense {size}^3 wgrad block FP8", 2 * size**3, candidates)
+    lhs8, lhs_scale_k_major, rhs8, weight_scale = block_fp8_operands(size, size, size)
+    token_scale = block_fp8_operands(size, size, 4, seed=12)[1].T  # (N, K/128)
+    for case, rhs_block_rows, rhs_scale in (
+        ("fwd", 128, weight_scale),
+        ("wgrad", 1, token_scale),
+    ):
+        args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
+        candidates = {}
+        for name, config in dense_fp8_block_variants(size, rhs_block_rows, small).items():
+            candidates[name] = (
+                jax.jit(
+                    lambda a, sa, b, sb, c=config, r=rhs_block_rows: dense_matmul_fp8_block(
+                        a,
+                        sa,
+                        b,
+                        sb,
+                        config=c,
+                        interpret=small,
+                        lhs_scale_k_major=True,
+                        rhs_block_rows=r,
+                    )
+                ),
+                [args],
+            )
+        candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
+        run_case(f"dense {size}^3 {case} block FP8", 2 * size**3, candidates)
 
 
 def weights_in_registers_variants(small: bool) -> dict[str, dict]:
@@ -1001,8 +1010,8 @@ def main(
             shapes = {"G8 balanced": (2, 256, 128, 128, [100, 156])}
         weights_cases(run_case, shapes, small)
         return _report(out_dir, variants, rows, rounds)
-    if variants == "dense_fp8_block_wgrad":
-        dense_fp8_block_wgrad_cases(run_case, 256 if small else DENSE_SIZE, small)
+    if variants == "dense_fp8_block_stages":
+        dense_fp8_block_cases(run_case, 256 if small else DENSE_SIZE, small)
         return _report(out_dir, variants, rows, rounds)
     if variants == "fp8_block_wgrad":
         tiny_block = None

@@ -108,15 +108,18 @@ def test_grouped_ab_fp8_block_wgrad_runs_small(tmp_path):
     assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
 
 
-def test_grouped_ab_dense_fp8_block_wgrad_runs_small(tmp_path):
-    # The dense block-FP8 wgrad (1x128 blocks on both operands) under its stage counts, in the
-    # interpreter: the default's bits from each that fits (5 stages cannot, with 2 K steps).
+def test_grouped_ab_dense_fp8_block_stages_runs_small(tmp_path):
+    # The dense block-FP8 GEMM, forward (128x128 rhs blocks) and wgrad (1x128 blocks on both
+    # operands), under its stage counts in the interpreter: the default's bits from each that
+    # fits (5 stages cannot, with 2 K steps).
     from benchmarks import grouped_ab
 
-    grouped_ab.main(str(tmp_path), small=True, variants="dense_fp8_block_wgrad")
-    rows = json.loads((tmp_path / "grouped_ab_dense_fp8_block_wgrad.json").read_text())
+    grouped_ab.main(str(tmp_path), small=True, variants="dense_fp8_block_stages")
+    rows = json.loads((tmp_path / "grouped_ab_dense_fp8_block_stages.json").read_text())
     timed = [r for r in rows if r["ms"] is not None and not r["variant"].startswith("XLA")]
-    assert {r["variant"] for r in timed} == {"default (4 stages)", "2 stages", "3 stages"}
+    for case in ("dense 256^3 fwd block FP8", "dense 256^3 wgrad block FP8"):
+        variants = {r["variant"] for r in timed if r["case"] == case}
+        assert variants == {"default (4 stages)", "2 stages", "3 stages"}, case
     assert all(r["same_bits"] for r in timed)
 
 
