@@ -107,7 +107,7 @@ for the run's clocks) are timed batch by batch in alternation
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
   the persistent pipeline or the streamed lhs scales, and on the two-consumer tile, around
   the config the entry point picks (stop 53 found the grouped wgrad's 4 stages 1.25x slower
-  than 3: do these have such a spot?).
+  than 3: do these have such a spot?); the wgrad also on the MoE wgrad kernel with one group.
 
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
@@ -803,6 +803,28 @@ def dense_fp8_block_cases(run_case, size: int, small: bool) -> None:
                     )
                 ),
                 [args],
+            )
+        if case == "wgrad":
+            # The MoE wgrad kernel on one group of every token: the same chunk-by-chunk
+            # promotion (both give cuBLASLt's bits), on its own 128 x (2 x 64) tiles, which
+            # stop 53 tuned to 807 TFLOP/s at G8 (H100) while this GEMM's layers path gave
+            # 722-744 against cuBLASLt's 854 (stop 51).
+            tiny = dict(num_sms=2, grid_tile_width=1) if small else {}
+            wgrad_config = dataclasses.replace(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, **tiny)
+            candidates["MoE wgrad kernel, one group"] = (
+                jax.jit(
+                    lambda a, sa, b, sb, c=wgrad_config: grouped_matmul_wgrad(
+                        a,
+                        b,
+                        jnp.full((1,), a.shape[1], jnp.int32),
+                        lhs_block_scale=sa,
+                        rhs_block_scale=sb,
+                        out_dtype=jnp.bfloat16,
+                        config=c,
+                        interpret=small,
+                    )[0]
+                ),
+                [(lhs8, lhs_scale_k_major.T, rhs8, rhs_scale)],
             )
         candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
         run_case(f"dense {size}^3 {case} block FP8", 2 * size**3, candidates)
