@@ -390,9 +390,16 @@ def gemm_kernels_enabled() -> bool:
 # (test_block_fp8_vs_cublas_gpu.py), the layer test, and with its 3-stage default 1.34x the
 # path it replaces (G8 balanced, 759 vs 568 TFLOP/s; cuBLASLt per expert 750, same call), so
 # "auto" takes it.
+# Awaiting its timing, stop 54: the dense layers' block-FP8 wgrad on the MoE wgrad kernel
+# with one group of every token ("fp8_block_wgrad_grouped_kernel"), whose 128 x (2 x 64)
+# tiles stop 53 tuned to 807 TFLOP/s (G8, H100), while the FP8 kernel's 1×128-rhs path gave
+# 722-744 at 8192³ against cuBLASLt's 854 (stop 51). Both promote per 128-token chunk in the
+# same order: the interpreter gives the same bits (benchmarks/grouped_ab.py
+# --variants dense_fp8_block_stages times the two side by side).
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
+    "fp8_block_wgrad_grouped_kernel",
 }
 
 
@@ -474,6 +481,15 @@ def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
         rhs_block_scale=rhs_scale,
         out_dtype=jnp.float32,
     )
+
+
+def dense_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale):
+    """float32 (K, N) block-FP8 wgrad lhs · rhsᵀ on the MoE wgrad kernel with one group of
+    every token: lhs (K, M) and rhs (N, M) FP8 token-contiguous copies in 1×128 token blocks
+    with scales (K, M/128) and (N, M/128)."""
+    tokens = jnp.full((1,), lhs.shape[1], jnp.int32)
+    out = grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, tokens)
+    return None if out is None else out[0]
 
 
 def grouped_half_gemm(

@@ -93,7 +93,8 @@ def lhs_scale_layout(recipe, role: str, shape2d: tuple[int, int], dtype) -> str:
 def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Array | None:
     """The Pallas block-FP8 GEMM (DeepSeek-V3 style: FP8 wgmma, float32 promotion every 128 of
     K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad), or two 1×128-blocked
-    copies (wgrad: the path "fp8_block_wgrad"); None where it does not apply."""
+    copies (wgrad: the path "fp8_block_wgrad", or "fp8_block_wgrad_grouped_kernel" on the MoE
+    wgrad kernel with one group); None where it does not apply."""
     if a.spec.block_shape != (1, 128):
         return None
     if b.spec.block_shape == (128, 128):
@@ -104,6 +105,12 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
         return None
     b_data, b_scale_inv, _ = _copy(b, b_usage)
     a_data = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
+    if rhs_block_rows == 1 and kernels.gemm_path_enabled("fp8_block_wgrad_grouped_kernel"):
+        out = kernels.dense_fp8_block_wgrad_gemm(
+            a_data[:rows], a.line_scale_inv(a_usage)[:rows], b_data, b_scale_inv
+        )
+        if out is not None:
+            return out[:, :cols]
     if a.scale_layout == "tiles" and a_data.shape[0] == rows:
         # (K/128, rows, 1): each K block's scales for consecutive rows, the order the kernel
         # reads, so neither the quantize kernel nor this GEMM rearranges them.

@@ -79,7 +79,7 @@ def test_gemm_backend_setting():
             pass
 
 
-def _dense_case(monkeypatch, shape):
+def _dense_case(monkeypatch, shape, gpu_backend="auto"):
     m, k, n = shape
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (m, k), jnp.float32)
@@ -89,11 +89,16 @@ def _dense_case(monkeypatch, shape):
     with kernels.gemm_backend("reference"):
         want = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
     calls = count_calls(monkeypatch, "dense_fp8_block_gemm")
-    with kernel_gemms():
+    wgrad_calls = count_calls(monkeypatch, "dense_fp8_block_wgrad_gemm")
+    with kernel_gemms(gpu_backend):
         got = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
+        on_grouped_kernel = kernels.gemm_path_enabled("fp8_block_wgrad_grouped_kernel")
     # fprop, dgrad and wgrad (two 1×128 copies, rhs_block_rows=1: the path "fp8_block_wgrad",
-    # the default since stop 51; before it XLA's GEMM of their dequantized values)
-    assert calls == [True, True, True]
+    # the default since stop 51; before it XLA's GEMM of their dequantized values), the wgrad
+    # on the MoE wgrad kernel with one group where "fp8_block_wgrad_grouped_kernel" is on
+    # (opt-in: "pallas" only, and the interpreter here).
+    assert calls == [True, True] + ([] if on_grouped_kernel else [True])
+    assert wgrad_calls == ([True] if on_grouped_kernel else [])
     # Hopper's FP8 wgmma accumulates with fewer bits than float32 between the kernel's
     # promotions every 128 of K: 1.3e-4 of the norm on the H200 (2026-11-29), as
     # tests/pallas_kernels/test_grouped_matmul_gpu.py bounds the kernel itself (1e-3).
@@ -105,9 +110,43 @@ def test_dense_fp8_block_on_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch):
+@pytest.mark.parametrize("gpu_backend", ["auto", "pallas"])
+def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch, gpu_backend):
     # 1000 tokens: wgrad's copies are padded to 1024 along its K.
-    _dense_case(monkeypatch, (1000, 1024, 768))
+    _dense_case(monkeypatch, (1000, 1024, 768), gpu_backend)
+
+
+def _dense_wgrad_on_either_kernel(monkeypatch, shape):
+    # The block-FP8 wgrad on the FP8 kernel (rhs_block_rows=1) and on the MoE wgrad kernel
+    # with one group promote the same 128-token chunks in the same order: the same dW bits.
+    m, k, n = shape
+    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
+    dy = jax.random.normal(kg, (m, n), jnp.float32)
+    recipe = jq.Float8BlockScaling()
+    dw = {}
+    for wgrad_kernel in ("fp8", "grouped"):
+        with monkeypatch.context() as patch:
+            if wgrad_kernel == "fp8":
+                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args: None)
+            calls = count_calls(patch, "dense_fp8_block_wgrad_gemm")
+            with kernel_gemms("pallas"):
+                # A fresh function per run: a cached trace would not call the patched code.
+                dw[wgrad_kernel] = jax.jit(lambda *args: dense_fwd_bwd(*args, recipe))(x, w, dy)[2]
+            assert calls == [wgrad_kernel == "grouped"]  # (None: back to the FP8 kernel)
+    np.testing.assert_array_equal(
+        np.asarray(dw["fp8"]).view(np.uint32), np.asarray(dw["grouped"]).view(np.uint32)
+    )
+
+
+def test_dense_fp8_block_wgrad_on_either_kernel(monkeypatch):
+    _dense_wgrad_on_either_kernel(monkeypatch, (256, 128, 128))
+
+
+@pytest.mark.gpu
+def test_dense_fp8_block_wgrad_on_either_kernel_gpu(monkeypatch):
+    _dense_wgrad_on_either_kernel(monkeypatch, (1000, 1024, 768))
 
 
 def grouped_fwd_bwd(x, w, group_sizes, dy, recipe):

@@ -166,10 +166,12 @@ def test_grouped_fp8_block_kernel_takes_k_major_lhs_scales():
         )
 
 
-def _dense_layouts(monkeypatch, shape):
+def _dense_layouts(monkeypatch, shape, wgrad_kernel="fp8"):
     """The dense layer's outputs and gradients with its block-FP8 GEMM lhs quantized in the
     "tiles" layout (the default where the kernel reads it) and, forced, in "lines"; the
-    keyword arguments the GEMM kernel got in each run."""
+    keyword arguments the FP8 GEMM kernel got in each run. `wgrad_kernel`: "fp8" keeps the
+    wgrad on that kernel ("fp8_block_wgrad"), "grouped" lets "pallas" take the opt-in path
+    "fp8_block_wgrad_grouped_kernel" (the MoE wgrad kernel, one group: line scales)."""
     m, k, n = shape
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(kx, (m, k), jnp.float32)
@@ -182,6 +184,8 @@ def _dense_layouts(monkeypatch, shape):
             if layout == "lines":
                 patch.setattr(gemm, "lhs_scale_layout", lambda *args: "lines")
                 patch.setattr(dense_ops, "lhs_scale_layout", lambda *args: "lines")
+            if wgrad_kernel == "fp8":
+                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args: None)
             log = []
             count_calls(patch, "dense_fp8_block_gemm", keyword_log=log)
             with kernel_gemms(), kernels.gemm_backend("pallas"):
@@ -191,21 +195,24 @@ def _dense_layouts(monkeypatch, shape):
     return runs
 
 
-def _check_dense_layouts(monkeypatch, shape):
-    runs = _dense_layouts(monkeypatch, shape)
+def _check_dense_layouts(monkeypatch, shape, wgrad_kernel="fp8"):
+    runs = _dense_layouts(monkeypatch, shape, wgrad_kernel)
     (tiled_out, tiled_k_major), (lines_out, lines_k_major) = runs["tiles"], runs["lines"]
     # fprop (x), dgrad (dy) and wgrad (x's columnwise copy against dy's, the kernel path
-    # "fp8_block_wgrad", the default since stop 51) read the tiles as written.
-    assert tiled_k_major == [True, True, True]
-    assert lines_k_major == [False, False, False]
+    # "fp8_block_wgrad", the default since stop 51) read the tiles as written; on the MoE
+    # wgrad kernel the wgrad takes line scales, so only fprop and dgrad reach the FP8 kernel.
+    calls = 3 if wgrad_kernel == "fp8" else 2
+    assert tiled_k_major == [True] * calls
+    assert lines_k_major == [False] * calls
     # The same scale values reach the same kernel: the same bits.
     for got, want in zip(tiled_out, lines_out, strict=True):
         np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch):
+@pytest.mark.parametrize("wgrad_kernel", ["fp8", "grouped"])
+def test_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch, wgrad_kernel):
     assert dense_ops.lhs_scale_layout is gemm.lhs_scale_layout
-    _check_dense_layouts(monkeypatch, (128, 128, 128))
+    _check_dense_layouts(monkeypatch, (128, 128, 128), wgrad_kernel)
 
 
 def test_lhs_scale_layout_picks_tiles_only_where_the_kernel_reads_them(monkeypatch):
@@ -283,8 +290,9 @@ def test_gpu_kernels_write_the_tiles_layout(name):
 
 
 @pytest.mark.gpu
-def test_gpu_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch):
-    _check_dense_layouts(monkeypatch, (1024, 1024, 768))
+@pytest.mark.parametrize("wgrad_kernel", ["fp8", "grouped"])
+def test_gpu_dense_block_fp8_gemm_reads_tiled_scales(monkeypatch, wgrad_kernel):
+    _check_dense_layouts(monkeypatch, (1024, 1024, 768), wgrad_kernel)
 
 
 @pytest.mark.gpu
