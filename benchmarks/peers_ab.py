@@ -83,6 +83,9 @@ SMALL_SHAPES = {"G2 small": (2, 256, 256, 256, [100, 156])}
 SMALL_CONFIG = GroupedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, num_sms=2, epi_tile_n=64)
 # (Block FP8 steps K by 128: its blocks.)
 SMALL_BLOCK_CONFIG = dataclasses.replace(SMALL_CONFIG, tile_k=128)
+SMALL_WGRAD_BLOCK_CONFIG = pk.GroupedWgradConfig(
+    tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
+)
 CASE_GROUPS = (
     "grouped",
     "grouped_fp8_block",
@@ -518,9 +521,27 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
         a16, b16 = _dequantize_1x128(a, sa.T), _dequantize_1x128(b, sb)
         return lax.dot_general(a16, b16, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
+    wgrad_config = SMALL_WGRAD_BLOCK_CONFIG if small else None
+
+    def ours_on_wgrad_kernel(a, sa, b, sb):
+        # The MoE wgrad kernel with one group of every token (the opt-in library path
+        # "fp8_block_wgrad_grouped_kernel"): it takes (K, M/128) line scales.
+        tokens = jnp.full((1,), a.shape[1], jnp.int32)
+        return pk.grouped_matmul_wgrad(
+            a,
+            b,
+            tokens,
+            lhs_block_scale=sa.T,
+            rhs_block_scale=sb,
+            out_dtype=BF16,
+            config=wgrad_config,
+            interpret=small,
+        )[0]
+
     args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
     candidates = {
         "ours dense_matmul_fp8_block, rhs_block_rows=1": (ours, [args]),
+        "ours, MoE wgrad kernel, one group": (jax.jit(ours_on_wgrad_kernel), [args]),
         "before: both dequantized to bf16 + XLA bf16 GEMM": (
             jax.jit(dequantized_bf16_gemm),
             [args],
@@ -560,11 +581,7 @@ def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, sm
     rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)  # dy columnwise (N, M)
     lhs_scale, rhs_scale = lhs_scale_k_major.T, rhs_scale_k_major.T  # (K, M/128), (N, M/128)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    config = None
-    if small:
-        config = pk.GroupedWgradConfig(
-            tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
-        )
+    config = SMALL_WGRAD_BLOCK_CONFIG if small else None
     ours = jax.jit(
         lambda a, sa, b, sb, s: pk.grouped_matmul_wgrad(
             a,
@@ -780,6 +797,7 @@ def main(
             f"dense {dense_size}^3 block FP8, 1x128 rhs (wgrad)",
             2 * dense_size**3,
             block,
+            same_bits=list(block)[:2],  # our two kernels
             differences=differences,
         )
 

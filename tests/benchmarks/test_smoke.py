@@ -790,6 +790,7 @@ def test_peers_ab_runs_small(tmp_path):
             "dense 128^3 block FP8, 1x128 rhs (wgrad)",
             "ours dense_matmul_fp8_block, rhs_block_rows=1",
         ),
+        ("dense 128^3 block FP8, 1x128 rhs (wgrad)", "ours, MoE wgrad kernel, one group"),
         (
             "dense 128^3 block FP8, 1x128 rhs (wgrad)",
             "before: both dequantized to bf16 + XLA bf16 GEMM",
@@ -806,6 +807,8 @@ def test_peers_ab_runs_small(tmp_path):
     # Two K steps a stage: the same wgmma calls as one step a stage. MXFP8's agrees with the
     # library path exactly when its one-step, 64-wide sibling does; NVFP4's always.
     rows_by_name = {r["implementation"]: r for r in rows}
+    # The dense block-FP8 wgrad on either kernel: the same chunks promoted in the same order.
+    assert rows_by_name["ours, MoE wgrad kernel, one group"]["same_bits"] is True
     assert (
         rows_by_name["ours: the same, two K steps a stage"]["same_bits"]
         is rows_by_name["ours: the same, one wgmma per 64-wide K step"]["same_bits"]
