@@ -79,12 +79,18 @@ def test_gemm_backend_setting():
             pass
 
 
-def _dense_case(monkeypatch, shape, gpu_backend="auto"):
+def dense_operands(shape, seed):
+    """float32 x (M, K), w (K, N) and dy (M, N) of a dense layer case of `shape` (M, K, N)."""
     m, k, n = shape
-    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(kx, (m, k), jnp.float32)
     w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
     dy = jax.random.normal(kg, (m, n), jnp.float32)
+    return x, w, dy
+
+
+def _dense_case(monkeypatch, shape, gpu_backend="auto"):
+    x, w, dy = dense_operands(shape, seed=0)
     recipe = jq.Float8BlockScaling()
     with kernels.gemm_backend("reference"):
         want = jax.jit(dense_fwd_bwd, static_argnums=3)(x, w, dy, recipe)
@@ -119,11 +125,7 @@ def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch, gpu_backend):
 def _dense_wgrad_on_either_kernel(monkeypatch, shape):
     # The block-FP8 wgrad on the FP8 kernel (rhs_block_rows=1) and on the MoE wgrad kernel
     # with one group promote the same 128-token chunks in the same order: the same dW bits.
-    m, k, n = shape
-    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
-    dy = jax.random.normal(kg, (m, n), jnp.float32)
+    x, w, dy = dense_operands(shape, seed=2)
     recipe = jq.Float8BlockScaling()
     dw = {}
     for wgrad_kernel in ("fp8", "grouped"):

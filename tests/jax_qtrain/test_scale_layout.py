@@ -18,7 +18,12 @@ from jax_qtrain import kernels
 from jax_qtrain.formats import common
 from jax_qtrain.ops import gemm
 from tests.jax_qtrain.adversarial import adversarial_matrix
-from tests.jax_qtrain.test_gemm_kernels import count_calls, dense_fwd_bwd, kernel_gemms
+from tests.jax_qtrain.test_gemm_kernels import (
+    count_calls,
+    dense_fwd_bwd,
+    dense_operands,
+    kernel_gemms,
+)
 
 # The module (jax_qtrain.ops exports its `dense` function under the same name).
 dense_ops = importlib.import_module("jax_qtrain.ops.dense")
@@ -172,11 +177,7 @@ def _dense_layouts(monkeypatch, shape, wgrad_kernel="fp8"):
     keyword arguments the FP8 GEMM kernel got in each run. `wgrad_kernel`: "fp8" keeps the
     wgrad on that kernel ("fp8_block_wgrad"), "grouped" lets "pallas" take the opt-in path
     "fp8_block_wgrad_grouped_kernel" (the MoE wgrad kernel, one group: line scales)."""
-    m, k, n = shape
-    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
-    dy = jax.random.normal(kg, (m, n), jnp.float32)
+    x, w, dy = dense_operands(shape, seed=1)
     recipe = jq.Float8BlockScaling()
     runs = {}
     for layout in ("tiles", "lines"):
