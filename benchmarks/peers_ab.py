@@ -504,8 +504,9 @@ def dense_fp8_block_candidates(size: int, small: bool) -> tuple[dict, dict]:
 
 def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict]:
     """(candidates, relative differences) of a wgrad-like dense block-FP8 GEMM, 1x128 blocks
-    on both operands (the layers' dw of two token-direction copies): our kernel with
-    ``rhs_block_rows=1`` against what the library ran before it (both copies dequantized to
+    on both operands (the layers' dw of two token-direction copies): our FP8 kernel with
+    ``rhs_block_rows=1`` (the library's path in stops 51-53) and our MoE wgrad kernel with one
+    group (since stop 54) against what the library ran before both (both copies dequantized to
     bfloat16, exactly, and XLA's bf16 GEMM), cuBLASLt's two-1x128 block-scaled GEMM (TE's
     wgrad on Hopper) and XLA's FP8 GEMM without block scales."""
     lhs8, lhs_scale_k_major, rhs8, _ = block_fp8_operands(size, size, size)
@@ -524,8 +525,8 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
     wgrad_config = SMALL_WGRAD_BLOCK_CONFIG if small else None
 
     def ours_on_wgrad_kernel(a, sa, b, sb):
-        # The MoE wgrad kernel with one group of every token (the opt-in library path
-        # "fp8_block_wgrad_grouped_kernel"): it takes (K, M/128) line scales.
+        # The MoE wgrad kernel with one group of every token (the library's path
+        # "fp8_block_wgrad_grouped_kernel" since stop 54): it takes (K, M/128) line scales.
         tokens = jnp.full((1,), a.shape[1], jnp.int32)
         return pk.grouped_matmul_wgrad(
             a,

@@ -390,16 +390,15 @@ def gemm_kernels_enabled() -> bool:
 # (test_block_fp8_vs_cublas_gpu.py), the layer test, and with its 3-stage default 1.34x the
 # path it replaces (G8 balanced, 759 vs 568 TFLOP/s; cuBLASLt per expert 750, same call), so
 # "auto" takes it.
-# Awaiting its timing, stop 54: the dense layers' block-FP8 wgrad on the MoE wgrad kernel
-# with one group of every token ("fp8_block_wgrad_grouped_kernel"), whose 128 x (2 x 64)
-# tiles stop 53 tuned to 807 TFLOP/s (G8, H100), while the FP8 kernel's 1×128-rhs path gave
-# 722-744 at 8192³ against cuBLASLt's 854 (stop 51). Both promote per 128-token chunk in the
-# same order: the interpreter gives the same bits (benchmarks/grouped_ab.py
-# --variants dense_fp8_block_stages times the two side by side).
+# Also verified, stop 54 (an H100, 2026-12-06): the dense layers' block-FP8 wgrad on the MoE
+# wgrad kernel with one group of every token ("fp8_block_wgrad_grouped_kernel", taking over
+# from "fp8_block_wgrad"'s FP8 kernel with 1×128 rhs blocks): the same dW bits as that kernel
+# (test_dense_fp8_block_wgrad_on_either_kernel_gpu; both equal cuBLASLt's), and 1.10-1.14x
+# faster at 8192³ (855 vs 749 TFLOP/s in grouped_ab's alternation; 795-798 vs 721-725 beside
+# cuBLASLt's 852-858 in peers_ab's), so "auto" takes it.
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
-    "fp8_block_wgrad_grouped_kernel",
 }
 
 

@@ -102,7 +102,7 @@ def _dense_case(monkeypatch, shape, gpu_backend="auto"):
     # fprop, dgrad and wgrad (two 1×128 copies, rhs_block_rows=1: the path "fp8_block_wgrad",
     # the default since stop 51; before it XLA's GEMM of their dequantized values), the wgrad
     # on the MoE wgrad kernel with one group where "fp8_block_wgrad_grouped_kernel" is on
-    # (opt-in: "pallas" only, and the interpreter here).
+    # (the default since stop 54).
     assert calls == [True, True] + ([] if on_grouped_kernel else [True])
     assert wgrad_calls == ([True] if on_grouped_kernel else [])
     # Hopper's FP8 wgmma accumulates with fewer bits than float32 between the kernel's

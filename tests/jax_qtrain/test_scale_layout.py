@@ -175,8 +175,8 @@ def _dense_layouts(monkeypatch, shape, wgrad_kernel="fp8"):
     """The dense layer's outputs and gradients with its block-FP8 GEMM lhs quantized in the
     "tiles" layout (the default where the kernel reads it) and, forced, in "lines"; the
     keyword arguments the FP8 GEMM kernel got in each run. `wgrad_kernel`: "fp8" keeps the
-    wgrad on that kernel ("fp8_block_wgrad"), "grouped" lets "pallas" take the opt-in path
-    "fp8_block_wgrad_grouped_kernel" (the MoE wgrad kernel, one group: line scales)."""
+    wgrad on that kernel (the path "fp8_block_wgrad" before stop 54), "grouped" takes the
+    path "fp8_block_wgrad_grouped_kernel" (the MoE wgrad kernel, one group: line scales)."""
     x, w, dy = dense_operands(shape, seed=1)
     recipe = jq.Float8BlockScaling()
     runs = {}
