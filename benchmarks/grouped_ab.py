@@ -101,7 +101,8 @@ for the run's clocks) are timed batch by batch in alternation
   kernel with its block scales, the default since stop 53) under pipeline depths and grid
   orders around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
   accumulator of 128 x 64 per consumer fill the register budget), G8 balanced (whole
-  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick;
+  128-token groups) and one group of 8192 tokens at 8192 x 8192 (the dense layers' wgrad
+  since stop 54), XLA's dense FP8 GEMM of the same flops as the yardstick;
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -1037,9 +1038,14 @@ def main(
         return _report(out_dir, variants, rows, rounds)
     if variants == "fp8_block_wgrad":
         tiny_block = None
-        shapes = {"G8 balanced": shapes["G8 balanced"]}
-        if small:  # two 128-token groups, 128 x 128 CTA tiles
-            shapes = {"G8 balanced": (2, 256, 128, 128, [128, 128])}
+        # The dense layers' wgrad is the one-group case (since stop 54): 8192³.
+        one_group = (1, DENSE_SIZE, DENSE_SIZE, DENSE_SIZE, [DENSE_SIZE])
+        shapes = {"G8 balanced": shapes["G8 balanced"], "dense, one group": one_group}
+        if small:  # 128-token groups, 128 x 128 CTA tiles
+            shapes = {
+                "G8 balanced": (2, 256, 128, 128, [128, 128]),
+                "dense, one group": (1, 256, 128, 128, [256]),
+            }
             tiny_block = dict(num_sms=2, grid_tile_width=1)
         fp8_block_wgrad_cases(run_case, shapes, interpret, tiny_block)
         return _report(out_dir, variants, rows, rounds)

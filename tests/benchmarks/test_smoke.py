@@ -98,13 +98,16 @@ def test_grouped_ab_cluster_m_runs_small(tmp_path):
 
 def test_grouped_ab_fp8_block_wgrad_runs_small(tmp_path):
     # Block FP8's MoE wgrad under every pipeline depth and grid order of the sweep, in the
-    # interpreter: the default's bits from each before any is timed.
+    # interpreter, two groups and one (the dense layers' wgrad): the default's bits from each
+    # before any is timed.
     from benchmarks import grouped_ab
 
     grouped_ab.main(str(tmp_path), small=True, variants="fp8_block_wgrad")
     rows = json.loads((tmp_path / "grouped_ab_fp8_block_wgrad.json").read_text())
     kernels = [r for r in rows if not r["variant"].startswith("XLA")]
-    assert {r["variant"] for r in kernels} == set(grouped_ab.fp8_block_wgrad_variants())
+    for shape in ("G8 balanced", "dense, one group"):
+        variants = {r["variant"] for r in kernels if r["case"].startswith(shape)}
+        assert variants == set(grouped_ab.fp8_block_wgrad_variants()), shape
     assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
 
 
