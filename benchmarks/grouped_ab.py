@@ -145,7 +145,11 @@ from benchmarks.timing import (
     same_bits_as_first,
 )
 from pallas_kernels import grouped_matmul_mx_weights as mx_weights
-from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import (
+    dense_matmul,
+    dense_matmul_fp8_block,
+    dense_matmul_fp8_block_wgrad,
+)
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
     DEFAULT_FP8_BLOCK_CONFIG,
@@ -814,16 +818,9 @@ def dense_fp8_block_cases(run_case, size: int, small: bool) -> None:
             wgrad_config = dataclasses.replace(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, **tiny)
             candidates["MoE wgrad kernel, one group"] = (
                 jax.jit(
-                    lambda a, sa, b, sb, c=wgrad_config: grouped_matmul_wgrad(
-                        a,
-                        b,
-                        jnp.full((1,), a.shape[1], jnp.int32),
-                        lhs_block_scale=sa,
-                        rhs_block_scale=sb,
-                        out_dtype=jnp.bfloat16,
-                        config=c,
-                        interpret=small,
-                    )[0]
+                    lambda a, sa, b, sb, c=wgrad_config: dense_matmul_fp8_block_wgrad(
+                        a, sa, b, sb, config=c, interpret=small
+                    )
                 ),
                 [(lhs8, lhs_scale_k_major.T, rhs8, rhs_scale)],
             )

@@ -523,26 +523,17 @@ def dense_fp8_block_wgrad_candidates(size: int, small: bool) -> tuple[dict, dict
         return lax.dot_general(a16, b16, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
     wgrad_config = SMALL_WGRAD_BLOCK_CONFIG if small else None
-
-    def ours_on_wgrad_kernel(a, sa, b, sb):
-        # The MoE wgrad kernel with one group of every token (the library's path
-        # "fp8_block_wgrad_grouped_kernel" since stop 54): it takes (K, M/128) line scales.
-        tokens = jnp.full((1,), a.shape[1], jnp.int32)
-        return pk.grouped_matmul_wgrad(
-            a,
-            b,
-            tokens,
-            lhs_block_scale=sa.T,
-            rhs_block_scale=sb,
-            out_dtype=BF16,
-            config=wgrad_config,
-            interpret=small,
-        )[0]
-
+    # The MoE wgrad kernel with one group of every token (the library's path
+    # "fp8_block_wgrad_grouped_kernel" since stop 54): it takes (K, M/128) line scales.
+    ours_on_wgrad_kernel = jax.jit(
+        lambda a, sa, b, sb: pk.dense_matmul_fp8_block_wgrad(
+            a, sa.T, b, sb, config=wgrad_config, interpret=small
+        )
+    )
     args = (lhs8, lhs_scale_k_major, rhs8, rhs_scale)
     candidates = {
         "ours dense_matmul_fp8_block, rhs_block_rows=1": (ours, [args]),
-        "ours, MoE wgrad kernel, one group": (jax.jit(ours_on_wgrad_kernel), [args]),
+        "ours, MoE wgrad kernel, one group": (ours_on_wgrad_kernel, [args]),
         "before: both dequantized to bf16 + XLA bf16 GEMM": (
             jax.jit(dequantized_bf16_gemm),
             [args],

@@ -486,9 +486,11 @@ def dense_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale):
     """float32 (K, N) block-FP8 wgrad lhs · rhsᵀ on the MoE wgrad kernel with one group of
     every token: lhs (K, M) and rhs (N, M) FP8 token-contiguous copies in 1×128 token blocks
     with scales (K, M/128) and (N, M/128)."""
-    tokens = jnp.full((1,), lhs.shape[1], jnp.int32)
-    out = grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, tokens)
-    return None if out is None else out[0]
+    if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128:
+        return None
+    return _pallas().dense_matmul_fp8_block_wgrad(
+        lhs, lhs_scale, rhs, rhs_scale, out_dtype=jnp.float32
+    )
 
 
 def grouped_half_gemm(

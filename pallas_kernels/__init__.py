@@ -12,6 +12,9 @@ from pallas_kernels.dequantize import dequantize_nvfp4 as dequantize_nvfp4
 # Grouped (MoE) matmul kernels (issue 5).
 from pallas_kernels.grouped_matmul_dense import dense_matmul as dense_matmul
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block as dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import (
+    dense_matmul_fp8_block_wgrad as dense_matmul_fp8_block_wgrad,
+)
 from pallas_kernels.grouped_matmul_fwd import GroupedMatmulConfig as GroupedMatmulConfig
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul as grouped_matmul
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block as grouped_matmul_fp8_block

@@ -22,6 +22,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
+from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig, grouped_matmul_wgrad
 
 
 def _single_group(num_rows: int) -> jax.Array:
@@ -127,3 +128,51 @@ def dense_matmul_fp8_block(
         lhs_scale_k_major=lhs_scale_k_major,
         rhs_block_rows=rhs_block_rows,
     )
+
+
+def dense_matmul_fp8_block_wgrad(
+    lhs: jax.Array,
+    lhs_scale: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: GroupedWgradConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Block-scaled FP8 wgrad ``out = lhs @ rhsᵀ`` of two token-contiguous copies in 1x128
+    token blocks: the wgrad kernel (`grouped_matmul_wgrad`) with every token in one group.
+
+    It computes what ``dense_matmul_fp8_block(..., rhs_block_rows=1)`` does, promoting the
+    same 128-token chunks in the same order (the same bits), on the wgrad kernel's own tiles:
+    1.10-1.14x faster at 8192³ on an H100 (stop 54).
+
+    Args:
+      lhs: (K, M) FP8, M tokens.
+      lhs_scale: (K, ceil(M/128)) f32 scale_inv of each 1x128 token block.
+      rhs: (N, M) FP8.
+      rhs_scale: (N, ceil(M/128)) f32.
+      out_dtype: bfloat16 or float32.
+      config: tiling of the wgrad kernel (tile_t=128); None: its block-FP8 default.
+      interpret: run the Pallas interpreter.
+
+    Returns:
+      (K, N) array of out_dtype.
+    """
+    common.check_rank("lhs", lhs, 2)
+    common.check_rank("rhs", rhs, 2)
+    # The wgrad kernel checks these too, under its own names (lhs_block_scale, ...).
+    token_blocks = common.round_up(lhs.shape[1], 128) // 128
+    for name, scale, operand in (("lhs_scale", lhs_scale, lhs), ("rhs_scale", rhs_scale, rhs)):
+        common.check_dtype(name, scale, (jnp.float32,))
+        common.check_shape(name, scale, (operand.shape[0], token_blocks))
+    return grouped_matmul_wgrad(
+        lhs,
+        rhs,
+        _single_group(lhs.shape[1]),
+        lhs_block_scale=lhs_scale,
+        rhs_block_scale=rhs_scale,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+    )[0]

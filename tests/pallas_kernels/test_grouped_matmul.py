@@ -24,7 +24,11 @@ import pytest
 from benchmarks.h200_lowering import export_for_h200, mosaic_modules
 from pallas_kernels import grouped_matmul_common as common
 from pallas_kernels import grouped_matmul_driver as driver
-from pallas_kernels.grouped_matmul_dense import dense_matmul, dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import (
+    dense_matmul,
+    dense_matmul_fp8_block,
+    dense_matmul_fp8_block_wgrad,
+)
 from pallas_kernels.grouped_matmul_fwd import (
     DEFAULT_BF16_CONFIG,
     DEFAULT_FP8_CONFIG,
@@ -424,6 +428,47 @@ def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
             config=dataclasses.replace(TALL_BLOCK, wgmma_in_flight=1),
             rhs_block_rows=1,
         )
+
+
+def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():
+    # The layers' wgrad on the wgrad kernel with one group: the same chunks promoted in the
+    # same order as the FP8 kernel's 1x128-rhs path, so the same bits, here on 200 x 256 @
+    # (192 x 256)ᵀ with 256 tokens (two scale blocks) and a partial row tile.
+    k = keys(4, seed=46)
+    lhs8 = random_fp8(k[0], (200, 256), E4M3)
+    rhs8 = random_fp8(k[1], (192, 256), E4M3)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (200, 2), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 2), -6, 7).astype(jnp.float32)
+    tiny = GroupedWgradConfig(
+        tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
+    )
+    out = dense_matmul_fp8_block_wgrad(
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=F32, config=tiny, interpret=True
+    )
+    on_fp8_kernel = dense_matmul_fp8_block(
+        lhs8,
+        lhs_scale,
+        rhs8,
+        rhs_scale,
+        out_dtype=F32,
+        config=THREE_CONSUMER_BLOCK,
+        interpret=True,
+        rhs_block_rows=1,
+    )
+    assert out.shape == (200, 192)
+    np.testing.assert_array_equal(
+        np.asarray(out).view(np.uint32), np.asarray(on_fp8_kernel).view(np.uint32)
+    )
+    ref = dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 1, 128).T
+    assert_close(out, ref, rel=1e-5)
+    with pytest.raises(ValueError, match=r"lhs must have rank 2"):
+        dense_matmul_fp8_block_wgrad(lhs8[0], lhs_scale, rhs8, rhs_scale)
+    with pytest.raises(ValueError, match=r"rhs_scale must have shape \(192, 2\), got \(2, 192\)"):
+        dense_matmul_fp8_block_wgrad(lhs8, lhs_scale, rhs8, rhs_scale.T)
+    with pytest.raises(TypeError, match=r"lhs_scale must have dtype in \(float32\)"):
+        dense_matmul_fp8_block_wgrad(lhs8, lhs_scale.astype(BF16), rhs8, rhs_scale)
+    with pytest.raises(TypeError, match=r"1x128 block scales need FP8"):
+        dense_matmul_fp8_block_wgrad(lhs8.astype(BF16), lhs_scale, rhs8.astype(BF16), rhs_scale)
 
 
 @pytest.mark.parametrize("wgmma_in_flight", [0, 1])
