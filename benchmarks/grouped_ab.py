@@ -101,8 +101,10 @@ for the run's clocks) are timed batch by batch in alternation
   kernel with its block scales, the default since stop 53) under pipeline depths and grid
   orders around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
   accumulator of 128 x 64 per consumer fill the register budget), G8 balanced (whole
-  128-token groups) and one group of 8192 tokens at 8192 x 8192 (the dense layers' wgrad
-  since stop 54), XLA's dense FP8 GEMM of the same flops as the yardstick;
+  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group
+  of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
+  `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
+  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -169,7 +171,9 @@ from pallas_kernels.grouped_matmul_mx_weights import (
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+    DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
+    fit_to_shared_memory,
     grouped_matmul_wgrad,
 )
 
@@ -709,35 +713,71 @@ def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
     return variants
 
 
+def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
+    """name -> config of the dense layers' block-FP8 wgrad (`dense_matmul_fp8_block_wgrad`,
+    one group, float32 out as `kernels.dense_fp8_block_wgrad_gemm` calls it): the entry
+    point's own pick first (None), then the depths a float32 epilogue leaves room for."""
+    default = DENSE_FP8_BLOCK_WGRAD_CONFIG
+    steps = {
+        "3 stages (the MoE default)": dict(max_concurrent_steps=3),
+        "4 stages": dict(max_concurrent_steps=4),
+        "4 stages, 1 epilogue buffer": dict(max_concurrent_steps=4, epilogue_buffers=1),
+        "5 stages, 1 epilogue buffer, grid minor 0": dict(epilogue_buffers=1, grid_minor_dim=0),
+    }
+    variants: dict[str, GroupedWgradConfig | None] = {"default (5 stages, 1 epilogue buffer)": None}
+    variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
+    return variants
+
+
 def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
     """Block FP8's MoE wgrad variants on each shape (`tiny`: config fields for the
     interpreter): dW[g] = x_gᵀ dy_g from the columnwise copies (K, M) and (N, M) with their
-    1x128 token-block scales, as the layer calls the kernel."""
+    1x128 token-block scales, as the layer calls the kernel (bfloat16 out). A one-group shape
+    is the dense layers' wgrad: `dense_fp8_block_wgrad_variants` through the dense entry point,
+    float32 out, as the dense layers call it."""
     from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
 
     for shape, (g, m, k, n, sizes) in shapes.items():
-        del g
         lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, m, 4, seed=13)
         rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)
-        args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T, jnp.asarray(sizes))
         candidates = {}
-        for name, config in fp8_block_wgrad_variants().items():
-            config = dataclasses.replace(config, **tiny) if tiny else config
-            candidates[name] = (
-                jax.jit(
-                    lambda a, sa, b, sb, s, c=config: grouped_matmul_wgrad(
-                        a,
-                        b,
-                        s,
-                        lhs_block_scale=sa,
-                        rhs_block_scale=sb,
-                        out_dtype=jnp.bfloat16,
-                        config=c,
-                        interpret=interpret,
+        if g == 1:
+            args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T)
+            for name, config in dense_fp8_block_wgrad_variants().items():
+                if tiny:  # (None: the entry point's pick, fitted as it fits it)
+                    config = fit_to_shared_memory(
+                        dataclasses.replace(config or DENSE_FP8_BLOCK_WGRAD_CONFIG, **tiny),
+                        (1, 1, 4),
+                        block_scaled=True,
                     )
-                ),
-                [args],
-            )
+                candidates[name] = (
+                    jax.jit(
+                        lambda a, sa, b, sb, c=config: dense_matmul_fp8_block_wgrad(
+                            a, sa, b, sb, out_dtype=jnp.float32, config=c, interpret=interpret
+                        )
+                    ),
+                    [args],
+                )
+            shape = f"{shape}, f32 out"
+        else:
+            args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T, jnp.asarray(sizes))
+            for name, config in fp8_block_wgrad_variants().items():
+                config = dataclasses.replace(config, **tiny) if tiny else config
+                candidates[name] = (
+                    jax.jit(
+                        lambda a, sa, b, sb, s, c=config: grouped_matmul_wgrad(
+                            a,
+                            b,
+                            s,
+                            lhs_block_scale=sa,
+                            rhs_block_scale=sb,
+                            out_dtype=jnp.bfloat16,
+                            config=c,
+                            interpret=interpret,
+                        )
+                    ),
+                    [args],
+                )
         # (K, M) · (N, M)ᵀ over the tokens: the same flops without block scales.
         candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
         run_case(f"{shape} wgrad block FP8", 2 * m * k * n, candidates)
@@ -810,12 +850,13 @@ def dense_fp8_block_cases(run_case, size: int, small: bool) -> None:
                 [args],
             )
         if case == "wgrad":
-            # The MoE wgrad kernel on one group of every token: the same chunk-by-chunk
-            # promotion (both give cuBLASLt's bits), on its own 128 x (2 x 64) tiles, which
-            # stop 53 tuned to 807 TFLOP/s at G8 (H100) while this GEMM's layers path gave
-            # 722-744 against cuBLASLt's 854 (stop 51).
-            tiny = dict(num_sms=2, grid_tile_width=1) if small else {}
-            wgrad_config = dataclasses.replace(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, **tiny)
+            # The MoE wgrad kernel on one group of every token under the dense entry point's
+            # default (the layers' path since stop 54): the same chunk-by-chunk promotion
+            # (both give cuBLASLt's bits), on its own 128 x (2 x 64) tiles.
+            tiny = dict(num_sms=2, grid_tile_width=1)
+            wgrad_config = (
+                dataclasses.replace(DENSE_FP8_BLOCK_WGRAD_CONFIG, **tiny) if small else None
+            )
             candidates["MoE wgrad kernel, one group"] = (
                 jax.jit(
                     lambda a, sa, b, sb, c=wgrad_config: dense_matmul_fp8_block_wgrad(

@@ -98,16 +98,19 @@ def test_grouped_ab_cluster_m_runs_small(tmp_path):
 
 def test_grouped_ab_fp8_block_wgrad_runs_small(tmp_path):
     # Block FP8's MoE wgrad under every pipeline depth and grid order of the sweep, in the
-    # interpreter, two groups and one (the dense layers' wgrad): the default's bits from each
-    # before any is timed.
+    # interpreter, two groups and one (the dense layers' wgrad, its own variants with float32
+    # out): the default's bits from each before any is timed.
     from benchmarks import grouped_ab
 
     grouped_ab.main(str(tmp_path), small=True, variants="fp8_block_wgrad")
     rows = json.loads((tmp_path / "grouped_ab_fp8_block_wgrad.json").read_text())
     kernels = [r for r in rows if not r["variant"].startswith("XLA")]
-    for shape in ("G8 balanced", "dense, one group"):
-        variants = {r["variant"] for r in kernels if r["case"].startswith(shape)}
-        assert variants == set(grouped_ab.fp8_block_wgrad_variants()), shape
+    for shape, expected in (
+        ("G8 balanced", grouped_ab.fp8_block_wgrad_variants()),
+        ("dense, one group, f32 out", grouped_ab.dense_fp8_block_wgrad_variants()),
+    ):
+        variants = {r["variant"] for r in kernels if r["case"] == f"{shape} wgrad block FP8"}
+        assert variants == set(expected), shape
     assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
 
 

@@ -37,7 +37,12 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
-from pallas_kernels.grouped_matmul_wgrad import GroupedWgradConfig, grouped_matmul_wgrad
+from pallas_kernels.grouped_matmul_wgrad import (
+    DENSE_FP8_BLOCK_WGRAD_CONFIG,
+    GroupedWgradConfig,
+    fit_to_shared_memory,
+    grouped_matmul_wgrad,
+)
 from tests.pallas_kernels import gpu_cases
 
 E4M3 = jnp.float8_e4m3fn
@@ -461,6 +466,16 @@ def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():
     )
     ref = dequant_fp8_block(lhs8, lhs_scale, 1, 128) @ dequant_fp8_block(rhs8, rhs_scale, 1, 128).T
     assert_close(out, ref, rel=1e-5)
+    # Its own default (5 stages; with a float32 output, one epilogue buffer): the same bits.
+    assert fit_to_shared_memory(DENSE_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True) == (
+        dataclasses.replace(DENSE_FP8_BLOCK_WGRAD_CONFIG, epilogue_buffers=1)
+    )
+    on_its_default = dense_matmul_fp8_block_wgrad(
+        lhs8, lhs_scale, rhs8, rhs_scale, out_dtype=F32, interpret=True
+    )
+    np.testing.assert_array_equal(
+        np.asarray(on_its_default).view(np.uint32), np.asarray(out).view(np.uint32)
+    )
     with pytest.raises(ValueError, match=r"lhs must have rank 2"):
         dense_matmul_fp8_block_wgrad(lhs8[0], lhs_scale, rhs8, rhs_scale)
     with pytest.raises(ValueError, match=r"rhs_scale must have shape \(192, 2\), got \(2, 192\)"):
