@@ -22,7 +22,7 @@ from benchmarks.peers_ab import (
     torch_block_fp8_mm,
     torch_two_1x128_mm,
 )
-from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block
+from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block, dense_matmul_fp8_block_wgrad
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
 from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
 
@@ -116,6 +116,9 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     )
     theirs = _cublas_or_skip(torch, torch_two_1x128_mm, lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
     _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
+    # The dense layers' wgrad entry (the MoE wgrad kernel, one group, its own 5-stage default).
+    on_wgrad_kernel = dense_matmul_fp8_block_wgrad(lhs8, lhs_scale_k_major.T, rhs8, rhs_scale)
+    _assert_equal_to_cublas(np.asarray(on_wgrad_kernel.astype(jnp.float32)), theirs)
 
 
 def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
