@@ -104,7 +104,7 @@ for the run's clocks) are timed batch by batch in alternation
   128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group
   of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
   `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
-  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
+  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages, grid minor 0 since stop 55);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -716,15 +716,19 @@ def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
 def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     """name -> config of the dense layers' block-FP8 wgrad (`dense_matmul_fp8_block_wgrad`,
     one group, float32 out as `kernels.dense_fp8_block_wgrad_gemm` calls it): the entry
-    point's own pick first (None), then the depths a float32 epilogue leaves room for."""
+    point's own pick first (None), then one or two changes each, every config fitted to the
+    shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
     steps = {
-        "3 stages (the MoE default)": dict(max_concurrent_steps=3),
-        "4 stages": dict(max_concurrent_steps=4),
-        "4 stages, 1 epilogue buffer": dict(max_concurrent_steps=4, epilogue_buffers=1),
-        "5 stages, 1 epilogue buffer, grid minor 0": dict(epilogue_buffers=1, grid_minor_dim=0),
+        "grid minor 1": dict(grid_minor_dim=1),
+        "3 stages": dict(max_concurrent_steps=3),
+        "3 stages, grid minor 1 (the MoE default)": dict(max_concurrent_steps=3, grid_minor_dim=1),
+        "grid width 1": dict(grid_tile_width=1),
+        "grid width 8": dict(grid_tile_width=8),
     }
-    variants: dict[str, GroupedWgradConfig | None] = {"default (5 stages, 1 epilogue buffer)": None}
+    variants: dict[str, GroupedWgradConfig | None] = {
+        "default (5 stages, 1 epilogue buffer, grid minor 0)": None
+    }
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 
@@ -744,12 +748,10 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
         if g == 1:
             args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T)
             for name, config in dense_fp8_block_wgrad_variants().items():
-                if tiny:  # (None: the entry point's pick, fitted as it fits it)
-                    config = fit_to_shared_memory(
-                        dataclasses.replace(config or DENSE_FP8_BLOCK_WGRAD_CONFIG, **tiny),
-                        (1, 1, 4),
-                        block_scaled=True,
-                    )
+                if tiny:  # (None: the entry point's pick)
+                    config = dataclasses.replace(config or DENSE_FP8_BLOCK_WGRAD_CONFIG, **tiny)
+                if config is not None:  # fitted as the entry point fits its own
+                    config = fit_to_shared_memory(config, (1, 1, 4), block_scaled=True)
                 candidates[name] = (
                     jax.jit(
                         lambda a, sa, b, sb, c=config: dense_matmul_fp8_block_wgrad(
