@@ -104,7 +104,7 @@ for the run's clocks) are timed batch by batch in alternation
   128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group
   of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
   `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
-  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages, grid minor 0 since stop 55);
+  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -720,15 +720,12 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
     steps = {
-        "grid minor 1": dict(grid_minor_dim=1),
-        "3 stages": dict(max_concurrent_steps=3),
-        "3 stages, grid minor 1 (the MoE default)": dict(max_concurrent_steps=3, grid_minor_dim=1),
+        "3 stages (the MoE default)": dict(max_concurrent_steps=3),
+        "grid minor 0": dict(grid_minor_dim=0),
         "grid width 1": dict(grid_tile_width=1),
         "grid width 8": dict(grid_tile_width=8),
     }
-    variants: dict[str, GroupedWgradConfig | None] = {
-        "default (5 stages, 1 epilogue buffer, grid minor 0)": None
-    }
+    variants: dict[str, GroupedWgradConfig | None] = {"default (5 stages, 1 epilogue buffer)": None}
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 

@@ -133,13 +133,13 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
 )
 # The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`):
-# 5 stages and the grid walked along its first dimension, from stop 55's sweeps on an H100 (the
-# same sweep's one-group 8192³ case, the same bits throughout): with bf16 out, 5 stages 818 /
-# 821 TFLOP/s against 755 / 755 with the MoE default's 3; with the layers' float32 out (one
-# epilogue buffer beside 5 stages: `fit_to_shared_memory` drops the second) 771 against 762,
-# and 881 with grid_minor_dim=0. At G8 these are level (750-794 against 747-766).
+# 5 stages, from stop 55's sweeps on an H100 (`grouped_ab --variants fp8_block_wgrad`, its
+# one-group 8192³ case, the same bits throughout). With a bfloat16 output, 818 / 821 TFLOP/s
+# against 755 / 755 with the MoE default's 3 (two calls). With the layers' float32 output one
+# epilogue buffer fits beside 5 stages (`fit_to_shared_memory` drops the second), and the two
+# depths are level: 771 / 764 against 762 / 781 (the grid orders 750-803, within the noise).
 DENSE_FP8_BLOCK_WGRAD_CONFIG = dataclasses.replace(
-    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=5, grid_minor_dim=0
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=5
 )
 
 
