@@ -105,6 +105,10 @@ for the run's clocks) are timed batch by batch in alternation
   of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
   `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
   default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
+* ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out) on tiles
+  of 16 and 17 token steps (G8) and of 64 and 65 (one group): 4 stages ran 0.78-0.83x of 3 and
+  5 in every call of stops 53-55 at 16 and 64 steps. Is the slow spot where the stage count
+  divides a tile's steps (each tile's pipeline then starts and ends on the same slots)?
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -115,7 +119,7 @@ for the run's clocks) are timed batch by batch in alternation
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
-                    wgrad|fp8_block_wgrad|dense_fp8_block_stages]
+                    wgrad|fp8_block_wgrad|wgrad_stage_spot|dense_fp8_block_stages]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -523,6 +527,7 @@ VARIANT_SETS = {
     "stream_k": stream_k_variants,  # bf16 and FP8 rowwise; block FP8 default
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
     "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
+    "wgrad_stage_spot": None,  # its 4-stage slow spot: see WGRAD_STAGE_SPOT_SHAPES
     "dense_fp8_block_stages": None,  # dense block FP8, fwd and wgrad: see dense_fp8_block_...
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
@@ -730,19 +735,45 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     return variants
 
 
-def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
+def wgrad_stage_spot_variants() -> dict[str, GroupedWgradConfig]:
+    """name -> the MoE block-FP8 wgrad config at 2 to 5 stages (3, the default, first)."""
+    default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    variants = {"3 stages (the MoE default)": default}
+    for stages in (2, 4, 5):
+        variants[f"{stages} stages"] = dataclasses.replace(default, max_concurrent_steps=stages)
+    return variants
+
+
+# (case, G, M, K, N, group sizes) of `--variants wgrad_stage_spot`: token steps a tile that 4
+# (and 2) divide, and one more step, at G8 and in one group.
+WGRAD_STAGE_SPOT_SHAPES = {
+    "G8, 16 steps a tile": (8, 16384, 4096, 4096, [2048] * 8),
+    "G8, 17 steps a tile": (8, 17408, 4096, 4096, [2176] * 8),
+    "one group, 64 steps a tile": (1, 8192, 8192, 8192, [8192]),
+    "one group, 65 steps a tile": (1, 8320, 8192, 8192, [8320]),
+}
+
+
+def fp8_block_wgrad_cases(
+    run_case,
+    shapes,
+    interpret: bool,
+    tiny: dict | None,
+    variants: dict[str, GroupedWgradConfig] | None = None,
+) -> None:
     """Block FP8's MoE wgrad variants on each shape (`tiny`: config fields for the
     interpreter): dW[g] = x_gᵀ dy_g from the columnwise copies (K, M) and (N, M) with their
-    1x128 token-block scales, as the layer calls the kernel (bfloat16 out). A one-group shape
-    is the dense layers' wgrad: `dense_fp8_block_wgrad_variants` through the dense entry point,
-    float32 out, as the dense layers call it."""
+    1x128 token-block scales, as the layer calls the kernel (bfloat16 out), under `variants`
+    (default: `fp8_block_wgrad_variants`). Without `variants`, a one-group shape is the dense
+    layers' wgrad: `dense_fp8_block_wgrad_variants` through the dense entry point, float32
+    out, as the dense layers call it."""
     from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
 
     for shape, (g, m, k, n, sizes) in shapes.items():
         lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, m, 4, seed=13)
         rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)
         candidates = {}
-        if g == 1:
+        if g == 1 and variants is None:
             args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T)
             for name, config in dense_fp8_block_wgrad_variants().items():
                 if tiny:  # (None: the entry point's pick)
@@ -760,7 +791,7 @@ def fp8_block_wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) 
             shape = f"{shape}, f32 out"
         else:
             args = (lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T, jnp.asarray(sizes))
-            for name, config in fp8_block_wgrad_variants().items():
+            for name, config in (variants or fp8_block_wgrad_variants()).items():
                 config = dataclasses.replace(config, **tiny) if tiny else config
                 candidates[name] = (
                     jax.jit(
@@ -1085,6 +1116,18 @@ def main(
             }
             tiny_block = dict(num_sms=2, grid_tile_width=1)
         fp8_block_wgrad_cases(run_case, shapes, interpret, tiny_block)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "wgrad_stage_spot":
+        spot_shapes, tiny_block = WGRAD_STAGE_SPOT_SHAPES, None
+        if small:  # 1 and 2 token steps a group (128-token tiles)
+            spot_shapes = {
+                "G2, 1 step a tile": (2, 256, 128, 128, [128, 128]),
+                "one group, 2 steps a tile": (1, 256, 128, 128, [256]),
+            }
+            tiny_block = dict(num_sms=2, grid_tile_width=1)
+        fp8_block_wgrad_cases(
+            run_case, spot_shapes, interpret, tiny_block, wgrad_stage_spot_variants()
+        )
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None

@@ -114,6 +114,23 @@ def test_grouped_ab_fp8_block_wgrad_runs_small(tmp_path):
     assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
 
 
+def test_grouped_ab_wgrad_stage_spot_runs_small(tmp_path):
+    # The block-FP8 wgrad kernel at 2 to 5 stages on two groups and on one, in the
+    # interpreter: the default's bits from each.
+    from benchmarks import grouped_ab
+
+    grouped_ab.main(str(tmp_path), small=True, variants="wgrad_stage_spot")
+    rows = json.loads((tmp_path / "grouped_ab_wgrad_stage_spot.json").read_text())
+    kernels = [r for r in rows if not r["variant"].startswith("XLA")]
+    for case in ("G2, 1 step a tile", "one group, 2 steps a tile"):
+        variants = {r["variant"] for r in kernels if r["case"] == f"{case} wgrad block FP8"}
+        assert variants == set(grouped_ab.wgrad_stage_spot_variants()), case
+    assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
+    # The GPU shapes: 128-token steps a group that 4 divides, and one more.
+    steps = [sizes[0] // 128 for *_, sizes in grouped_ab.WGRAD_STAGE_SPOT_SHAPES.values()]
+    assert steps == [16, 17, 64, 65]
+
+
 def test_grouped_ab_dense_fp8_block_stages_runs_small(tmp_path):
     # The dense block-FP8 GEMM, forward (128x128 rhs blocks) and wgrad (1x128 blocks on both
     # operands), under its stage counts in the interpreter: the default's bits from each that
