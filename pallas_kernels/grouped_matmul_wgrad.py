@@ -157,6 +157,12 @@ def fit_to_shared_memory(
 ) -> GroupedWgradConfig:
     """`config`, its epilogue tile, then its epilogue buffers, then its stages cut until it fits
     the shared memory for operands of (lhs, rhs, out) itemsizes `sizes`."""
+    if not isinstance(config, GroupedWgradConfig):
+        raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")
+    if len(sizes) != 3 or not all(isinstance(n, int) and n > 0 for n in sizes):
+        raise ValueError(
+            f"sizes must be the (lhs, rhs, out) itemsizes, three positive ints, got {sizes!r}"
+        )
     while _smem_needed(config, sizes, block_scaled) > SMEM_BYTES:
         if config.epi_tile_n > 32:
             config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)

@@ -476,8 +476,14 @@ def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():
     np.testing.assert_array_equal(
         np.asarray(on_its_default).view(np.uint32), np.asarray(out).view(np.uint32)
     )
+    with pytest.raises(TypeError, match=r"config must be a GroupedWgradConfig, got dict"):
+        fit_to_shared_memory({}, (1, 1, 4), True)
+    with pytest.raises(ValueError, match=r"sizes must be the \(lhs, rhs, out\) itemsizes"):
+        fit_to_shared_memory(DENSE_FP8_BLOCK_WGRAD_CONFIG, (1, 4), True)
     with pytest.raises(ValueError, match=r"lhs must have rank 2"):
         dense_matmul_fp8_block_wgrad(lhs8[0], lhs_scale, rhs8, rhs_scale)
+    with pytest.raises(ValueError, match=r"rhs token count 128 does not match lhs token count 256"):
+        dense_matmul_fp8_block_wgrad(lhs8, lhs_scale, rhs8[:, :128], rhs_scale)
     with pytest.raises(ValueError, match=r"rhs_scale must have shape \(192, 2\), got \(2, 192\)"):
         dense_matmul_fp8_block_wgrad(lhs8, lhs_scale, rhs8, rhs_scale.T)
     with pytest.raises(TypeError, match=r"lhs_scale must have dtype in \(float32\)"):
