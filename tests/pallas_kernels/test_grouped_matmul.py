@@ -395,14 +395,22 @@ def test_fp8_block_with_1x128_rhs_blocks_matches_dequantized_reference(case):
     assert_close(out, ref, rel=1e-5)
 
 
-def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
-    # The dense entry point (the layers' wgrad dyᵀ x), with its default config fitted to the
-    # rhs scale stages, in the interpreter on 200 x 256 @ (192 x 256)ᵀ.
+def dense_wgrad_operands():
+    """A wgrad's two 1x128-block copies, 200 x 256 and 192 x 256 FP8 (256 tokens: two scale
+    blocks, a partial row tile), with power-of-two scales (200, 2) and (192, 2)."""
     k = keys(4, seed=46)
     lhs8 = random_fp8(k[0], (200, 256), E4M3)
     rhs8 = random_fp8(k[1], (192, 256), E4M3)
-    lhs_scale = 2.0 ** jax.random.randint(k[2], (2, 200), -6, 7).astype(jnp.float32)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (200, 2), -6, 7).astype(jnp.float32)
     rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 2), -6, 7).astype(jnp.float32)
+    return lhs8, lhs_scale, rhs8, rhs_scale
+
+
+def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
+    # The dense entry point (the layers' wgrad dyᵀ x), with its default config fitted to the
+    # rhs scale stages, in the interpreter on 200 x 256 @ (192 x 256)ᵀ.
+    lhs8, lhs_line_scale, rhs8, rhs_scale = dense_wgrad_operands()
+    lhs_scale = lhs_line_scale.T  # K-major, (2, 200)
     out = dense_matmul_fp8_block(
         lhs8,
         lhs_scale,
@@ -439,11 +447,7 @@ def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():
     # The layers' wgrad on the wgrad kernel with one group: the same chunks promoted in the
     # same order as the FP8 kernel's 1x128-rhs path, so the same bits, here on 200 x 256 @
     # (192 x 256)ᵀ with 256 tokens (two scale blocks) and a partial row tile.
-    k = keys(4, seed=46)
-    lhs8 = random_fp8(k[0], (200, 256), E4M3)
-    rhs8 = random_fp8(k[1], (192, 256), E4M3)
-    lhs_scale = 2.0 ** jax.random.randint(k[2], (200, 2), -6, 7).astype(jnp.float32)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 2), -6, 7).astype(jnp.float32)
+    lhs8, lhs_scale, rhs8, rhs_scale = dense_wgrad_operands()
     tiny = GroupedWgradConfig(
         tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=2, epi_tile_n=32, num_sms=2
     )
