@@ -32,6 +32,11 @@
 #                                      (the in-register kernels of stops 46-47:
 #                                      NCU_CASES="mxfp8_weights nvfp4_weights nvfp4_weights_permute"
 #                                      NCU_REGEX=matmul NCU_SKIP=0 SASS_CASES="weights in registers")
+#                                      NCU_SOURCE=1 adds the per-instruction SASS counters of each
+#                                      case (benchmarks/ncu_source.py; stop 56's wgrad stages:
+#                                      NCU_CASES="fp8_block_wgrad_3_stages fp8_block_wgrad_4_stages
+#                                      fp8_block_wgrad_4_stages_scales_first" NCU_REGEX=matmul
+#                                      NCU_SKIP=0 SASS_CASES=none NCU_SOURCE=1)
 #   bash benchmarks/h200.sh split      (kind nvidia-h200-x2) the tests stage on GPU 0 while the
 #                                      train stage runs on GPU 1, after ab when SPLIT_AB=1
 # TEST_BUDGET / BENCH_BUDGET (seconds) cap each stage so it fits one device call (600 s).
@@ -170,6 +175,15 @@ elif [[ $STAGE == ncu ]]; then
       --metrics "${NCU_METRICS:-$PIPES}" python3 -m benchmarks.ncu_cases "$case" \
       >> "$OUT/ncu_$case.txt" 2>&1
     grep -E "Duration|Issue Slots Busy|Executed Ipc A|pipe_|issue_active|inst_executed.sum|Warp Cycles Per Issued|Stall|Registers|Achieved Occ|Compute \(SM\)|Memory Through" "$OUT/ncu_$case.txt" | head -40
+    if [[ ${NCU_SOURCE:-0} == 1 ]]; then
+      # Per-instruction SASS counters (shared wavefronts, stall samples): benchmarks/ncu_source.py
+      # reads them; stop 56 found the wgrad kernel's 4-stage slow spot with it.
+      timeout "${NCU_BUDGET:-80}" "$NCU" --kernel-name regex:"${NCU_REGEX:-quantize|matmul}" $launches \
+        --section SourceCounters --page source --print-source sass --csv \
+        python3 -m benchmarks.ncu_cases "$case" > "$OUT/ncu_source_$case.csv" 2>&1
+      python3 -m benchmarks.ncu_source "$OUT/ncu_source_$case.csv" >> "$OUT/ncu_$case.txt" 2>&1
+      gzip -f "$OUT/ncu_source_$case.csv"
+    fi
   done
   if [[ ${SASS_CASES:-lean} != none ]]; then
     scratch=$(mktemp -d)

@@ -14,7 +14,12 @@ kernel to bf16, with the float16 decode (the default) and with the integer one
 (CUTLASS) on the same operands, so that the two kernels' pipe, shared-memory and stall
 figures can be read side by side (`--kernel-name regex:"matmul|cutlass|gemm"`), and the same
 shape with MXFP8 / NVFP4 weights dequantized in registers (stops 46-47: `mxfp8_weights`,
-`nvfp4_weights`, `nvfp4_weights_permute`; do the conversions fit beside the MMAs?).
+`nvfp4_weights`, `nvfp4_weights_permute`; do the conversions fit beside the MMAs?), and the
+block-FP8 MoE wgrad (G8 balanced, dW (8, 4096, 4096) bf16) at 2 to 6 pipeline stages
+(`fp8_block_wgrad_3_stages` ...; `..._scales_first`: with `block_scales_before_mma`):
+4 stages run 0.78-0.87x of 3 and 5 on every shape timed. Stop 56 read why from
+`--section SourceCounters --page source --print-source sass`: ptxas put the row-scale loads
+after the wgmma instructions at 4 stages, before them at 3.
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
@@ -31,6 +36,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from benchmarks.bench_quantize import nvfp4_fixed_amax
 from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config
+from pallas_kernels.grouped_matmul_wgrad import DEFAULT_FP8_BLOCK_WGRAD_CONFIG, fit_to_shared_memory
 
 SIZE = 8192
 
@@ -128,6 +134,30 @@ def _weights_in_registers(calls: int, fmt: str, e2m1_decode: str = "float32") ->
         jax.block_until_ready(fn(lhs, codes, scales, sizes))
 
 
+def _fp8_block_wgrad(calls: int, stages: int, scales_first: bool = False) -> None:
+    """dW[g] = x_gᵀ dy_g over G8 balanced groups from the columnwise copies (4096, 16384) with
+    their 1x128 token-block scales, bf16 out, the MoE default config at `stages` stages
+    (`scales_first`: with `block_scales_before_mma`)."""
+    from benchmarks.peers_ab import block_fp8_operands
+
+    lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(4096, 16384, 4, seed=13)
+    rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(4096, 16384, 4, seed=14)
+    config = dataclasses.replace(
+        DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+        max_concurrent_steps=stages,
+        block_scales_before_mma=scales_first,
+    )
+    config = fit_to_shared_memory(config, (1, 1, 2), block_scaled=True)
+    fn = jax.jit(
+        lambda a, sa, b, sb, s: pk.grouped_matmul_wgrad(
+            a, b, s, lhs_block_scale=sa, rhs_block_scale=sb, out_dtype=jnp.bfloat16, config=config
+        )
+    )
+    sizes = jnp.full((8,), 2048, jnp.int32)
+    for _ in range(calls):
+        jax.block_until_ready(fn(lhs8, lhs_scale_k_major.T, rhs8, rhs_scale_k_major.T, sizes))
+
+
 GROUPED_CASES = {
     "bf16_grouped": _ours_bf16_grouped,
     "torch_bf16_grouped": _torch_bf16_grouped,
@@ -136,6 +166,16 @@ GROUPED_CASES = {
     "nvfp4_weights_permute": functools.partial(
         _weights_in_registers, fmt="nvfp4", e2m1_decode="byte_permute"
     ),
+    **{
+        f"fp8_block_wgrad_{stages}_stages": functools.partial(_fp8_block_wgrad, stages=stages)
+        for stages in (2, 3, 4, 5, 6)
+    },
+    **{
+        f"fp8_block_wgrad_{stages}_stages_scales_first": functools.partial(
+            _fp8_block_wgrad, stages=stages, scales_first=True
+        )
+        for stages in (3, 4)
+    },
 }
 
 

@@ -715,6 +715,36 @@ def test_ncu_driver_runs_every_case_and_names_bad_ones():
         ncu_cases.main("nvfp4", 0)
 
 
+def test_ncu_source_reads_the_sass_table_and_names_bad_input():
+    # Nsight Compute's --page source --csv output: log lines, the kernel's name, then the
+    # SASS table (a few of its many columns here, as ncu 2025.3 names them).
+    from benchmarks import ncu_source
+
+    header = [
+        "Address", "Source", ncu_source.SAMPLES, "Instructions Executed",
+        "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal", "stall_mio", "stall_short_sb",
+        "stall_mio (Not Issued)",
+    ]  # fmt: skip
+    table = [
+        ["0x10", "  LDS R157, [R161+0x28400]", "30", "1,048,576", "2,097,152", "1,048,576",
+         "25", "0", "9"],
+        ["0x20", "  FMUL R156, R157, R138", "60", "1,048,576", "0", "0", "0", "55", "0"],
+        ["0x30", "  IADD3 R1, R2, R3, RZ", "10", "1,048,576", "0", "0", "0", "0", "0"],
+    ]  # fmt: skip
+    lines = ["==PROF== Connected to process 1", '"Kernel Name","grouped_matmul_wgrad"']
+    lines += [",".join(f'"{cell}"' for cell in row) for row in [header, *table]]
+    rows = ncu_source.read_instructions("\n".join(lines))
+    report = ncu_source.summarize(rows, top=2)
+    assert "| `LDS R157, [R161+0x28400]` | 1048576 | 2097152 | 1048576 | 30 |" in report
+    assert "FMUL" not in report.split("stall samples in all")[0]  # touches no shared memory
+    assert "stall samples in all: 100" in report
+    assert "| `FMUL R156, R157, R138` | 60 | 60.0% | short_sb 55 |" in report
+    assert "| `LDS R157, [R161+0x28400]` | 30 | 30.0% | mio 25 |" in report
+    assert "IADD3" not in report  # third by samples, past top=2
+    with pytest.raises(ValueError, match="no SASS table in the input"):
+        ncu_source.read_instructions("==PROF== Disconnected")
+
+
 @pytest.mark.slow
 def test_scale_layout_ab_runs_small(tmp_path):
     # Quantize and the dense layer in both scale layouts (the interpreter): bits checked equal
