@@ -67,6 +67,14 @@ class GroupedWgradConfig:
     grid_minor_dim / grid_tile_width: planar-snake walk of one group's tiles.
     num_sms: persistent CTAs; None = the device's SM count.
     epilogue_buffers: SMEM staging buffers per consumer for the output stores (1 or 2).
+    block_scales_before_mma: 1x128 block scales only: load each chunk's row and column
+      scales from shared memory before its wgmma is issued (True) instead of right after
+      (False, the default). The same arithmetic and bits. Why: Nsight Compute's per-instruction
+      counters on an H100 (stop 56) showed ptxas placing the row-scale loads after the
+      wgmma instructions at 4 stages, where they wait in the MIO queue behind the MMA and
+      the promotion's multiply waits on them (MIO and short-scoreboard stalls; 4 stages run
+      0.78-0.87x of 3), but before them at 3 stages; 2 stages show 4's stall ratios. Issuing
+      them first takes that choice away from ptxas. Not yet timed on a GPU: not the default.
     """
 
     tile_m: int = 128
@@ -78,6 +86,7 @@ class GroupedWgradConfig:
     grid_tile_width: int = 4
     num_sms: int | None = None
     epilogue_buffers: int = 2
+    block_scales_before_mma: bool = False
 
     def __post_init__(self):
         if self.tile_m not in (128, 256):
@@ -108,6 +117,10 @@ class GroupedWgradConfig:
 
         if self.epilogue_buffers not in (1, 2):
             raise ValueError(f"epilogue_buffers must be 1 or 2, got {self.epilogue_buffers}")
+        if not isinstance(self.block_scales_before_mma, bool):
+            raise TypeError(
+                f"block_scales_before_mma must be a bool, got {self.block_scales_before_mma!r}"
+            )
 
     def smem_bytes(self, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int) -> int:
         stage = self.tile_t * (self.tile_m * lhs_itemsize + 2 * self.tile_n * rhs_itemsize)
@@ -268,6 +281,11 @@ def grouped_matmul_wgrad(
         config = fit_to_shared_memory(default, sizes, block_scaled)
     if not isinstance(config, GroupedWgradConfig):
         raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")
+    if config.block_scales_before_mma and not block_scaled:
+        raise ValueError(
+            "config.block_scales_before_mma applies to 1x128 block scales only "
+            "(lhs_block_scale / rhs_block_scale)"
+        )
     if block_scaled and config.tile_t != 128:
         raise ValueError(f"config: 1x128 block scales need tile_t=128, got {config.tile_t}")
     if block_scaled and 2 * config.tile_m * config.tile_n > _MAX_ACC_ELEMS_PER_WG:
@@ -605,8 +623,7 @@ def _wgrad_call(
                     fresh accumulator (never sharing the tensor core's adder with earlier
                     chunks), the scales loaded while it runs."""
 
-                    def product(chunk_ref):
-                        plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                    def load_scales():
                         row_scale = plgpu.load(
                             lhs_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(1)
                         )
@@ -614,6 +631,15 @@ def _wgrad_call(
                             rhs_scales.at[0, pl.ds(wg * tile_n, tile_n)],
                             layout=plgpu.Layout.WGMMA.reduce(0),
                         )
+                        return row_scale, col_scale
+
+                    def product(chunk_ref):
+                        if config.block_scales_before_mma:
+                            row_scale, col_scale = load_scales()
+                            plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                        else:
+                            plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                            row_scale, col_scale = load_scales()
                         plgpu.wgmma_wait(0)
                         chunk = chunk_ref[...]
                         scale = lax.broadcast_in_dim(row_scale, chunk.shape, [0])

@@ -12,6 +12,8 @@ CPU CI) or where torch refuses block scales (an older torch or CUDA: the skip sa
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,7 +26,10 @@ from benchmarks.peers_ab import (
 )
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block, dense_matmul_fp8_block_wgrad
 from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
-from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
+from pallas_kernels.grouped_matmul_wgrad import (
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+    grouped_matmul_wgrad,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -121,11 +126,21 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     _assert_equal_to_cublas(np.asarray(on_wgrad_kernel.astype(jnp.float32)), theirs)
 
 
-def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        dataclasses.replace(
+            DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=4, block_scales_before_mma=True
+        ),
+    ],
+    ids=["default", "4 stages, scales before the MMA"],
+)
+def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group(config):
     # The MoE wgrad of block FP8 (the path "fp8_block_grouped_wgrad", the default since stop
     # 53): each expert's dW is TE's cuBLASLt GEMM of its tokens' two 1x128 copies. The layer
     # aligns every group to 128 tokens, so each group's scale blocks are its own (an empty
-    # group included).
+    # group included). Also with the scale loads ahead of the wgmma (stop 56's option).
     torch = _torch_or_skip()
     sizes, k, n = [1024, 0, 384, 640], 512, 768
     lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, sum(sizes), 4, seed=13)
@@ -138,6 +153,7 @@ def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group():
         lhs_block_scale=lhs_scale,
         rhs_block_scale=rhs_scale,
         out_dtype=jnp.bfloat16,
+        config=config,
     )
     ours = np.asarray(ours.astype(jnp.float32))
     start = 0

@@ -38,6 +38,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul_fp8_block,
 )
 from pallas_kernels.grouped_matmul_wgrad import (
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
     fit_to_shared_memory,
@@ -1170,6 +1171,43 @@ def test_fp8_wgrad_with_1x128_block_scales_matches_dequantized_reference(sizes):
     assert_close(out, ref, rel=1e-5)
 
 
+def test_fp8_wgrad_block_scales_before_the_mma_give_the_same_bits():
+    # `block_scales_before_mma` only moves the scale loads ahead of the wgmma (for ptxas's
+    # scheduling): the products, their promotion and so the bits are the default's. Another
+    # chunk's or row's scale read by mistake would change them (the scales are far apart).
+    sizes = jnp.asarray([50, 0, 177, 100], jnp.int32)
+    k = keys(4, seed=21)
+    lhs, rhs = random_fp8(k[0], (128, 384), E4M3), random_fp8(k[1], (192, 384), E4M3)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (128, 3), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 3), -6, 7).astype(jnp.float32)
+
+    def wgrad(config):
+        return grouped_matmul_wgrad(
+            lhs,
+            rhs,
+            sizes,
+            lhs_block_scale=lhs_scale,
+            rhs_block_scale=rhs_scale,
+            config=config,
+            interpret=True,
+        )
+
+    late = wgrad(tiny_wgrad(128))
+    early = wgrad(dataclasses.replace(tiny_wgrad(128), block_scales_before_mma=True))
+    np.testing.assert_array_equal(np.asarray(early), np.asarray(late))
+    assert np.asarray(late).any()
+
+
+def test_wgrad_block_scales_before_mma_is_a_bool_for_block_scales_only():
+    with pytest.raises(TypeError, match="block_scales_before_mma must be a bool, got 1"):
+        GroupedWgradConfig(block_scales_before_mma=1)
+    config = dataclasses.replace(tiny_wgrad(64), block_scales_before_mma=True)
+    with pytest.raises(ValueError, match="applies to 1x128 block scales only"):
+        grouped_matmul_wgrad(
+            _bf16((128, 128)), _bf16((64, 128)), jnp.asarray([128], jnp.int32), config=config
+        )
+
+
 def test_fp8_wgrad_block_scales_refusals():
     lhs, rhs, sizes = jnp.zeros((128, 256), E4M3), jnp.zeros((64, 256), E4M3), jnp.asarray([256])
     lhs_scale, rhs_scale = jnp.ones((128, 2), jnp.float32), jnp.ones((64, 2), jnp.float32)
@@ -2102,6 +2140,33 @@ def test_output_columns_off_the_epilogue_swizzle_atom_lower_for_h200(kernel, num
         fn = functools.partial(grouped_matmul, rhs_layout=layout, out_dtype=out_dtype)
     exported = export_for_h200(fn, *avals)
     assert exported.out_avals[0].shape == (m, num_cols)
+
+
+@pytest.mark.parametrize("scales_first", [False, True])
+def test_wgrad_block_scale_loads_sit_where_the_config_puts_them(scales_first):
+    # What we control of stop 56's finding (ptxas may still reorder): in the kernel handed to
+    # ptxas, each chunk's column-scale loads from shared memory (vector<2xf32>) come after
+    # the chunk's wgmma instructions by default, and before them with block_scales_before_mma.
+    tokens, k, n = 1024, 512, 512
+    avals = (S((k, tokens), E4M3), S((n, tokens), E4M3), S((2,), jnp.int32))
+    avals += (S((k, tokens // 128), F32), S((n, tokens // 128), F32))
+    config = dataclasses.replace(
+        DEFAULT_FP8_BLOCK_WGRAD_CONFIG, block_scales_before_mma=scales_first
+    )
+    (module,) = mosaic_modules(
+        lambda a, b, g, sa, sb: grouped_matmul_wgrad(
+            a, b, g, lhs_block_scale=sa, rhs_block_scale=sb, config=config
+        ),
+        *avals,
+    )
+    lines = module.splitlines()
+    mmas = [i for i, line in enumerate(lines) if "wgmma.mma_async" in line]
+    loads = [i for i, line in enumerate(lines) if re.search(r"ptr<3> -> vector<2xf32>", line)]
+    assert mmas and len(loads) >= 8  # tile_n = 64 columns: 8 pairs a thread
+    if scales_first:
+        assert max(loads) < min(mmas)
+    else:
+        assert min(loads) > max(mmas)
 
 
 def test_stream_k_lowers_with_global_semaphores_and_leaves_the_default_alone():
