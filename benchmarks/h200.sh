@@ -20,8 +20,10 @@
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (defaults: stop 51's grouped block-FP8
 #                                      wgrad kernel, its gpu tests and peers_ab --cases
-#                                      grouped_fp8_block_wgrad; then whatever PENDING_RESOURCES /
-#                                      PENDING_AB / PENDING_GROUPED_AB / PENDING_BENCH name)
+#                                      grouped_fp8_block_wgrad; grouped_ab's wgrad_stage_spot and
+#                                      fp8_block_wgrad sets (stop 56's block_scales_before_mma);
+#                                      then whatever PENDING_RESOURCES / PENDING_AB /
+#                                      PENDING_BENCH name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
 #                                      torch, jax's Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
@@ -133,7 +135,8 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  for entry in ${PENDING_GROUPED_AB-}; do
+  # (Default since stop 56: the wgrad's block_scales_before_mma, at 2-5 stages, then in the sweep.)
+  for entry in ${PENDING_GROUPED_AB-wgrad_stage_spot fp8_block_wgrad}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
@@ -142,8 +145,9 @@ elif [[ $STAGE == pending ]]; then
     budget=$(( left < ${GROUPED_AB_BUDGET:-220} ? left : ${GROUPED_AB_BUDGET:-220} ))
     args=""
     [[ $entry == *:* ]] && args=${entry#*:}
+    mkdir -p "$OUT/ab"
     timeout "$budget" python3 -m benchmarks.grouped_ab --out "$OUT/ab" \
-      --variants "${entry%%:*}" $args 2>&1 | tee "$OUT/grouped_ab_${entry%%:*}.log" | tail -18
+      --variants "${entry%%:*}" $args 2>&1 | tee "$OUT/ab/grouped_ab_${entry%%:*}.log" | tail -18
   done
   # bench_quantize's case groups ($PENDING_BENCH; "extra" times the NVFP4 dequantize kernel
   # with and without the float16 decode, CUPTI), when set.
@@ -151,6 +155,10 @@ elif [[ $STAGE == pending ]]; then
     BENCH_BUDGET_S=${BENCH_BUDGET_S:-90} timeout 120 python3 benchmarks/bench_quantize.py \
       "$OUT/bq" --cases="${PENDING_BENCH}" 2>&1 | grep -i "dequantize\|nvfp4" | head -30
   fi
+  # One archive for the A/B folders: at most 8 files of $OUT come back from the device.
+  for folder in ab bq; do
+    [[ -d $OUT/$folder ]] && tar -czf "$OUT/$folder.tar.gz" -C "$OUT" "$folder" && rm -rf "${OUT:?}/$folder"
+  done
 elif [[ $STAGE == peers ]]; then
   timeout "${PEERS_BUDGET:-300}" python3 -m benchmarks.peers_ab --out "$OUT" \
     --rounds "${PEERS_ROUNDS:-15}" ${PEERS_CASES:+--cases $PEERS_CASES} 2>&1 \
