@@ -853,6 +853,7 @@ def dense_fp8_block_variants(
     if small:
         return variants
     variants["no persistent pipeline"] = dataclasses.replace(default, persistent_pipeline=False)
+    variants["scales before the MMA"] = dataclasses.replace(default, block_scales_before_mma=True)
     variants["lhs scales prefetched per tile"] = fp8_block_default_config(
         k, jnp.bfloat16, persistent_pipeline=True, **blocks
     )

@@ -111,6 +111,14 @@ class GroupedMatmulConfig:
       room of a pipeline stage; streamed, the dense 8192³ GEMM keeps four stages and may run
       the persistent pipeline. Needs wgmma_in_flight=0 (the previous step's scales leave
       with its stage).
+    block_scales_before_mma: block FP8 with wgmma_in_flight=0 only: load each K step's scales
+      before its wgmma is issued (waiting for the tile's prefetched lhs scale table first when
+      it is not streamed), instead of after (early_block_scales) or after the wait. The same
+      bits. Why: on the block-FP8 wgrad kernel ptxas placed such loads after the wgmma
+      instructions at one pipeline depth and before them at another, and the late placement
+      ran 0.78-0.87x as fast (stop 56, `GroupedWgradConfig.block_scales_before_mma`). Stop
+      36's unsteady early_block_scales timings may be the same effect. Not yet timed: off by
+      default.
     consumer_split: "n" (default): the two consumer warpgroups share the tile's tile_m rows and
       own tile_n columns each; "m": each owns tile_m / 2 rows and all 2 * tile_n columns, so
       that its wgmma is one m64n(2 * tile_n) instruction per K slice where "n" issues two
@@ -167,6 +175,7 @@ class GroupedMatmulConfig:
     early_block_scales: bool = True
     stagger_consumers: bool = False
     stream_lhs_scales: bool = False
+    block_scales_before_mma: bool = False
     consumer_split: str = "n"
     num_consumers: int = 2
     stream_k: bool = False
@@ -216,6 +225,15 @@ class GroupedMatmulConfig:
             raise ValueError(
                 "stream_lhs_scales needs wgmma_in_flight=0 (the promotion of the previous K "
                 "block would read scales whose stage is released)"
+            )
+        if not isinstance(self.block_scales_before_mma, bool):
+            raise TypeError(
+                f"block_scales_before_mma must be a bool, got {self.block_scales_before_mma!r}"
+            )
+        if self.block_scales_before_mma and self.wgmma_in_flight:
+            raise ValueError(
+                "block_scales_before_mma needs wgmma_in_flight=0 (with a wgmma in flight the "
+                "previous K block is promoted under the MMA instead)"
             )
         if self.stagger_consumers and self.wgmma_in_flight:
             raise ValueError(
@@ -299,6 +317,8 @@ class GroupedMatmulConfig:
             raise ValueError("config: stagger_consumers applies to the block-FP8 kernel only")
         if self.stream_lhs_scales:
             raise ValueError("config: stream_lhs_scales applies to the block-FP8 kernel only")
+        if self.block_scales_before_mma:
+            raise ValueError("config: block_scales_before_mma applies to the block-FP8 kernel only")
 
     def check_consumers_split_columns(self, kernel: str) -> None:
         """For the kernels whose K steps are written for consumers that own columns."""
@@ -1151,16 +1171,25 @@ def grouped_matmul_fp8_block(
             first_step_of = lambda consumer: first_step() & (ctx.consumer == consumer)
             pl.when(first_step_of(1))(lambda: plgpu.barrier_wait(ctx.scratch[0]))
 
-        def chunk_product(chunk_ref):
-            # A freshly scoped accumulator starts at zero: this K block's products
-            # never share the tensor core's adder with earlier blocks.
-            plgpu.wgmma(chunk_ref, lhs_operand, rhs_operand)
-
-            if not streamed:
+        def wait_prefetched_scales():
+            if not streamed:  # the tile's lhs scale table, copied at tile start
 
                 @pl.when(first_step())
                 def _wait_scales():
                     ctx.wait_prefetched(0)
+
+        def chunk_product(chunk_ref):
+            scale_first = None
+            if config.block_scales_before_mma:
+                # Loaded before the wgmma is issued, so that ptxas cannot place the loads
+                # behind the MMA's instructions (stop 56's wgrad finding).
+                wait_prefetched_scales()
+                scale_first = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)
+            # A freshly scoped accumulator starts at zero: this K block's products
+            # never share the tensor core's adder with earlier blocks.
+            plgpu.wgmma(chunk_ref, lhs_operand, rhs_operand)
+            if scale_first is None:
+                wait_prefetched_scales()
 
             if overlap:
                 # Promote the previous K block while this block's wgmma runs (at
@@ -1168,7 +1197,9 @@ def grouped_matmul_fp8_block(
                 prev_block = jnp.maximum(k_step - 1, 0)
                 promoted = promote(main, previous, block_scale(refs, ctx, prev_block))
                 return promoted, chunk_ref[...]
-            if config.early_block_scales:
+            if scale_first is not None:
+                scale, chunk = scale_first, chunk_ref[...]
+            elif config.early_block_scales:
                 # Loaded before reading the accumulator (which waits for the wgmma): the
                 # loads' latency runs under the MMA instead of after it.
                 scale = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)

@@ -25,7 +25,7 @@ from benchmarks.peers_ab import (
     torch_two_1x128_mm,
 )
 from pallas_kernels.grouped_matmul_dense import dense_matmul_fp8_block, dense_matmul_fp8_block_wgrad
-from pallas_kernels.grouped_matmul_fwd import grouped_matmul_fp8_block
+from pallas_kernels.grouped_matmul_fwd import fp8_block_default_config, grouped_matmul_fp8_block
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     grouped_matmul_wgrad,
@@ -76,6 +76,23 @@ def test_gpu_dense_fp8_block_equals_cublas_block_scaled_gemm(shape):
     ours = dense_matmul_fp8_block(*operands, lhs_scale_k_major=True)
     theirs = _cublas_or_skip(torch, torch_block_fp8_mm, *operands)
     _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
+
+
+def test_gpu_dense_fp8_block_with_scales_before_the_mma_equals_cublas():
+    # Stop 56's option on the forward: the same bits with each K step's scale loads issued
+    # ahead of the wgmma, with the entry point's streamed lhs scales and with the tile's
+    # prefetched scale table.
+    torch = _torch_or_skip()
+    operands = block_fp8_operands(*SHAPES["partial row tile"])
+    theirs = _cublas_or_skip(torch, torch_block_fp8_mm, *operands)
+    k = SHAPES["partial row tile"][1]
+    for streamed in (True, False):
+        config = fp8_block_default_config(
+            k, jnp.bfloat16, persistent_pipeline=True, stream_lhs_scales=streamed
+        )
+        config = dataclasses.replace(config, block_scales_before_mma=True)
+        ours = dense_matmul_fp8_block(*operands, lhs_scale_k_major=True, config=config)
+        _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
 
 
 def test_gpu_grouped_fp8_block_equals_cublas_per_group():

@@ -362,6 +362,24 @@ def test_fp8_block_consumers_splitting_rows_match_dequantized_reference(case):
     assert_close(out, ref, rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "three consumers, persistent, late scale loads",
+        "three consumers, streamed scales, persistent",
+    ],
+)
+def test_fp8_block_scales_before_the_mma_give_the_same_bits(case):
+    # block_scales_before_mma moves each K step's scale loads (from the prefetched table, which
+    # is waited for first, or from the streamed stage) ahead of the wgmma: the same bits.
+    config = ROWS_SPLIT_BLOCK_CASES[case]
+    out, ref = ragged_block_fp8_case(config, seed=45, powers_of_two_lhs_scales=True)
+    early = dataclasses.replace(config, early_block_scales=True, block_scales_before_mma=True)
+    out_early, _ = ragged_block_fp8_case(early, seed=45, powers_of_two_lhs_scales=True)
+    np.testing.assert_array_equal(np.asarray(out_early), np.asarray(out))
+    assert_close(out, ref, rel=1e-5)
+
+
 def test_fp8_block_dense_three_consumers():
     # 192-row tiles: 200 rows are one whole tile and a tail tile.
     out, ref = dense_block_fp8_case(THREE_CONSUMER_BLOCK, seed=44, out_dtype=BF16)
@@ -1508,6 +1526,10 @@ def test_bad_inputs_raise_naming_the_argument(call, error, needle):
             "stream_lhs_scales needs wgmma_in_flight=0",
         ),
         (
+            lambda: GroupedMatmulConfig(block_scales_before_mma=True, wgmma_in_flight=1),
+            "block_scales_before_mma needs wgmma_in_flight=0",
+        ),
+        (
             lambda: GroupedMatmulConfig(tile_m=128, tile_n=64, consumer_split="m", num_consumers=3),
             "multiple of 192",
         ),
@@ -1523,7 +1545,9 @@ def test_early_block_scales_must_be_a_bool():
         GroupedMatmulConfig(early_block_scales=1)
 
 
-@pytest.mark.parametrize("option", ["stream_lhs_scales", "stagger_consumers"])
+@pytest.mark.parametrize(
+    "option", ["stream_lhs_scales", "stagger_consumers", "block_scales_before_mma"]
+)
 def test_block_fp8_options_are_bools_for_block_fp8_only(option):
     with pytest.raises(TypeError, match=f"{option} must be a bool, got 1"):
         GroupedMatmulConfig(**{option: 1})
@@ -2142,11 +2166,25 @@ def test_output_columns_off_the_epilogue_swizzle_atom_lower_for_h200(kernel, num
     assert exported.out_avals[0].shape == (m, num_cols)
 
 
+def _scale_loads_around_the_wgmmas(module: str, loaded: str, window: int = 500):
+    """How many shared-memory loads of `loaded` values (e.g. "vector<2xf32>") the module has
+    within `window` lines before its first wgmma instruction, and within `window` after its
+    last: where a K step's (or chunk's) scale loads sit in the kernel handed to ptxas."""
+    lines = module.splitlines()
+    mmas = [i for i, line in enumerate(lines) if "wgmma.mma_async" in line]
+    assert mmas, "no wgmma in the module"
+    loads = [i for i, line in enumerate(lines) if f"ptr<3> -> {loaded}" in line]
+    before = sum(min(mmas) - window <= i < min(mmas) for i in loads)
+    after = sum(max(mmas) < i <= max(mmas) + window for i in loads)
+    return before, after
+
+
 @pytest.mark.parametrize("scales_first", [False, True])
 def test_wgrad_block_scale_loads_sit_where_the_config_puts_them(scales_first):
     # What we control of stop 56's finding (ptxas may still reorder): in the kernel handed to
-    # ptxas, each chunk's column-scale loads from shared memory (vector<2xf32>) come after
-    # the chunk's wgmma instructions by default, and before them with block_scales_before_mma.
+    # ptxas, each chunk's column-scale loads from shared memory (vector<2xf32>, 8 pairs a
+    # thread) come after the chunk's wgmma instructions by default, and before them with
+    # block_scales_before_mma.
     tokens, k, n = 1024, 512, 512
     avals = (S((k, tokens), E4M3), S((n, tokens), E4M3), S((2,), jnp.int32))
     avals += (S((k, tokens // 128), F32), S((n, tokens // 128), F32))
@@ -2159,14 +2197,28 @@ def test_wgrad_block_scale_loads_sit_where_the_config_puts_them(scales_first):
         ),
         *avals,
     )
-    lines = module.splitlines()
-    mmas = [i for i, line in enumerate(lines) if "wgmma.mma_async" in line]
-    loads = [i for i, line in enumerate(lines) if re.search(r"ptr<3> -> vector<2xf32>", line)]
-    assert mmas and len(loads) >= 8  # tile_n = 64 columns: 8 pairs a thread
-    if scales_first:
-        assert max(loads) < min(mmas)
-    else:
-        assert min(loads) > max(mmas)
+    before, after = _scale_loads_around_the_wgmmas(module, "vector<2xf32>")
+    assert (before, after) == ((8, 0) if scales_first else (0, 8))
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "prefetched table"])
+@pytest.mark.parametrize("scales_first", [False, True])
+def test_fp8_block_forward_scale_loads_sit_where_the_config_puts_them(streamed, scales_first):
+    # The same for the dense block-FP8 forward's row scales (three consumers of 64 rows: two
+    # f32 a thread), from the streamed stage or from the tile's prefetched table.
+    m = k = n = 1024
+    avals = (S((m, k), E4M3), S((k // 128, m), F32), S((n, k), E4M3))
+    avals += (S((n // 128, k // 128), F32),)
+    config = fp8_block_default_config(k, BF16, persistent_pipeline=True, stream_lhs_scales=streamed)
+    config = dataclasses.replace(config, block_scales_before_mma=scales_first)
+    (module,) = mosaic_modules(
+        lambda a, sa, b, sb: dense_matmul_fp8_block(
+            a, sa, b, sb, lhs_scale_k_major=True, config=config
+        ),
+        *avals,
+    )
+    before, after = _scale_loads_around_the_wgmmas(module, "vector<1xf32>")
+    assert (before, after) == ((2, 0) if scales_first else (0, 2))
 
 
 def test_stream_k_lowers_with_global_semaphores_and_leaves_the_default_alone():
