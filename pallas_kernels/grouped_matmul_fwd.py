@@ -113,12 +113,12 @@ class GroupedMatmulConfig:
       with its stage).
     block_scales_before_mma: block FP8 with wgmma_in_flight=0 only: load each K step's scales
       before its wgmma is issued (waiting for the tile's prefetched lhs scale table first when
-      it is not streamed), instead of after (early_block_scales) or after the wait. The same
-      bits. Why: on the block-FP8 wgrad kernel ptxas placed such loads after the wgmma
-      instructions at one pipeline depth and before them at another, and the late placement
-      ran 0.78-0.87x as fast (stop 56, `GroupedWgradConfig.block_scales_before_mma`). Stop
-      36's unsteady early_block_scales timings may be the same effect. Not yet timed: off by
-      default.
+      it is not streamed), instead of right after the issue (early_block_scales=True) or after
+      the wgmma has been waited for (False). The same bits. Why: on the block-FP8 wgrad
+      kernel ptxas placed such loads after the wgmma instructions at one pipeline depth and
+      before them at another, and the late placement ran 0.78-0.87x as fast (stop 56,
+      `GroupedWgradConfig.block_scales_before_mma`). Stop 36's unsteady early_block_scales
+      timings may be the same effect. Not yet timed: off by default.
     consumer_split: "n" (default): the two consumer warpgroups share the tile's tile_m rows and
       own tile_n columns each; "m": each owns tile_m / 2 rows and all 2 * tile_n columns, so
       that its wgmma is one m64n(2 * tile_n) instruction per K slice where "n" issues two

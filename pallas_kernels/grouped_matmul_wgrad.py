@@ -621,7 +621,8 @@ def _wgrad_call(
                 def promoted_chunk(lhs_smem, rhs_half, lhs_scales, rhs_scales, main):
                     """main + this chunk's products times its block scales: the wgmma into a
                     fresh accumulator (never sharing the tensor core's adder with earlier
-                    chunks), the scales loaded while it runs."""
+                    chunks), the scales loaded while it runs (asked for just before or just
+                    after its issue: block_scales_before_mma)."""
 
                     def load_scales():
                         row_scale = plgpu.load(
