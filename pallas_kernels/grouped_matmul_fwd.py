@@ -1117,6 +1117,7 @@ def grouped_matmul_fp8_block(
         return operands
 
     overlap = config.wgmma_in_flight == 1
+    scales_first = config.block_scales_before_mma  # (overlap is refused with it)
 
     def lhs_block_scale(ctx, k_block, streamed_scales=None):
         """lhs_scale[rows of this consumer, k_block] as a row vector; `streamed_scales` is the
@@ -1179,16 +1180,15 @@ def grouped_matmul_fp8_block(
                     ctx.wait_prefetched(0)
 
         def chunk_product(chunk_ref):
-            scale_first = None
-            if config.block_scales_before_mma:
+            if scales_first:
                 # Loaded before the wgmma is issued, so that ptxas cannot place the loads
                 # behind the MMA's instructions (stop 56's wgrad finding).
                 wait_prefetched_scales()
-                scale_first = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)
+                scale = block_scale(refs, ctx, k_step, streamed_scales, rhs_scales_stage)
             # A freshly scoped accumulator starts at zero: this K block's products
             # never share the tensor core's adder with earlier blocks.
             plgpu.wgmma(chunk_ref, lhs_operand, rhs_operand)
-            if scale_first is None:
+            if not scales_first:
                 wait_prefetched_scales()
 
             if overlap:
@@ -1197,8 +1197,8 @@ def grouped_matmul_fp8_block(
                 prev_block = jnp.maximum(k_step - 1, 0)
                 promoted = promote(main, previous, block_scale(refs, ctx, prev_block))
                 return promoted, chunk_ref[...]
-            if scale_first is not None:
-                scale, chunk = scale_first, chunk_ref[...]
+            if scales_first:
+                chunk = chunk_ref[...]
             elif config.early_block_scales:
                 # Loaded before reading the accumulator (which waits for the wgmma): the
                 # loads' latency runs under the MMA instead of after it.

@@ -637,9 +637,8 @@ def _wgrad_call(
                     def product(chunk_ref):
                         if config.block_scales_before_mma:
                             row_scale, col_scale = load_scales()
-                            plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
-                        else:
-                            plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                        plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                        if not config.block_scales_before_mma:
                             row_scale, col_scale = load_scales()
                         plgpu.wgmma_wait(0)
                         chunk = chunk_ref[...]

@@ -1156,6 +1156,17 @@ def test_fp8_mixed_wgrad_with_scales_bf16_out():
     assert_close(out, ref, rel=2**-7)
 
 
+def block_scaled_wgrad_operands(seed: int):
+    """A block-FP8 wgrad's two columnwise copies over 384 tokens (three 1x128 scale blocks):
+    lhs (128, 384) and rhs (192, 384) E4M3, with power-of-two scales far apart, (128, 3) and
+    (192, 3), so that reading another row's, column's or chunk's scale shows."""
+    k = keys(4, seed=seed)
+    lhs, rhs = random_fp8(k[0], (128, 384), E4M3), random_fp8(k[1], (192, 384), E4M3)
+    lhs_scale = 2.0 ** jax.random.randint(k[2], (128, 3), -6, 7).astype(jnp.float32)
+    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 3), -6, 7).astype(jnp.float32)
+    return lhs, rhs, lhs_scale, rhs_scale
+
+
 @pytest.mark.parametrize("sizes", [[50, 0, 177, 100], [384, 0, 0, 0], [0, 0, 0, 0]])
 def test_fp8_wgrad_with_1x128_block_scales_matches_dequantized_reference(sizes):
     # Block FP8's wgrad: both columnwise copies in 1x128 blocks along the 384 tokens. Groups
@@ -1163,14 +1174,10 @@ def test_fp8_wgrad_with_1x128_block_scales_matches_dequantized_reference(sizes):
     # row's and column's scales are powers of two far apart, so a consumer reading another
     # row's, column's or chunk's scale fails; NaN codes past the groups must not leak.
     sizes = jnp.asarray(sizes, jnp.int32)
-    k = keys(4, seed=9)
-    lhs = random_fp8(k[0], (128, 384), E4M3)
-    rhs = random_fp8(k[1], (192, 384), E4M3)
+    lhs, rhs, lhs_scale, rhs_scale = block_scaled_wgrad_operands(seed=9)
     used = clamped_bounds(sizes, 384)[-1][1]
     nan = jnp.asarray(jnp.nan, E4M3)
     lhs, rhs = lhs.at[:, used + 2 :].set(nan), rhs.at[:, used + 5 :].set(nan)
-    lhs_scale = 2.0 ** jax.random.randint(k[2], (128, 3), -6, 7).astype(jnp.float32)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 3), -6, 7).astype(jnp.float32)
     out = grouped_matmul_wgrad(
         lhs,
         rhs,
@@ -1194,10 +1201,7 @@ def test_fp8_wgrad_block_scales_before_the_mma_give_the_same_bits():
     # scheduling): the products, their promotion and so the bits are the default's. Another
     # chunk's or row's scale read by mistake would change them (the scales are far apart).
     sizes = jnp.asarray([50, 0, 177, 100], jnp.int32)
-    k = keys(4, seed=21)
-    lhs, rhs = random_fp8(k[0], (128, 384), E4M3), random_fp8(k[1], (192, 384), E4M3)
-    lhs_scale = 2.0 ** jax.random.randint(k[2], (128, 3), -6, 7).astype(jnp.float32)
-    rhs_scale = 2.0 ** jax.random.randint(k[3], (192, 3), -6, 7).astype(jnp.float32)
+    lhs, rhs, lhs_scale, rhs_scale = block_scaled_wgrad_operands(seed=21)
 
     def wgrad(config):
         return grouped_matmul_wgrad(
