@@ -99,8 +99,8 @@ for the run's clocks) are timed batch by batch in alternation
   skewed G8 shapes;
 * ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
   kernel with its block scales, the default since stop 53) under pipeline depths, grid
-  orders and the scale loads' place (`block_scales_before_mma`, stop 56) around
-  `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk accumulator of
+  orders and the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma
+  in the default since stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk accumulator of
   128 x 64 per consumer fill the register budget), G8 balanced (whole
   128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group
   of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
@@ -108,10 +108,11 @@ for the run's clocks) are timed batch by batch in alternation
   default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
 * ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out) on tiles
   of 16 and 17 token steps (G8) and of 64 and 65 (one group), each depth with its scales
-  loaded after the wgmma is issued (the default) and before it (`block_scales_before_mma`).
+  loaded after the wgmma is issued and before it (`block_scales_before_mma`). Loaded after,
   4 stages ran 0.78-0.87x of 3 and 5 in every call of stops 53-56, on 17 and 65 steps as on
   16 and 64 (stop 56: not where the depth divides a tile's steps); Nsight Compute put it on
-  ptxas's placement of the row-scale loads (the config field's docstring).
+  ptxas's placement of the row-scale loads (the config field's docstring). Loaded before,
+  4 stages were the fastest at G8 (stop 57), now the MoE default.
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -709,19 +710,23 @@ SCALES_FIRST = dict(block_scales_before_mma=True)
 
 def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
     """name -> config: the default first (the others are compared with it), then pipeline
-    depths (5 stages with two epilogue buffers is the most the shared memory holds; 6 with
-    one) and grid orders."""
+    depths in either scale-load order (5 stages with two epilogue buffers is the most the
+    shared memory holds; 6 with one) and grid orders."""
     default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    scales_after = dict(block_scales_before_mma=False)
     steps = {
-        "4 stages (stop 51's default)": dict(max_concurrent_steps=4),
+        "3 stages, scales after the MMA (stop 53's default)": dict(
+            max_concurrent_steps=3, **scales_after
+        ),
+        "4 stages, scales after the MMA (stop 51's default)": dict(
+            max_concurrent_steps=4, **scales_after
+        ),
+        "3 stages": dict(max_concurrent_steps=3),
         "5 stages": dict(max_concurrent_steps=5),
         "6 stages, 1 epilogue buffer": dict(max_concurrent_steps=6, epilogue_buffers=1),
         "grid minor 0": dict(grid_minor_dim=0),
-        "scales before the MMA": SCALES_FIRST,
-        "4 stages, scales before the MMA": dict(max_concurrent_steps=4, **SCALES_FIRST),
-        "5 stages, scales before the MMA": dict(max_concurrent_steps=5, **SCALES_FIRST),
     }
-    variants = {"default (3 stages, grid minor 1, width 4)": default}
+    variants = {"default (4 stages, scales before the MMA, grid minor 1, width 4)": default}
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 
@@ -733,10 +738,13 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
     steps = {
-        "3 stages (the MoE default)": dict(max_concurrent_steps=3),
+        "3 stages": dict(max_concurrent_steps=3),
         "grid minor 0": dict(grid_minor_dim=0),
         "scales before the MMA": SCALES_FIRST,
         "3 stages, scales before the MMA": dict(max_concurrent_steps=3, **SCALES_FIRST),
+        "4 stages, scales before the MMA (the MoE default)": dict(
+            max_concurrent_steps=4, **SCALES_FIRST
+        ),
     }
     variants: dict[str, GroupedWgradConfig | None] = {"default (5 stages, 1 epilogue buffer)": None}
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
@@ -744,12 +752,15 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
 
 
 def wgrad_stage_spot_variants() -> dict[str, GroupedWgradConfig]:
-    """name -> the MoE block-FP8 wgrad config at 2 to 5 stages (3, the default, first), each
-    also with its scales loaded before the wgmma is issued."""
+    """name -> the MoE block-FP8 wgrad config at 2 to 5 stages, the scales loaded after the
+    wgmma is issued (stop 53's 3 stages first: the slow spot was found against it), then each
+    with its scales loaded before (4 stages so is the default since stop 57)."""
     default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
-    variants = {"3 stages (the MoE default)": default}
-    for stages in (2, 4, 5):
-        variants[f"{stages} stages"] = dataclasses.replace(default, max_concurrent_steps=stages)
+    variants = {}
+    for stages in (3, 2, 4, 5):
+        variants[f"{stages} stages"] = dataclasses.replace(
+            default, max_concurrent_steps=stages, block_scales_before_mma=False
+        )
     for stages in (2, 3, 4, 5):
         variants[f"{stages} stages, scales before the MMA"] = dataclasses.replace(
             default, max_concurrent_steps=stages, **SCALES_FIRST

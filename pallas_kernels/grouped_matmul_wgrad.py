@@ -74,7 +74,8 @@ class GroupedWgradConfig:
       wgmma instructions at 4 stages, where they wait in the MIO queue behind the MMA and
       the promotion's multiply waits on them (MIO and short-scoreboard stalls; 4 stages run
       0.78-0.87x of 3), but before them at 3 stages; 2 stages show 4's stall ratios. Issuing
-      them first takes that choice away from ptxas. Not yet timed on a GPU: not the default.
+      them first takes that choice away from ptxas: on an H100 (stop 57) 4 stages then run
+      1.3x faster and the MoE default (`DEFAULT_FP8_BLOCK_WGRAD_CONFIG`) has it.
     """
 
     tile_m: int = 128
@@ -139,20 +140,30 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128, tile_n=128, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
 )
 # Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
-# each a thread); one 128-token scale block a step. 3 stages, from stop 53's sweep on an H100
-# (`grouped_ab --variants fp8_block_wgrad`, G8 balanced, in alternation, two calls): 807 / 810
-# TFLOP/s against 647 / 664 with stop 51's 4 stages, 800 / 802 with 5, the same bits.
+# each a thread); one 128-token scale block a step. 4 stages with each chunk's scales loaded
+# before its wgmma is issued (`block_scales_before_mma`), from stop 57's sweeps on an H100
+# (`grouped_ab --variants wgrad_stage_spot` and `fp8_block_wgrad`, in alternation, the same
+# bits): G8 balanced 801 / 804 / 780 TFLOP/s against 752 / 766 / 757 with stop 53's 3 stages
+# and the scales loaded after the wgmma. Loaded after it, 4 stages were the slow spot (607):
+# ptxas then put the scale loads behind the MMA in the MIO queue (stop 56's Nsight Compute).
 DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
-    tile_m=128, tile_n=64, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
+    tile_m=128,
+    tile_n=64,
+    tile_t=128,
+    max_concurrent_steps=4,
+    epi_tile_n=32,
+    block_scales_before_mma=True,
 )
 # The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`):
-# 5 stages, from stop 55's sweeps on an H100 (`grouped_ab --variants fp8_block_wgrad`, its
-# one-group 8192³ case, the same bits throughout). With a bfloat16 output, 818 / 821 TFLOP/s
-# against 755 / 755 with the MoE default's 3 (two calls). With the layers' float32 output one
-# epilogue buffer fits beside 5 stages (`fit_to_shared_memory` drops the second), and the two
-# depths are level: 771 / 764 against 762 / 781 (the grid orders 750-803, within the noise).
+# 5 stages, the scales loaded after the wgmma, from stop 55's sweeps on an H100 (`grouped_ab
+# --variants fp8_block_wgrad`, its one-group 8192³ case, the same bits throughout). With a
+# bfloat16 output, 818 / 821 TFLOP/s against 755 / 755 with 3 stages (two calls). With the
+# layers' float32 output one epilogue buffer fits beside 5 stages (`fit_to_shared_memory` drops
+# the second), and the two depths are level: 771 / 764 against 762 / 781 (the grid orders
+# 750-803, within the noise). Stop 57: the scales before the wgmma 783 against 766, one call,
+# within that noise, so the order stays.
 DENSE_FP8_BLOCK_WGRAD_CONFIG = dataclasses.replace(
-    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=5
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=5, block_scales_before_mma=False
 )
 
 

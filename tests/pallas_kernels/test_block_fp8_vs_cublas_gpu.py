@@ -148,16 +148,17 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     [
         None,
         dataclasses.replace(
-            DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=4, block_scales_before_mma=True
+            DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=3, block_scales_before_mma=False
         ),
     ],
-    ids=["default", "4 stages, scales before the MMA"],
+    ids=["default", "3 stages, scales after the MMA"],
 )
 def test_gpu_grouped_wgrad_with_1x128_block_scales_equals_cublas_per_group(config):
     # The MoE wgrad of block FP8 (the path "fp8_block_grouped_wgrad", the default since stop
     # 53): each expert's dW is TE's cuBLASLt GEMM of its tokens' two 1x128 copies. The layer
     # aligns every group to 128 tokens, so each group's scale blocks are its own (an empty
-    # group included). Also with the scale loads ahead of the wgmma (stop 56's option).
+    # group included). The default loads the scales ahead of the wgmma (since stop 57); also
+    # with stop 53's order and depth, the scales after it.
     torch = _torch_or_skip()
     sizes, k, n = [1024, 0, 384, 640], 512, 768
     lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, sum(sizes), 4, seed=13)

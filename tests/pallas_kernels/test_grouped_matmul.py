@@ -2187,8 +2187,8 @@ def _scale_loads_around_the_wgmmas(module: str, loaded: str, window: int = 500):
 def test_wgrad_block_scale_loads_sit_where_the_config_puts_them(scales_first):
     # What we control of stop 56's finding (ptxas may still reorder): in the kernel handed to
     # ptxas, each chunk's column-scale loads from shared memory (vector<2xf32>, 8 pairs a
-    # thread) come after the chunk's wgmma instructions by default, and before them with
-    # block_scales_before_mma.
+    # thread) come after the chunk's wgmma instructions without block_scales_before_mma (stop
+    # 53's order), and before them with it (the MoE default since stop 57).
     tokens, k, n = 1024, 512, 512
     avals = (S((k, tokens), E4M3), S((n, tokens), E4M3), S((2,), jnp.int32))
     avals += (S((k, tokens // 128), F32), S((n, tokens // 128), F32))
