@@ -100,12 +100,13 @@ for the run's clocks) are timed batch by batch in alternation
 * ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
   kernel with its block scales, the default since stop 53) under pipeline depths, grid
   orders and the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma
-  in the default since stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk accumulator of
-  128 x 64 per consumer fill the register budget), G8 balanced (whole
-  128-token groups), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group
-  of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
-  `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
-  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, 5 stages since stop 55);
+  in the default since stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed:
+  a main and a chunk accumulator of 128 x 64 per consumer fill the register budget), G8
+  balanced (whole 128-token groups), XLA's dense FP8 GEMM of the same flops as the
+  yardstick; then one group of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since
+  stop 54) through `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it,
+  around its own default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default since stop 57; 5
+  stages in stops 55-56);
 * ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out) on tiles
   of 16 and 17 token steps (G8) and of 64 and 65 (one group), each depth with its scales
   loaded after the wgmma is issued and before it (`block_scales_before_mma`). Loaded after,
@@ -737,16 +738,18 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     point's own pick first (None), then one or two changes each, every config fitted to the
     shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
+    scales_after = dict(block_scales_before_mma=False)
     steps = {
+        "5 stages, scales after the MMA (stop 55's default)": dict(
+            max_concurrent_steps=5, **scales_after
+        ),
+        "5 stages": dict(max_concurrent_steps=5),
         "3 stages": dict(max_concurrent_steps=3),
         "grid minor 0": dict(grid_minor_dim=0),
-        "scales before the MMA": SCALES_FIRST,
-        "3 stages, scales before the MMA": dict(max_concurrent_steps=3, **SCALES_FIRST),
-        "4 stages, scales before the MMA (the MoE default)": dict(
-            max_concurrent_steps=4, **SCALES_FIRST
-        ),
     }
-    variants: dict[str, GroupedWgradConfig | None] = {"default (5 stages, 1 epilogue buffer)": None}
+    variants: dict[str, GroupedWgradConfig | None] = {
+        "default (4 stages, scales before the MMA)": None
+    }
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 

@@ -154,17 +154,12 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     epi_tile_n=32,
     block_scales_before_mma=True,
 )
-# The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`):
-# 5 stages, the scales loaded after the wgmma, from stop 55's sweeps on an H100 (`grouped_ab
-# --variants fp8_block_wgrad`, its one-group 8192³ case, the same bits throughout). With a
-# bfloat16 output, 818 / 821 TFLOP/s against 755 / 755 with 3 stages (two calls). With the
-# layers' float32 output one epilogue buffer fits beside 5 stages (`fit_to_shared_memory` drops
-# the second), and the two depths are level: 771 / 764 against 762 / 781 (the grid orders
-# 750-803, within the noise). Stop 57: the scales before the wgmma 783 against 766, one call,
-# within that noise, so the order stays.
-DENSE_FP8_BLOCK_WGRAD_CONFIG = dataclasses.replace(
-    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, max_concurrent_steps=5, block_scales_before_mma=False
-)
+# The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`,
+# float32 out): the MoE default, from stop 57's sweeps on an H100 (`grouped_ab --variants
+# fp8_block_wgrad`, its one-group 8192³ case, three calls, the same bits): 783 / 783 / 790
+# TFLOP/s against 766 / 756 / 753 with stop 55's 5 stages (one epilogue buffer, the scales
+# loaded after the wgmma). With a bfloat16 output the two are level (853 against 857).
+DENSE_FP8_BLOCK_WGRAD_CONFIG = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
 
 
 def _smem_needed(

@@ -138,7 +138,7 @@ def test_gpu_dense_fp8_block_with_1x128_rhs_equals_cublas(shape):
     )
     theirs = _cublas_or_skip(torch, torch_two_1x128_mm, lhs8, lhs_scale_k_major, rhs8, rhs_scale.T)
     _assert_equal_to_cublas(np.asarray(ours.astype(jnp.float32)), theirs)
-    # The dense layers' wgrad entry (the MoE wgrad kernel, one group, its own 5-stage default).
+    # The dense layers' wgrad entry (the MoE wgrad kernel, one group, its own default).
     on_wgrad_kernel = dense_matmul_fp8_block_wgrad(lhs8, lhs_scale_k_major.T, rhs8, rhs_scale)
     _assert_equal_to_cublas(np.asarray(on_wgrad_kernel.astype(jnp.float32)), theirs)
 
