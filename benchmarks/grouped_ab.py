@@ -95,12 +95,14 @@ for the run's clocks) are timed batch by batch in alternation
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
-  the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing). Balanced and
-  skewed G8 shapes;
+  the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing), and the
+  token-major default with one TMA pipeline from tile to tile (`persistent_pipeline`, stop
+  57). Balanced and skewed G8 shapes;
 * ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
   kernel with its block scales, the default since stop 53) under pipeline depths, grid
-  orders and the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma
-  in the default since stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed:
+  orders, the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma
+  in the default since stop 57) and one pipeline from tile to tile (`persistent_pipeline`,
+  stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed:
   a main and a chunk accumulator of 128 x 64 per consumer fill the register budget), G8
   balanced (whole 128-token groups), XLA's dense FP8 GEMM of the same flops as the
   yardstick; then one group of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since
@@ -676,6 +678,8 @@ def wgrad_variants() -> dict[str, tuple[bool, GroupedWgradConfig]]:
     token_major = dict.fromkeys([default, *BF16_WGRAD_CONFIGS, grid_minor_0])  # ordered, unique
     variants = {f"token-major {wgrad_label(c)}": (True, c) for c in token_major}
     variants[f"K-major {wgrad_label(default)}"] = (False, default)
+    persistent = dataclasses.replace(default, persistent_pipeline=True)
+    variants[f"token-major {wgrad_label(default)}, persistent pipeline"] = (True, persistent)
     return variants
 
 
@@ -726,6 +730,8 @@ def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
         "5 stages": dict(max_concurrent_steps=5),
         "6 stages, 1 epilogue buffer": dict(max_concurrent_steps=6, epilogue_buffers=1),
         "grid minor 0": dict(grid_minor_dim=0),
+        "persistent pipeline": dict(persistent_pipeline=True),
+        "5 stages, persistent pipeline": dict(max_concurrent_steps=5, persistent_pipeline=True),
     }
     variants = {"default (4 stages, scales before the MMA, grid minor 1, width 4)": default}
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
@@ -746,6 +752,7 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
         "5 stages": dict(max_concurrent_steps=5),
         "3 stages": dict(max_concurrent_steps=3),
         "grid minor 0": dict(grid_minor_dim=0),
+        "persistent pipeline": dict(persistent_pipeline=True),
     }
     variants: dict[str, GroupedWgradConfig | None] = {
         "default (4 stages, scales before the MMA)": None

@@ -19,9 +19,10 @@
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (defaults: stop 51's grouped block-FP8
-#                                      wgrad kernel, its gpu tests and peers_ab --cases
-#                                      grouped_fp8_block_wgrad; grouped_ab's wgrad_stage_spot and
-#                                      fp8_block_wgrad sets (stop 56's block_scales_before_mma);
+#                                      wgrad kernel, its gpu tests (with stop 57's
+#                                      persistent_pipeline) and peers_ab --cases
+#                                      grouped_fp8_block_wgrad; grouped_ab's fp8_block_wgrad and
+#                                      wgrad sets (stop 57's persistent_pipeline);
 #                                      then whatever PENDING_RESOURCES / PENDING_AB /
 #                                      PENDING_BENCH name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
@@ -116,7 +117,7 @@ elif [[ $STAGE == pending ]]; then
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
     -rfE -k "${PENDING_TESTS:-wgrad}" \
     ${PENDING_FILES:-tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py \
-    tests/jax_qtrain/test_gemm_kernels.py} \
+    tests/pallas_kernels/test_grouped_matmul_gpu.py tests/jax_qtrain/test_gemm_kernels.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
@@ -135,8 +136,8 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  # (Default since stop 56: the wgrad's block_scales_before_mma, at 2-5 stages, then in the sweep.)
-  for entry in ${PENDING_GROUPED_AB-wgrad_stage_spot fp8_block_wgrad}; do
+  # (Default since stop 57: the wgrad's persistent_pipeline, block FP8 then bf16.)
+  for entry in ${PENDING_GROUPED_AB-fp8_block_wgrad wgrad}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"

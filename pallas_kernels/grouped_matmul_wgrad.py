@@ -13,7 +13,8 @@ the kernel. FP8 operands must be token-contiguous (wgmma reads 8-bit operands K-
 
 Structure: a persistent grid of one CTA per SM walks (group, row tile, column tile)
 with a TMA producer warpgroup and two wgmma consumer warpgroups (each owns half of
-the CTA's columns). The token axis of a group is cut into ``tile_t`` chunks aligned
+the CTA's columns), each tile through its own pipeline or, with ``persistent_pipeline``,
+all of a CTA's tiles through one. The token axis of a group is cut into ``tile_t`` chunks aligned
 to multiples of ``tile_t`` in the global token index, so the first and last chunk of
 a group may hold tokens of its neighbours. On those boundary chunks the foreign
 tokens are zeroed in SMEM in both operands before the wgmma (each consumer zeroes
@@ -76,6 +77,12 @@ class GroupedWgradConfig:
       0.78-0.87x of 3), but before them at 3 stages; 2 stages show 4's stall ratios. Issuing
       them first takes that choice away from ptxas: on an H100 (stop 57) 4 stages then run
       1.3x faster and the MoE default (`DEFAULT_FP8_BLOCK_WGRAD_CONFIG`) has it.
+    persistent_pipeline: one TMA pipeline from tile to tile: the producer loads the next
+      tile's first token steps while the consumers finish the current tile and store it
+      (`_persistent_tiles`), instead of a pipeline started empty at every tile. Why: at
+      stop 56's 3 stages about 23% of the consumers' stall samples waited on the TMA
+      barriers, with the pipeline restarting every 16 token steps at G8. The same bits
+      (interpreter; not yet run on a GPU, so off by default).
     """
 
     tile_m: int = 128
@@ -88,6 +95,7 @@ class GroupedWgradConfig:
     num_sms: int | None = None
     epilogue_buffers: int = 2
     block_scales_before_mma: bool = False
+    persistent_pipeline: bool = False
 
     def __post_init__(self):
         if self.tile_m not in (128, 256):
@@ -122,6 +130,8 @@ class GroupedWgradConfig:
             raise TypeError(
                 f"block_scales_before_mma must be a bool, got {self.block_scales_before_mma!r}"
             )
+        if not isinstance(self.persistent_pipeline, bool):
+            raise TypeError(f"persistent_pipeline must be a bool, got {self.persistent_pipeline!r}")
 
     def smem_bytes(self, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int) -> int:
         stage = self.tile_t * (self.tile_m * lhs_itemsize + 2 * self.tile_n * rhs_itemsize)
@@ -390,6 +400,97 @@ def _check_block_scales(
         common.check_shape(name, block_scale, (operand.shape[0], token_blocks))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """One output tile of the CTA loop (traced values): group, first row, this consumer's
+    first column, the tile's column index, the group's token range [tok_begin, tok_end),
+    the first token chunk and the number of token steps (0 for an empty group)."""
+
+    group: jax.Array
+    row0: jax.Array
+    col0: jax.Array
+    col_tile: jax.Array
+    tok_begin: jax.Array
+    tok_end: jax.Array
+    first_chunk: jax.Array
+    num_steps: jax.Array
+
+
+# Registers a thread the consumers raise themselves to beside the producer's 40 (as
+# `emit_pipeline_warp_specialized` does for its compute warpgroups): 232.
+_CONSUMER_REGISTERS = int(min(256, (512 - _PRODUCER_REGISTERS) / _NUM_CONSUMERS)) // 8 * 8
+
+
+def _persistent_tiles(
+    wg, num_tiles, tile_at, step_windows, run_tile, compute_step, store_zeros, allocations, stages
+) -> None:
+    """The CTA's tiles through one TMA pipeline that runs from tile to tile
+    (`GroupedWgradConfig.persistent_pipeline`): the producer loads the next tile's first
+    token steps while the consumers finish the current tile and store it, where the per-tile
+    pipeline (`emit_pipeline_warp_specialized`, whose pipeline of pipelines needs a static
+    step count) starts each tile empty. A global step count, carried by both sides'
+    tile loops, picks each step's stage (count mod `stages`); the stages, their shared-memory
+    buffers and their barriers are the per-tile pipeline's own allocations."""
+    stage_smem = allocations["flat_in_smem_refs"]
+    [produced] = allocations["flat_produced_barrier_refs"]  # one arrival per copy of a step
+    [consumed] = allocations["flat_consumed_barrier_refs"]  # one arrival per consumer
+
+    @pl.when(wg == _NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop(num_tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def steps_issued(loop_info: plgpu.NDLoopInfo, carry):
+            tile = tile_at(loop_info.index[0])
+
+            def load_step(t, issued):
+                slot = lax.rem(issued, stages)
+
+                @pl.when(issued >= stages)
+                def _wait_for_release():  # of the step `stages` earlier in this slot
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                for window, smem in zip(step_windows(tile, t), stage_smem, strict=True):
+                    plgpu.copy_gmem_to_smem(window, smem.at[slot], produced.at[slot])
+                return issued + 1
+
+            return lax.fori_loop(0, tile.num_steps, load_step, carry)
+
+        # The releases of the last steps, not yet waited for: every barrier ends balanced,
+        # as the per-tile pipeline leaves it.
+        @pl.loop(lax.max(steps_issued - stages, 0), steps_issued)
+        def _drain(step):
+            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < _NUM_CONSUMERS)
+    def _consumers():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+        @plgpu.nd_loop(num_tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def _tile_loop(loop_info: plgpu.NDLoopInfo, carry):
+            tile = tile_at(loop_info.index[0])
+
+            def run_steps(acc):
+                def step(t, acc):
+                    slot = lax.rem(carry + t, stages)
+                    plgpu.barrier_wait(produced.at[slot])
+                    acc = compute_step(tile, t, *(smem.at[slot] for smem in stage_smem), acc)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return acc
+
+                return lax.fori_loop(0, tile.num_steps, step, acc)
+
+            @pl.when(tile.num_steps > 0)
+            def _matmul_tile():
+                run_tile(tile, run_steps)
+
+            @pl.when(tile.num_steps == 0)
+            def _empty_group():
+                store_zeros(tile)
+
+            return carry + tile.num_steps
+
+
 def _wgrad_call(
     group_sizes,
     operands,
@@ -487,9 +588,8 @@ def _wgrad_call(
         ):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((num_groups * tiles_per_group,), collective_axes="sm")
-            def _tile_loop(loop_info: plgpu.NDLoopInfo):
-                (linear,) = loop_info.index
+            def tile_at(linear) -> _Tile:
+                """The output tile of the CTA loop's `linear` index, with its group's tokens."""
                 group = lax.div(linear, jnp.int32(tiles_per_group))
                 row_tile, col_tile = plgpu.planar_snake(
                     lax.rem(linear, jnp.int32(tiles_per_group)),
@@ -508,176 +608,227 @@ def _wgrad_call(
                     lax.div(tok_end + tile_t - 1, jnp.int32(tile_t)) - first_chunk,
                     jnp.int32(0),
                 )
-                row0 = row_tile * tile_m
-                col0 = col_tile * (2 * tile_n) + wg * tile_n
-                out_rows = out_gmem.at[group, pl.ds(row0, tile_m)]
+                return _Tile(
+                    group=group,
+                    row0=row_tile * tile_m,
+                    col0=col_tile * (2 * tile_n) + wg * tile_n,
+                    col_tile=col_tile,
+                    tok_begin=tok_begin,
+                    tok_end=tok_end,
+                    first_chunk=first_chunk,
+                    num_steps=num_steps,
+                )
 
-                def store_tile(values):
-                    for chunk in range(num_epi_chunks):
-                        slot = chunk % num_buffers
-                        plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
-                        out_smem[wg, slot] = values[
-                            :, chunk * epi_tile_n : (chunk + 1) * epi_tile_n
-                        ].astype(out_dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, slot],
-                            out_rows.at[:, pl.ds(col0 + chunk * epi_tile_n, epi_tile_n)],
-                        )
-
-                def scale(values):
-                    if lhs_scale_kind == "tensor":
-                        values = values * lhs_scale_ref[0]
-                    elif lhs_scale_kind == "row":
-                        plgpu.barrier_wait(vec_barriers.at[wg])
-                        row_scale = plgpu.load(
-                            row_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)
-                        )
-                        values = values * lax.broadcast_in_dim(row_scale, values.shape, [0])
-                    if rhs_scale_kind == "tensor":
-                        values = values * rhs_scale_ref[0]
-                    elif rhs_scale_kind == "col":
-                        plgpu.barrier_wait(vec_barriers.at[_NUM_CONSUMERS + wg])
-                        col_scale = plgpu.load(
-                            col_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)
-                        )
-                        values = values * lax.broadcast_in_dim(col_scale, values.shape, [1])
-                    return values
-
-                def prefetch_vectors():
-                    if lhs_scale_kind == "row":
-                        plgpu.copy_gmem_to_smem(
-                            lhs_scale_ref.at[pl.ds(row0, tile_m)],
-                            row_vec_smem.at[wg],
-                            vec_barriers.at[wg],
-                        )
-                    if rhs_scale_kind == "col":
-                        plgpu.copy_gmem_to_smem(
-                            rhs_scale_ref.at[pl.ds(col0, tile_n)],
-                            col_vec_smem.at[wg],
-                            vec_barriers.at[_NUM_CONSUMERS + wg],
-                        )
-
-                def compute_context(run_pipeline):
-                    if block_scaled:  # the promoted sum is the pipeline's carry
-                        zeros = plgpu.layout_cast(
-                            jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
-                        )
-                        store_tile(run_pipeline(zeros))
-                        return
-                    prefetch_vectors()
-
-                    def with_acc(acc_ref):
-                        run_pipeline(acc_ref)
-                        return acc_ref[...]
-
-                    values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
-                    store_tile(scale(values))
-
-                def step_fn(idxs, lhs_smem, rhs_smem, *scale_stages_and_carry):
-                    *scale_stages, carry = scale_stages_and_carry
-                    (t,) = idxs
-                    token0 = (first_chunk + t) * tile_t
-                    on_boundary = (token0 < tok_begin) | (token0 + tile_t > tok_end)
-                    # This consumer's columns of rhs, and its half of lhs to zero.
-                    all_tokens = slice(None)
-                    rhs_half = at_tokens(rhs_smem, all_tokens, pl.ds(wg * tile_n, tile_n))
-                    lhs_half = at_tokens(
-                        lhs_smem, all_tokens, pl.ds(wg * (tile_m // 2), tile_m // 2)
+            def store_tile(tile: _Tile, values):
+                out_rows = out_gmem.at[tile.group, pl.ds(tile.row0, tile_m)]
+                for chunk in range(num_epi_chunks):
+                    slot = chunk % num_buffers
+                    plgpu.wait_smem_to_gmem(stores_in_flight, wait_read_only=True)
+                    out_smem[wg, slot] = values[
+                        :, chunk * epi_tile_n : (chunk + 1) * epi_tile_n
+                    ].astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[wg, slot],
+                        out_rows.at[:, pl.ds(tile.col0 + chunk * epi_tile_n, epi_tile_n)],
                     )
 
-                    def zero_foreign_tokens(ref, layout):
-                        tokens = token0 + plgpu.broadcasted_iota(
-                            jnp.int32, ref.shape, token_axis, layout=layout
-                        )
-                        keep = (tokens >= tok_begin) & (tokens < tok_end)
-                        values = plgpu.load(ref, layout=layout)
-                        if values.dtype.itemsize == 1:
-                            # Mosaic GPU does no arithmetic on 8-bit values, only bit
-                            # operations: AND the FP8 bytes with an all-ones/zero mask.
-                            bits = lax.bitcast_convert_type(values, jnp.int8)
-                            mask = jnp.where(keep, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
-                            values = lax.bitcast_convert_type(bits & mask, values.dtype)
-                        else:
-                            values = jnp.where(keep, values, jnp.zeros_like(values))
-                        ref[...] = values
+            def scale(values):
+                if lhs_scale_kind == "tensor":
+                    values = values * lhs_scale_ref[0]
+                elif lhs_scale_kind == "row":
+                    plgpu.barrier_wait(vec_barriers.at[wg])
+                    row_scale = plgpu.load(row_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                    values = values * lax.broadcast_in_dim(row_scale, values.shape, [0])
+                if rhs_scale_kind == "tensor":
+                    values = values * rhs_scale_ref[0]
+                elif rhs_scale_kind == "col":
+                    plgpu.barrier_wait(vec_barriers.at[_NUM_CONSUMERS + wg])
+                    col_scale = plgpu.load(col_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                    values = values * lax.broadcast_in_dim(col_scale, values.shape, [1])
+                return values
 
-                    @pl.when(on_boundary)
-                    def _mask_boundary_chunk():
-                        # Each consumer zeroes its own rhs half and half of the shared
-                        # lhs tile, then both meet at a barrier before either reads lhs.
-                        zero_foreign_tokens(rhs_half, rhs_reg_layout)
-                        zero_foreign_tokens(lhs_half, lhs_reg_layout)
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(mask_barrier)
-                        plgpu.barrier_wait(mask_barrier)
-
-                    if block_scaled:
-                        return promoted_chunk(lhs_smem, rhs_half, *scale_stages, carry)
-                    acc_ref = carry
-                    if token_major:  # MN-major A and B: wgmma's transpose bits
-                        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_half)
-                    else:
-                        plgpu.wgmma(acc_ref, lhs_smem, rhs_half.transpose((1, 0)))
-                    # Keeping a step in flight (delay_release=1) tripped the interpreter's
-                    # barrier-phase check with the dynamic per-group step count; not used.
-                    plgpu.wgmma_wait(0)
-                    return acc_ref
-
-                def promoted_chunk(lhs_smem, rhs_half, lhs_scales, rhs_scales, main):
-                    """main + this chunk's products times its block scales: the wgmma into a
-                    fresh accumulator (never sharing the tensor core's adder with earlier
-                    chunks), the scales loaded while it runs (asked for just before or just
-                    after its issue: block_scales_before_mma)."""
-
-                    def load_scales():
-                        row_scale = plgpu.load(
-                            lhs_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(1)
-                        )
-                        col_scale = plgpu.load(
-                            rhs_scales.at[0, pl.ds(wg * tile_n, tile_n)],
-                            layout=plgpu.Layout.WGMMA.reduce(0),
-                        )
-                        return row_scale, col_scale
-
-                    def product(chunk_ref):
-                        if config.block_scales_before_mma:
-                            row_scale, col_scale = load_scales()
-                        plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
-                        if not config.block_scales_before_mma:
-                            row_scale, col_scale = load_scales()
-                        plgpu.wgmma_wait(0)
-                        chunk = chunk_ref[...]
-                        scale = lax.broadcast_in_dim(row_scale, chunk.shape, [0])
-                        scale = scale * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
-                        return main + chunk * scale
-
-                    return pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-                @pl.when(num_steps > 0)
-                def _matmul_tile():
-                    window = pl.ds(first_chunk * tile_t, num_tokens)
-                    scale_windows = ()
-                    if block_scaled:  # (tile_t = 128: one scale block per chunk)
-                        blocks = pl.ds(first_chunk, num_tokens // tile_t)
-                        lhs_block_scales, rhs_block_scales = block_scale_refs
-                        scale_windows = (
-                            lhs_block_scales.at[blocks, pl.ds(row0, tile_m)],
-                            rhs_block_scales.at[blocks, pl.ds(col_tile * (2 * tile_n), 2 * tile_n)],
-                        )
-                    make_pipeline(step_fn, compute_context, num_steps)(
-                        at_tokens(lhs_gmem, window, pl.ds(row0, tile_m)),
-                        at_tokens(rhs_gmem, window, pl.ds(col_tile * (2 * tile_n), 2 * tile_n)),
-                        *scale_windows,
-                        allocations=pipeline_allocs,
+            def prefetch_vectors(tile: _Tile):
+                if lhs_scale_kind == "row":
+                    plgpu.copy_gmem_to_smem(
+                        lhs_scale_ref.at[pl.ds(tile.row0, tile_m)],
+                        row_vec_smem.at[wg],
+                        vec_barriers.at[wg],
+                    )
+                if rhs_scale_kind == "col":
+                    plgpu.copy_gmem_to_smem(
+                        rhs_scale_ref.at[pl.ds(tile.col0, tile_n)],
+                        col_vec_smem.at[wg],
+                        vec_barriers.at[_NUM_CONSUMERS + wg],
                     )
 
-                @pl.when((num_steps == 0) & (wg < _NUM_CONSUMERS))
-                def _empty_group():
+            def run_tile(tile: _Tile, run_steps):
+                """This consumer's part of `tile`: `run_steps(carry)` runs its token steps over
+                the carry (the promoted sum, or the accumulator ref), then the scales and the
+                stores."""
+                if block_scaled:  # the promoted sum is the carry
                     zeros = plgpu.layout_cast(
                         jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    store_tile(zeros)
+                    store_tile(tile, run_steps(zeros))
+                    return
+                prefetch_vectors(tile)
+
+                def with_acc(acc_ref):
+                    run_steps(acc_ref)
+                    return acc_ref[...]
+
+                values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                store_tile(tile, scale(values))
+
+            def compute_step(tile: _Tile, t, lhs_smem, rhs_smem, *scale_stages_and_carry):
+                """Token step `t` of `tile` on the stage in shared memory: the foreign tokens of
+                a boundary chunk zeroed, then this consumer's wgmma into the carry."""
+                *scale_stages, carry = scale_stages_and_carry
+                token0 = (tile.first_chunk + t) * tile_t
+                on_boundary = (token0 < tile.tok_begin) | (token0 + tile_t > tile.tok_end)
+                # This consumer's columns of rhs, and its half of lhs to zero.
+                all_tokens = slice(None)
+                rhs_half = at_tokens(rhs_smem, all_tokens, pl.ds(wg * tile_n, tile_n))
+                lhs_half = at_tokens(lhs_smem, all_tokens, pl.ds(wg * (tile_m // 2), tile_m // 2))
+
+                def zero_foreign_tokens(ref, layout):
+                    tokens = token0 + plgpu.broadcasted_iota(
+                        jnp.int32, ref.shape, token_axis, layout=layout
+                    )
+                    keep = (tokens >= tile.tok_begin) & (tokens < tile.tok_end)
+                    values = plgpu.load(ref, layout=layout)
+                    if values.dtype.itemsize == 1:
+                        # Mosaic GPU does no arithmetic on 8-bit values, only bit
+                        # operations: AND the FP8 bytes with an all-ones/zero mask.
+                        bits = lax.bitcast_convert_type(values, jnp.int8)
+                        mask = jnp.where(keep, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+                        values = lax.bitcast_convert_type(bits & mask, values.dtype)
+                    else:
+                        values = jnp.where(keep, values, jnp.zeros_like(values))
+                    ref[...] = values
+
+                @pl.when(on_boundary)
+                def _mask_boundary_chunk():
+                    # Each consumer zeroes its own rhs half and half of the shared
+                    # lhs tile, then both meet at a barrier before either reads lhs.
+                    zero_foreign_tokens(rhs_half, rhs_reg_layout)
+                    zero_foreign_tokens(lhs_half, lhs_reg_layout)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(mask_barrier)
+                    plgpu.barrier_wait(mask_barrier)
+
+                if block_scaled:
+                    return promoted_chunk(lhs_smem, rhs_half, *scale_stages, carry)
+                acc_ref = carry
+                if token_major:  # MN-major A and B: wgmma's transpose bits
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_half)
+                else:
+                    plgpu.wgmma(acc_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                # Keeping a step in flight (delay_release=1) tripped the interpreter's
+                # barrier-phase check with the dynamic per-group step count; not used.
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def promoted_chunk(lhs_smem, rhs_half, lhs_scales, rhs_scales, main):
+                """main + this chunk's products times its block scales: the wgmma into a
+                fresh accumulator (never sharing the tensor core's adder with earlier
+                chunks), the scales loaded while it runs (asked for just before or just
+                after its issue: block_scales_before_mma)."""
+
+                def load_scales():
+                    row_scale = plgpu.load(lhs_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    col_scale = plgpu.load(
+                        rhs_scales.at[0, pl.ds(wg * tile_n, tile_n)],
+                        layout=plgpu.Layout.WGMMA.reduce(0),
+                    )
+                    return row_scale, col_scale
+
+                def product(chunk_ref):
+                    if config.block_scales_before_mma:
+                        row_scale, col_scale = load_scales()
+                    plgpu.wgmma(chunk_ref, lhs_smem, rhs_half.transpose((1, 0)))
+                    if not config.block_scales_before_mma:
+                        row_scale, col_scale = load_scales()
+                    plgpu.wgmma_wait(0)
+                    chunk = chunk_ref[...]
+                    scale = lax.broadcast_in_dim(row_scale, chunk.shape, [0])
+                    scale = scale * lax.broadcast_in_dim(col_scale, chunk.shape, [1])
+                    return main + chunk * scale
+
+                return pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+            def store_zeros(tile: _Tile):
+                zeros = plgpu.layout_cast(
+                    jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                )
+                store_tile(tile, zeros)
+
+            def step_windows(tile: _Tile, t):
+                """The global-memory windows of `tile`'s token step `t`, in in_specs' order."""
+                chunk = tile.first_chunk + t
+                tokens = pl.ds(chunk * tile_t, tile_t)
+                cols = pl.ds(tile.col_tile * (2 * tile_n), 2 * tile_n)
+                windows = [
+                    at_tokens(lhs_gmem, tokens, pl.ds(tile.row0, tile_m)),
+                    at_tokens(rhs_gmem, tokens, cols),
+                ]
+                if block_scaled:  # (tile_t = 128: one scale block per chunk)
+                    lhs_block_scales, rhs_block_scales = block_scale_refs
+                    windows.append(lhs_block_scales.at[pl.ds(chunk, 1), pl.ds(tile.row0, tile_m)])
+                    windows.append(rhs_block_scales.at[pl.ds(chunk, 1), cols])
+                return windows
+
+            num_tiles = (num_groups * tiles_per_group,)
+            if config.persistent_pipeline:
+                _persistent_tiles(
+                    wg,
+                    num_tiles,
+                    tile_at,
+                    step_windows,
+                    run_tile,
+                    compute_step,
+                    store_zeros,
+                    pipeline_allocs,
+                    config.max_concurrent_steps,
+                )
+            else:
+
+                @plgpu.nd_loop(num_tiles, collective_axes="sm")
+                def _tile_loop(loop_info: plgpu.NDLoopInfo):
+                    (linear,) = loop_info.index
+                    tile = tile_at(linear)
+
+                    def step_fn(idxs, *stage_refs_and_carry):
+                        (t,) = idxs
+                        return compute_step(tile, t, *stage_refs_and_carry)
+
+                    @pl.when(tile.num_steps > 0)
+                    def _matmul_tile():
+                        window = pl.ds(tile.first_chunk * tile_t, num_tokens)
+                        cols = pl.ds(tile.col_tile * (2 * tile_n), 2 * tile_n)
+                        scale_windows = ()
+                        if block_scaled:  # (tile_t = 128: one scale block per chunk)
+                            blocks = pl.ds(tile.first_chunk, num_tokens // tile_t)
+                            lhs_block_scales, rhs_block_scales = block_scale_refs
+                            scale_windows = (
+                                lhs_block_scales.at[blocks, pl.ds(tile.row0, tile_m)],
+                                rhs_block_scales.at[blocks, cols],
+                            )
+                        make_pipeline(
+                            step_fn,
+                            lambda run_pipeline: run_tile(tile, run_pipeline),
+                            tile.num_steps,
+                        )(
+                            at_tokens(lhs_gmem, window, pl.ds(tile.row0, tile_m)),
+                            at_tokens(rhs_gmem, window, cols),
+                            *scale_windows,
+                            allocations=pipeline_allocs,
+                        )
+
+                    @pl.when((tile.num_steps == 0) & (wg < _NUM_CONSUMERS))
+                    def _empty_group():
+                        store_zeros(tile)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -38,6 +38,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul_fp8_block,
 )
 from pallas_kernels.grouped_matmul_wgrad import (
+    DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
@@ -1231,6 +1232,56 @@ def test_wgrad_block_scales_before_mma_is_a_bool_for_block_scales_only():
         )
 
 
+def _wgrad_operand_kinds(kind: str, seed: int):
+    """(operands, kwargs) of a wgrad call over 384 tokens by operand kind: bf16 columnwise
+    copies, bf16 token-major, FP8 with per-row and per-tensor scales, block FP8."""
+    k = keys(4, seed=seed)
+    if kind == "block FP8":
+        lhs, rhs, lhs_scale, rhs_scale = block_scaled_wgrad_operands(seed)
+        return (lhs, rhs), dict(lhs_block_scale=lhs_scale, rhs_block_scale=rhs_scale)
+    if kind == "FP8, scaled":
+        lhs, rhs = random_fp8(k[0], (128, 384), E4M3), random_fp8(k[1], (192, 384), E5M2)
+        lhs_scale = jax.random.uniform(k[2], (128,), jnp.float32, 0.25, 4.0)
+        return (lhs, rhs), dict(lhs_scale=lhs_scale, rhs_scale=jnp.float32(0.5))
+    lhs = jax.random.normal(k[0], (128, 384), jnp.float32).astype(BF16)
+    rhs = jax.random.normal(k[1], (192, 384), jnp.float32).astype(BF16)
+    if kind == "bf16, token-major":
+        return (lhs.T, rhs.T), dict(token_major=True)
+    return (lhs, rhs), {}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("kind", ["bf16", "bf16, token-major", "FP8, scaled", "block FP8"])
+def test_wgrad_persistent_pipeline_gives_the_same_bits(kind, stages):
+    # One pipeline from tile to tile (`persistent_pipeline`): each step's stage follows from
+    # the CTA's running step count, not from the tile's own. Two CTAs take four tiles each
+    # (4 groups x 2 column tiles), of 0 to 2 token steps (the empty group in between, groups
+    # sharing boundary chunks), so stages are reused across tiles at both depths. Any stage
+    # or barrier phase taken out of turn gives other products, or hangs.
+    sizes = jnp.asarray([50, 0, 177, 100], jnp.int32)
+    operands, kwargs = _wgrad_operand_kinds(kind, seed=23)
+    tile_t = 128 if kind in ("FP8, scaled", "block FP8") else 64
+    config = dataclasses.replace(tiny_wgrad(tile_t), max_concurrent_steps=stages)
+
+    def wgrad(persistent: bool):
+        return grouped_matmul_wgrad(
+            *operands,
+            sizes,
+            **kwargs,
+            config=dataclasses.replace(config, persistent_pipeline=persistent),
+            interpret=True,
+        )
+
+    per_tile, persistent = np.asarray(wgrad(False)), np.asarray(wgrad(True))
+    np.testing.assert_array_equal(persistent, per_tile)
+    assert not persistent[1].any() and persistent[0].any() and persistent[3].any()
+
+
+def test_wgrad_persistent_pipeline_is_a_bool():
+    with pytest.raises(TypeError, match="persistent_pipeline must be a bool, got 1"):
+        GroupedWgradConfig(persistent_pipeline=1)
+
+
 def test_fp8_wgrad_block_scales_refusals():
     lhs, rhs, sizes = jnp.zeros((128, 256), E4M3), jnp.zeros((64, 256), E4M3), jnp.asarray([256])
     lhs_scale, rhs_scale = jnp.ones((128, 2), jnp.float32), jnp.ones((64, 2), jnp.float32)
@@ -1950,6 +2001,30 @@ CROSS_LOWERING_CASES = {
             a, b, g, lhs_block_scale=sa, rhs_block_scale=sb
         ),
         (S((K, M), E4M3), S((N, M), E4M3), SIZES, S((K, M // 128), F32), S((N, M // 128), F32)),
+    ),
+    # One TMA pipeline from tile to tile (stop 57's persistent_pipeline), the MoE default's
+    # block FP8 and the token-major bf16 wgrad.
+    "fp8_wgrad_1x128_block_scales_persistent": (
+        lambda a, b, g, sa, sb: grouped_matmul_wgrad(
+            a,
+            b,
+            g,
+            lhs_block_scale=sa,
+            rhs_block_scale=sb,
+            out_dtype=BF16,
+            config=dataclasses.replace(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, persistent_pipeline=True),
+        ),
+        (S((K, M), E4M3), S((N, M), E4M3), SIZES, S((K, M // 128), F32), S((N, M // 128), F32)),
+    ),
+    "bf16_wgrad_token_major_persistent": (
+        lambda a, b, g: grouped_matmul_wgrad(
+            a,
+            b,
+            g,
+            token_major=True,
+            config=dataclasses.replace(DEFAULT_BF16_WGRAD_CONFIG, persistent_pipeline=True),
+        ),
+        (S((M, K), BF16), S((M, N), BF16), SIZES),
     ),
     "fp8_wgrad_e4m3_x_e5m2_scaled": (
         lambda a, b, g, sa, sb: grouped_matmul_wgrad(

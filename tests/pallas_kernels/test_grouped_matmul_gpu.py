@@ -32,7 +32,12 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul,
     grouped_matmul_fp8_block,
 )
-from pallas_kernels.grouped_matmul_wgrad import grouped_matmul_wgrad
+from pallas_kernels.grouped_matmul_wgrad import (
+    DEFAULT_BF16_WGRAD_CONFIG,
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+    DEFAULT_FP8_WGRAD_CONFIG,
+    grouped_matmul_wgrad,
+)
 from tests.pallas_kernels.gpu_cases import (
     K_DIM,
     N_DIM,
@@ -206,6 +211,50 @@ def test_gpu_wgrad(operands):
     out = jax.jit(grouped_matmul_wgrad, static_argnames="token_major")(lhs, rhs, sizes, **kwargs)
     assert out.shape == (NUM_GROUPS, K_DIM, N_DIM)
     assert_close(out, ref_ragged_contraction(lhs_ref, rhs_ref, sizes), rel=rel)
+
+
+@pytest.mark.parametrize("num_sms", [None, 8])
+@pytest.mark.parametrize("operands", ["bf16", "bf16_token_major", "fp8", "block_fp8"])
+def test_gpu_wgrad_persistent_pipeline_gives_the_same_bits(operands, num_sms):
+    # One TMA pipeline from tile to tile (stop 57's `persistent_pipeline`): the same bits as
+    # the per-tile pipeline of the same config, on G8 with skewed and empty groups (tiles of
+    # 0 to 22 token steps) and every SM (about 4 tiles a CTA) or 8 of them (64 a CTA), so
+    # each CTA's stages are reused across tiles with the pipeline running on. What the
+    # interpreter cannot show: Hopper's barriers, TMA and the consumers' register raise.
+    tokens, k_dim, n_dim = 8192, 1024, 1024
+    sizes = jnp.asarray([2800, 0, 128, 1, 0, 3000, 2000, 263], jnp.int32)
+    k = keys(4, seed=31)
+    kwargs, token_major = {}, operands == "bf16_token_major"
+    if operands.startswith("bf16"):
+        lhs = jax.random.normal(k[0], (k_dim, tokens), jnp.float32).astype(BF16)
+        rhs = jax.random.normal(k[1], (n_dim, tokens), jnp.float32).astype(BF16)
+        default = DEFAULT_BF16_WGRAD_CONFIG
+        if token_major:
+            lhs, rhs, kwargs = lhs.T, rhs.T, dict(token_major=True)
+    else:
+        lhs, rhs = random_fp8(k[0], (k_dim, tokens), E4M3), random_fp8(k[1], (n_dim, tokens), E4M3)
+        default = DEFAULT_FP8_WGRAD_CONFIG
+        kwargs = dict(lhs_scale=jax.random.uniform(k[2], (k_dim,), F32, 0.25, 4.0))
+        if operands == "block_fp8":
+            default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+            kwargs = dict(
+                lhs_block_scale=2.0 ** jax.random.randint(k[2], (k_dim, 64), -6, 7).astype(F32),
+                rhs_block_scale=2.0 ** jax.random.randint(k[3], (n_dim, 64), -6, 7).astype(F32),
+                out_dtype=BF16,
+            )
+    config = dataclasses.replace(default, num_sms=num_sms)
+
+    def wgrad(persistent: bool):
+        c = dataclasses.replace(config, persistent_pipeline=persistent)
+        return np.asarray(
+            jax.jit(lambda a, b, g: grouped_matmul_wgrad(a, b, g, config=c, **kwargs))(
+                lhs, rhs, sizes
+            )
+        )
+
+    per_tile, persistent = wgrad(False), wgrad(True)
+    np.testing.assert_array_equal(persistent.view(np.uint8), per_tile.view(np.uint8))
+    assert not persistent[1].any() and persistent[0].any() and persistent[7].any()
 
 
 def test_gpu_dense_entry_points():
