@@ -19,7 +19,9 @@ block-FP8 MoE wgrad (G8 balanced, dW (8, 4096, 4096) bf16) at 2 to 6 pipeline st
 (`fp8_block_wgrad_3_stages` ...; `..._scales_first`: with `block_scales_before_mma`):
 4 stages run 0.78-0.87x of 3 and 5 on every shape timed. Stop 56 read why from
 `--section SourceCounters --page source --print-source sass`: ptxas put the row-scale loads
-after the wgmma instructions at 4 stages, before them at 3.
+after the wgmma instructions at 4 stages, before them at 3 (`block_scales_before_mma`
+now asks for before, the default since stop 57); `..._persistent`: the default with
+`persistent_pipeline` (stop 57).
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
@@ -134,10 +136,13 @@ def _weights_in_registers(calls: int, fmt: str, e2m1_decode: str = "float32") ->
         jax.block_until_ready(fn(lhs, codes, scales, sizes))
 
 
-def _fp8_block_wgrad(calls: int, stages: int, scales_first: bool = False) -> None:
+def _fp8_block_wgrad(
+    calls: int, stages: int, scales_first: bool = False, persistent: bool = False
+) -> None:
     """dW[g] = x_gᵀ dy_g over G8 balanced groups from the columnwise copies (4096, 16384) with
     their 1x128 token-block scales, bf16 out, the MoE default config at `stages` stages
-    (`scales_first`: with `block_scales_before_mma`)."""
+    (`scales_first`: with `block_scales_before_mma`; `persistent`: with
+    `persistent_pipeline`)."""
     from benchmarks.peers_ab import block_fp8_operands
 
     lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(4096, 16384, 4, seed=13)
@@ -146,6 +151,7 @@ def _fp8_block_wgrad(calls: int, stages: int, scales_first: bool = False) -> Non
         DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
         max_concurrent_steps=stages,
         block_scales_before_mma=scales_first,
+        persistent_pipeline=persistent,
     )
     config = fit_to_shared_memory(config, (1, 1, 2), block_scaled=True)
     fn = jax.jit(
@@ -176,6 +182,11 @@ GROUPED_CASES = {
         )
         for stages in (3, 4)
     },
+    # The MoE default (4 stages, scales first, since stop 57) with one pipeline from tile to
+    # tile: do the consumers still wait on the TMA barriers at every tile's start?
+    "fp8_block_wgrad_4_stages_scales_first_persistent": functools.partial(
+        _fp8_block_wgrad, stages=4, scales_first=True, persistent=True
+    ),
 }
 
 
