@@ -153,8 +153,9 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
 # each a thread); one 128-token scale block a step. 4 stages with each chunk's scales loaded
 # before its wgmma is issued (`block_scales_before_mma`), from stop 57's sweeps on an H100
 # (`grouped_ab --variants wgrad_stage_spot` and `fp8_block_wgrad`, in alternation, the same
-# bits): G8 balanced 801 / 804 / 780 TFLOP/s against 752 / 766 / 757 with stop 53's 3 stages
-# and the scales loaded after the wgmma. Loaded after it, 4 stages were the slow spot (607):
+# bits): G8 balanced 801 / 804 / 780 / 774 / 768 TFLOP/s against 752 / 766 / 757 / 752 / 742
+# with stop 53's 3 stages and the scales loaded after the wgmma (five sweeps over three
+# calls). Loaded after it, 4 stages were the slow spot (607):
 # ptxas then put the scale loads behind the MMA in the MIO queue (stop 56's Nsight Compute).
 DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128,
