@@ -97,18 +97,18 @@ for the run's clocks) are timed batch by batch in alternation
   the slowest token-major one, and the grid-order change alone; then the K-major default on
   the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing), and the
   token-major default with one TMA pipeline from tile to tile (`persistent_pipeline`, stop
-  57). Balanced and skewed G8 shapes;
+  57). Balanced and skewed G8 shapes, and G64 small experts (8 token steps a tile);
 * ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
   kernel with its block scales, the default since stop 53) under pipeline depths, grid
-  orders, the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma
-  in the default since stop 57) and one pipeline from tile to tile (`persistent_pipeline`,
-  stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed:
-  a main and a chunk accumulator of 128 x 64 per consumer fill the register budget), G8
-  balanced (whole 128-token groups), XLA's dense FP8 GEMM of the same flops as the
-  yardstick; then one group of 8192 tokens at 8192 x 8192 (the dense layers' wgrad since
-  stop 54) through `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it,
-  around its own default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default since stop 57; 5
-  stages in stops 55-56);
+  orders, the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma in
+  the default since stop 57) and one pipeline from tile to tile (`persistent_pipeline`,
+  stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
+  accumulator of 128 x 64 per consumer fill the register budget), G8 balanced and G64 small
+  experts (whole 128-token groups; G64: 4 steps a tile), XLA's dense FP8 GEMM of the same
+  flops as the yardstick; then one group of 8192 tokens at 8192 x 8192 (the dense layers'
+  wgrad since stop 54) through `dense_matmul_fp8_block_wgrad` with float32 out, as the
+  layers call it, around its own default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default
+  since stop 57; 5 stages in stops 55-56);
 * ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out) on tiles
   of 16 and 17 token steps (G8) and of 64 and 65 (one group), each depth with its scales
   loaded after the wgmma is issued and before it (`block_scales_before_mma`). Loaded after,
@@ -1143,7 +1143,12 @@ def main(
         tiny_block = None
         # The dense layers' wgrad is the one-group case (since stop 54): 8192³.
         one_group = (1, DENSE_SIZE, DENSE_SIZE, DENSE_SIZE, [DENSE_SIZE])
-        shapes = {"G8 balanced": shapes["G8 balanced"], "dense, one group": one_group}
+        # G64's tiles have 4 token steps each: where a pipeline restarted per tile costs most.
+        shapes = {
+            "G8 balanced": shapes["G8 balanced"],
+            "G64 small experts": bench_grouped_matmul.SHAPES["G64 small experts"],
+            "dense, one group": one_group,
+        }
         if small:  # 128-token groups, 128 x 128 CTA tiles
             shapes = {
                 "G8 balanced": (2, 256, 128, 128, [128, 128]),
@@ -1166,6 +1171,8 @@ def main(
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad":
         tiny_wgrad = None
+        # (G64: 8 token steps a tile, where the persistent pipeline should show most.)
+        shapes = {**shapes, "G64 small experts": bench_grouped_matmul.SHAPES["G64 small experts"]}
         if small:  # 128 x 128 CTA tiles, 2 per group: interpreter time grows with the grid
             shapes = {"G8 balanced": (2, 256, 256, 128, [128, 128])}
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
