@@ -432,6 +432,8 @@ def _persistent_tiles(
     step count) starts each tile empty. A global step count, carried by both sides'
     tile loops, picks each step's stage (count mod `stages`); the stages, their shared-memory
     buffers and their barriers are the per-tile pipeline's own allocations."""
+    # (The keys of `emit_pipeline_warp_specialized(...).get_allocations`, jax 0.11.2: a test
+    # lowers and runs this path, so a renamed key fails there.)
     stage_smem = allocations["flat_in_smem_refs"]
     [produced] = allocations["flat_produced_barrier_refs"]  # one arrival per copy of a step
     [consumed] = allocations["flat_consumed_barrier_refs"]  # one arrival per consumer
