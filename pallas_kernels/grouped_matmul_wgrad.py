@@ -767,20 +767,37 @@ def _wgrad_call(
                 )
                 store_tile(tile, zeros)
 
-            def step_windows(tile: _Tile, t):
-                """The global-memory windows of `tile`'s token step `t`, in in_specs' order."""
-                chunk = tile.first_chunk + t
-                tokens = pl.ds(chunk * tile_t, tile_t)
+            def tile_windows(tile: _Tile):
+                """The global-memory windows of `tile`'s operands, in in_specs' order, from its
+                first token chunk on: in_specs' blocks of token step t lie at t in them."""
+                window = pl.ds(tile.first_chunk * tile_t, num_tokens)
                 cols = pl.ds(tile.col_tile * (2 * tile_n), 2 * tile_n)
-                windows = [
-                    at_tokens(lhs_gmem, tokens, pl.ds(tile.row0, tile_m)),
-                    at_tokens(rhs_gmem, tokens, cols),
-                ]
+                scale_windows = ()
                 if block_scaled:  # (tile_t = 128: one scale block per chunk)
+                    blocks = pl.ds(tile.first_chunk, num_tokens // tile_t)
                     lhs_block_scales, rhs_block_scales = block_scale_refs
-                    windows.append(lhs_block_scales.at[pl.ds(chunk, 1), pl.ds(tile.row0, tile_m)])
-                    windows.append(rhs_block_scales.at[pl.ds(chunk, 1), cols])
-                return windows
+                    scale_windows = (
+                        lhs_block_scales.at[blocks, pl.ds(tile.row0, tile_m)],
+                        rhs_block_scales.at[blocks, cols],
+                    )
+                return (
+                    at_tokens(lhs_gmem, window, pl.ds(tile.row0, tile_m)),
+                    at_tokens(rhs_gmem, window, cols),
+                    *scale_windows,
+                )
+
+            def step_windows(tile: _Tile, t):
+                """Token step `t`'s blocks of `tile_windows`, as the per-tile pipeline cuts
+                them (each spec's block at its index map's block index)."""
+                return [
+                    window.at[
+                        tuple(
+                            pl.ds(i * size, size)
+                            for i, size in zip(spec.index_map(t), spec.block_shape, strict=True)
+                        )
+                    ]
+                    for window, spec in zip(tile_windows(tile), in_specs, strict=True)
+                ]
 
             num_tiles = (num_groups * tiles_per_group,)
             if config.persistent_pipeline:
@@ -808,26 +825,11 @@ def _wgrad_call(
 
                     @pl.when(tile.num_steps > 0)
                     def _matmul_tile():
-                        window = pl.ds(tile.first_chunk * tile_t, num_tokens)
-                        cols = pl.ds(tile.col_tile * (2 * tile_n), 2 * tile_n)
-                        scale_windows = ()
-                        if block_scaled:  # (tile_t = 128: one scale block per chunk)
-                            blocks = pl.ds(tile.first_chunk, num_tokens // tile_t)
-                            lhs_block_scales, rhs_block_scales = block_scale_refs
-                            scale_windows = (
-                                lhs_block_scales.at[blocks, pl.ds(tile.row0, tile_m)],
-                                rhs_block_scales.at[blocks, cols],
-                            )
                         make_pipeline(
                             step_fn,
                             lambda run_pipeline: run_tile(tile, run_pipeline),
                             tile.num_steps,
-                        )(
-                            at_tokens(lhs_gmem, window, pl.ds(tile.row0, tile_m)),
-                            at_tokens(rhs_gmem, window, cols),
-                            *scale_windows,
-                            allocations=pipeline_allocs,
-                        )
+                        )(*tile_windows(tile), allocations=pipeline_allocs)
 
                     @pl.when((tile.num_steps == 0) & (wg < _NUM_CONSUMERS))
                     def _empty_group():
