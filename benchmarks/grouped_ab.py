@@ -182,6 +182,7 @@ from pallas_kernels.grouped_matmul_mx_weights import (
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+    DEFAULT_FP8_WGRAD_CONFIG,
     DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
     fit_to_shared_memory,
@@ -535,6 +536,7 @@ VARIANT_SETS = {
     "wgrad": None,  # wgrad configs and layouts: see wgrad_variants
     "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
     "wgrad_stage_spot": None,  # its 4-stage slow spot: see WGRAD_STAGE_SPOT_SHAPES
+    "wgrad_persistent": None,  # every wgrad the layers call: see wgrad_persistent_cases
     "dense_fp8_block_stages": None,  # dense block FP8, fwd and wgrad: see dense_fp8_block_...
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
@@ -776,6 +778,130 @@ def wgrad_stage_spot_variants() -> dict[str, GroupedWgradConfig]:
             default, max_concurrent_steps=stages, **SCALES_FIRST
         )
     return variants
+
+
+def wgrad_persistent_label(config: GroupedWgradConfig) -> str:
+    """What `wgrad_persistent_variants` change: depth, epilogue buffers, grid order, pipeline."""
+    buffers = f"{config.epilogue_buffers} buffer" + ("s" if config.epilogue_buffers > 1 else "")
+    pipeline = "persistent pipeline" if config.persistent_pipeline else "a pipeline per tile"
+    return (
+        f"{config.max_concurrent_steps} stages, {buffers}, grid minor {config.grid_minor_dim}, "
+        f"{pipeline}"
+    )
+
+
+def wgrad_persistent_variants(
+    default: GroupedWgradConfig, sizes: tuple[int, int, int], block_scaled: bool
+) -> dict[str, GroupedWgradConfig]:
+    """label -> config: a wgrad default (first), it with a pipeline per tile (the defaults
+    until stop 58), and its neighbours with the persistent pipeline: one stage fewer or more,
+    one epilogue buffer, grid minor 0. Each is fitted to the shared memory as the entry
+    points fit their defaults; configs that fit to the same one are timed once."""
+    changes = [
+        {},
+        dict(persistent_pipeline=False),
+        dict(max_concurrent_steps=default.max_concurrent_steps - 1),
+        dict(max_concurrent_steps=default.max_concurrent_steps + 1, epilogue_buffers=1),
+        dict(epilogue_buffers=1),
+        dict(grid_minor_dim=1 - default.grid_minor_dim),
+    ]
+    variants: dict[str, GroupedWgradConfig] = {}
+    for change in changes:
+        config = fit_to_shared_memory(dataclasses.replace(default, **change), sizes, block_scaled)
+        label = wgrad_persistent_label(config) + (" (default)" if not change else "")
+        if config not in variants.values():
+            variants[label] = config
+    return variants
+
+
+def wgrad_persistent_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
+    """Each wgrad the layers call, float32 out as they call it, under
+    `wgrad_persistent_variants` of its default: bf16 token-major (x, dy as stored: the bf16
+    layers), bf16 K-major (xᵀ, dyᵀ: MXFP8 / NVFP4's exact values), FP8 K-major (e4m3 x e5m2:
+    per-tensor FP8) and block FP8 with 1x128 token-block scales (the MoE layers), on each
+    grouped shape; on a one-group shape, block FP8 through the dense layers' entry point.
+    XLA's dense FP8 GEMM of the same flops is every case's yardstick. `tiny`: config fields
+    for the interpreter."""
+    from benchmarks.peers_ab import block_fp8_operands, xla_fp8_nt  # (peers_ab imports us)
+
+    f32 = jnp.float32
+    for shape, (g, m, k, n, sizes) in shapes.items():
+        lhs8, lhs_scale_k_major, _, _ = block_fp8_operands(k, m, 4, seed=13)
+        rhs8, rhs_scale_k_major, _, _ = block_fp8_operands(n, m, 4, seed=14)
+        block_scales = (lhs_scale_k_major.T, rhs_scale_k_major.T)  # (K, M/128), (N, M/128)
+        # kind -> (default, entry point, its array operands, static keywords); the operands
+        # are jit arguments (closed over, they would be compiled in as constants).
+        if g == 1:
+            kinds = {
+                "dense block FP8": (
+                    DENSE_FP8_BLOCK_WGRAD_CONFIG,
+                    dense_matmul_fp8_block_wgrad,
+                    (lhs8, block_scales[0], rhs8, block_scales[1]),
+                    {},
+                )
+            }
+        else:
+            group_sizes = jnp.asarray(sizes, jnp.int32)
+            keys = jax.random.split(jax.random.key(17), 2)
+            x = jax.random.normal(keys[0], (m, k), f32)
+            dy = jax.random.normal(keys[1], (m, n), f32)
+
+            def grouped(lhs, rhs, group_sizes, lhs_block_scale=None, rhs_block_scale=None, **kw):
+                return grouped_matmul_wgrad(
+                    lhs,
+                    rhs,
+                    group_sizes,
+                    lhs_block_scale=lhs_block_scale,
+                    rhs_block_scale=rhs_block_scale,
+                    **kw,
+                )
+
+            kinds = {
+                "bf16 token-major": (
+                    DEFAULT_BF16_WGRAD_CONFIG,
+                    grouped,
+                    (x.astype(BF16), dy.astype(BF16), group_sizes),
+                    dict(token_major=True),
+                ),
+                "bf16 K-major": (
+                    DEFAULT_BF16_WGRAD_CONFIG,
+                    grouped,
+                    (x.T.astype(BF16), dy.T.astype(BF16), group_sizes),
+                    {},
+                ),
+                "FP8 K-major": (
+                    DEFAULT_FP8_WGRAD_CONFIG,
+                    grouped,
+                    (x.T.astype(E4M3), dy.T.astype(jnp.float8_e5m2), group_sizes),
+                    {},
+                ),
+                "block FP8": (
+                    DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+                    grouped,
+                    (lhs8, rhs8, group_sizes, *block_scales),
+                    {},
+                ),
+            }
+            del x, dy
+        for kind, (default, entry, args, keywords) in kinds.items():
+            default = dataclasses.replace(default, **tiny) if tiny else default
+            lhs, rhs = (args[0], args[2]) if g == 1 else args[:2]  # (dense: scales between)
+            itemsizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, 4)
+            variants = wgrad_persistent_variants(default, itemsizes, "block" in kind)
+            candidates = {
+                label: (
+                    jax.jit(
+                        lambda *a, c=config, entry=entry, kw=keywords: entry(
+                            *a, out_dtype=f32, config=c, interpret=interpret, **kw
+                        )
+                    ),
+                    [args],
+                )
+                for label, config in variants.items()
+            }
+            candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
+            run_case(f"{shape} wgrad {kind}", 2 * m * k * n, candidates)
+            del candidates, args
 
 
 # (case, G, M, K, N, group sizes) of `--variants wgrad_stage_spot`: token steps a tile that 4
@@ -1156,6 +1282,21 @@ def main(
             }
             tiny_block = dict(num_sms=2, grid_tile_width=1)
         fp8_block_wgrad_cases(run_case, shapes, interpret, tiny_block)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "wgrad_persistent":
+        tiny_wgrad = None
+        shapes = {
+            "G8 balanced": shapes["G8 balanced"],
+            "G64 small experts": bench_grouped_matmul.SHAPES["G64 small experts"],
+            "dense, one group": (1, DENSE_SIZE, DENSE_SIZE, DENSE_SIZE, [DENSE_SIZE]),
+        }
+        if small:  # 128-token groups (block FP8's scale blocks), 128 x 128 CTA tiles
+            shapes = {
+                "G8 balanced": (2, 256, 128, 128, [128, 128]),
+                "dense, one group": (1, 256, 128, 128, [256]),
+            }
+            tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
+        wgrad_persistent_cases(run_case, shapes, interpret, tiny_wgrad)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad_stage_spot":
         spot_shapes, tiny_block = WGRAD_STAGE_SPOT_SHAPES, None

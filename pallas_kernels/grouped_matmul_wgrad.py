@@ -144,10 +144,20 @@ class GroupedWgradConfig:
 # Defaults: the fastest configs of the H200 sweep (2026-11-29, G=8, M=16384, K=N=4096):
 # bf16 601 TFLOP/s, FP8 (e4m3 x e5m2) 1112 TFLOP/s, f32 outputs.
 DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
-    tile_m=128, tile_n=128, tile_t=64, max_concurrent_steps=3, epi_tile_n=32
+    tile_m=128,
+    tile_n=128,
+    tile_t=64,
+    max_concurrent_steps=3,
+    epi_tile_n=32,
+    persistent_pipeline=True,
 )
 DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
-    tile_m=128, tile_n=128, tile_t=128, max_concurrent_steps=3, epi_tile_n=32
+    tile_m=128,
+    tile_n=128,
+    tile_t=128,
+    max_concurrent_steps=3,
+    epi_tile_n=32,
+    persistent_pipeline=True,
 )
 # Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
 # each a thread); one 128-token scale block a step. 4 stages with each chunk's scales loaded
@@ -164,6 +174,7 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     max_concurrent_steps=4,
     epi_tile_n=32,
     block_scales_before_mma=True,
+    persistent_pipeline=True,
 )
 # The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`,
 # float32 out): the MoE default, from stop 57's sweeps on an H100 (`grouped_ab --variants
