@@ -175,7 +175,7 @@ def test_wgrad_persistent_variants_are_the_defaults_neighbours_fitted_once():
         "3 stages, 2 buffers, grid minor 0, persistent pipeline",
     ]
     block = grouped_ab.wgrad_persistent_variants(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True)
-    assert list(block)[0].startswith("4 stages, 2 buffers") and len(block) == 6
+    assert next(iter(block)).startswith("4 stages, 2 buffers") and len(block) == 6
     for config in block.values():
         assert fit_to_shared_memory(config, (1, 1, 4), True) == config
     # Float32 out at 6 stages does not fit: cut to a config already in the set, timed once.
