@@ -116,6 +116,11 @@ for the run's clocks) are timed batch by batch in alternation
   16 and 64 (stop 56: not where the depth divides a tile's steps); Nsight Compute put it on
   ptxas's placement of the row-scale loads (the config field's docstring). Loaded before,
   4 stages were the fastest at G8 (stop 57), now the MoE default.
+* ``wgrad_persistent``: every wgrad the layers call, float32 out as they call it (bf16
+  token-major and K-major, per-tensor FP8, block FP8 on G8 balanced and G64 small experts;
+  the dense layers' block FP8 on 8192³), around its default: with a pipeline per tile (the
+  defaults until stop 58), and with the persistent pipeline at one stage fewer or more, one
+  epilogue buffer, the other grid order (`wgrad_persistent_variants`);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -126,7 +131,8 @@ for the run's clocks) are timed batch by batch in alternation
     python -m benchmarks.grouped_ab [--out DIR] [--small]
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
-                    wgrad|fp8_block_wgrad|wgrad_stage_spot|dense_fp8_block_stages]
+                    wgrad|fp8_block_wgrad|wgrad_stage_spot|wgrad_persistent|
+                    dense_fp8_block_stages]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
