@@ -21,8 +21,8 @@
 #                                      and their timing (defaults: stop 51's grouped block-FP8
 #                                      wgrad kernel, its gpu tests (with stop 57's
 #                                      persistent_pipeline) and peers_ab --cases
-#                                      grouped_fp8_block_wgrad; grouped_ab's fp8_block_wgrad and
-#                                      wgrad sets (stop 57's persistent_pipeline);
+#                                      grouped_fp8_block_wgrad; grouped_ab's wgrad_persistent
+#                                      set (stop 58's wgrad defaults and their neighbours);
 #                                      then whatever PENDING_RESOURCES / PENDING_AB /
 #                                      PENDING_BENCH name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
@@ -136,8 +136,8 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  # (Default since stop 57: the wgrad's persistent_pipeline, block FP8 then bf16.)
-  for entry in ${PENDING_GROUPED_AB-fp8_block_wgrad wgrad}; do
+  # (Default since stop 58: every wgrad kind around its persistent-pipeline default.)
+  for entry in ${PENDING_GROUPED_AB-wgrad_persistent}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
