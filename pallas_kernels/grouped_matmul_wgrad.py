@@ -84,7 +84,7 @@ class GroupedWgradConfig:
       barriers, with the pipeline restarting every 16 token steps at G8. The same bits
       (interpreter, and an H100 in stop 58), and faster wherever timed there (stop 58,
       `grouped_ab --variants fp8_block_wgrad` / `wgrad`): block FP8 G8 845 against 757
-      TFLOP/s, G64 small experts 652 against 519, bf16 token-major G8 601 against 561. Every
+      TFLOP/s, G64 small experts 652 against 519, bf16 token-major G8 601 against 564. Every
       default config below has it; the field's own default stays False (a config built by
       hand gets the per-tile pipeline, the simpler of the two, unless it asks).
     """
@@ -149,7 +149,8 @@ class GroupedWgradConfig:
 # bf16 601 TFLOP/s, FP8 (e4m3 x e5m2) 1112 TFLOP/s, f32 outputs. Every default runs one
 # pipeline from tile to tile (`persistent_pipeline`) since stop 58: on an H100, in
 # alternation, token-major bf16 601 against 564 TFLOP/s at G8 and 393 against 355 at G64
-# small experts; block FP8 below.
+# small experts; K-major bf16 591 against 558 and per-tensor FP8 1023 against 937 at G8
+# (`grouped_ab --variants wgrad_persistent`, a second call); block FP8 below.
 DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128,
     tile_n=128,
@@ -190,7 +191,8 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
 # fp8_block_wgrad`, its one-group 8192³ case, three calls, the same bits): 783 / 783 / 790
 # TFLOP/s against 766 / 756 / 753 with stop 55's 5 stages (one epilogue buffer, the scales
 # loaded after the wgmma). With a bfloat16 output the two are level (853 against 857). With
-# the persistent pipeline (stop 58, H100): 811 against 743.
+# the persistent pipeline (stop 58, H100, two calls): 811 against 743, then 741 against 748
+# (level; 4 stages with one epilogue buffer ran 800 in the second call, one call only).
 DENSE_FP8_BLOCK_WGRAD_CONFIG = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
 
 
