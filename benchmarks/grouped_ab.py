@@ -95,27 +95,30 @@ for the run's clocks) are timed batch by batch in alternation
 * ``wgrad``: the bf16 weight-gradient kernel on x (M, K) and dy (M, N) as the forward stores
   them (`token_major=True`) under the configs of the stop 23 sweep, where the default was
   the slowest token-major one, and the grid-order change alone; then the K-major default on
-  the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing), and the
-  token-major default with one TMA pipeline from tile to tile (`persistent_pipeline`, stop
-  57). Balanced and skewed G8 shapes, and G64 small experts (8 token steps a tile);
+  the same operands transposed beforehand (xᵀ, dyᵀ, outside the timing); the default has
+  one TMA pipeline from tile to tile (`persistent_pipeline`) since stop 58, the sweep's
+  configs a pipeline per tile. Balanced and skewed G8 shapes, and G64 small experts (8
+  token steps a tile);
 * ``fp8_block_wgrad``: block FP8's MoE wgrad (two 1x128 token-block copies, the FP8 wgrad
   kernel with its block scales, the default since stop 53) under pipeline depths, grid
   orders, the scale loads' place (`block_scales_before_mma`, stop 56; before the wgmma in
-  the default since stop 57) and one pipeline from tile to tile (`persistent_pipeline`,
-  stop 57) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG` (its tile is fixed: a main and a chunk
-  accumulator of 128 x 64 per consumer fill the register budget), G8 balanced and G64 small
-  experts (whole 128-token groups; G64: 4 steps a tile), XLA's dense FP8 GEMM of the same
-  flops as the yardstick; then one group of 8192 tokens at 8192 x 8192 (the dense layers'
-  wgrad since stop 54) through `dense_matmul_fp8_block_wgrad` with float32 out, as the
-  layers call it, around its own default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default
-  since stop 57; 5 stages in stops 55-56);
-* ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out) on tiles
-  of 16 and 17 token steps (G8) and of 64 and 65 (one group), each depth with its scales
-  loaded after the wgmma is issued and before it (`block_scales_before_mma`). Loaded after,
-  4 stages ran 0.78-0.87x of 3 and 5 in every call of stops 53-56, on 17 and 65 steps as on
-  16 and 64 (stop 56: not where the depth divides a tile's steps); Nsight Compute put it on
-  ptxas's placement of the row-scale loads (the config field's docstring). Loaded before,
-  4 stages were the fastest at G8 (stop 57), now the MoE default.
+  the default since stop 57) and the pipeline (one from tile to tile, `persistent_pipeline`,
+  in the default since stop 58, or one per tile) around `DEFAULT_FP8_BLOCK_WGRAD_CONFIG`
+  (its tile is fixed: a main and a chunk accumulator of 128 x 64 per consumer fill the
+  register budget), G8 balanced and G64 small experts (whole 128-token groups; G64: 4 steps
+  a tile), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group of 8192
+  tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
+  `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
+  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default since stop 57; 5 stages in stops
+  55-56);
+* ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out, a
+  pipeline per tile, as stops 53-57 timed it) on tiles of 16 and 17 token steps (G8) and of
+  64 and 65 (one group), each depth with its scales loaded after the wgmma is issued and
+  before it (`block_scales_before_mma`). Loaded after, 4 stages ran 0.78-0.87x of 3 and 5 in
+  every call of stops 53-56, on 17 and 65 steps as on 16 and 64 (stop 56: not where the
+  depth divides a tile's steps); Nsight Compute put it on ptxas's placement of the row-scale
+  loads (the config field's docstring). Loaded before, 4 stages were the fastest at G8 (stop
+  57), now the MoE default.
 * ``wgrad_persistent``: every wgrad the layers call, float32 out as they call it (bf16
   token-major and K-major, per-tensor FP8, block FP8 on G8 balanced and G64 small experts;
   the dense layers' block FP8 on 8192³), around its default: with a pipeline per tile (the
@@ -667,27 +670,31 @@ def cluster_m_cases(run_case, size: int, interpret: bool, tiny: dict | None) -> 
     )
 
 
-def wgrad_label(config: GroupedWgradConfig) -> str:
-    """What the wgrad configs here differ in (all are 128x256 tiles of 64 tokens, epilogue 32)."""
+def wgrad_config_label(config: GroupedWgradConfig) -> str:
+    """What the wgrad sweeps vary: depth, epilogue buffers, grid order, pipeline."""
     buffers = f"{config.epilogue_buffers} buffer" + ("s" if config.epilogue_buffers > 1 else "")
-    default = " (default)" if config == DEFAULT_BF16_WGRAD_CONFIG else ""
+    pipeline = "persistent pipeline" if config.persistent_pipeline else "a pipeline per tile"
     return (
-        f"{config.max_concurrent_steps} stages, {buffers}, grid minor "
-        f"{config.grid_minor_dim}{default}"
+        f"{config.max_concurrent_steps} stages, {buffers}, grid minor {config.grid_minor_dim}, "
+        f"{pipeline}"
     )
+
+
+def wgrad_label(config: GroupedWgradConfig) -> str:
+    """`wgrad_config_label`, marked when it is the bf16 default."""
+    default = " (default)" if config == DEFAULT_BF16_WGRAD_CONFIG else ""
+    return wgrad_config_label(config) + default
 
 
 def wgrad_variants() -> dict[str, tuple[bool, GroupedWgradConfig]]:
     """name -> (token_major, config): the token-major default first (the others are compared
-    with it), the sweep's configs, the default with only grid minor 0 (to tell the sweep's two
-    changes apart), and the K-major default."""
+    with it), the stop 23 sweep's configs (a pipeline per tile; its first is the default
+    until stop 58), the default with only grid minor 0, and the K-major default."""
     default = DEFAULT_BF16_WGRAD_CONFIG
     grid_minor_0 = dataclasses.replace(default, grid_minor_dim=0)
     token_major = dict.fromkeys([default, *BF16_WGRAD_CONFIGS, grid_minor_0])  # ordered, unique
     variants = {f"token-major {wgrad_label(c)}": (True, c) for c in token_major}
     variants[f"K-major {wgrad_label(default)}"] = (False, default)
-    persistent = dataclasses.replace(default, persistent_pipeline=True)
-    variants[f"token-major {wgrad_label(default)}, persistent pipeline"] = (True, persistent)
     return variants
 
 
@@ -719,15 +726,19 @@ def wgrad_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
 
 # `block_scales_before_mma`: each chunk's scales loaded before its wgmma is issued.
 SCALES_FIRST = dict(block_scales_before_mma=True)
+# The wgrad pipeline of the defaults until stop 58: started empty at every tile.
+PER_TILE = dict(persistent_pipeline=False)
 
 
 def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
     """name -> config: the default first (the others are compared with it), then pipeline
     depths in either scale-load order (5 stages with two epilogue buffers is the most the
-    shared memory holds; 6 with one) and grid orders."""
+    shared memory holds; 6 with one), grid orders, and the earlier defaults as they were
+    (a pipeline per tile)."""
     default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
-    scales_after = dict(block_scales_before_mma=False)
+    scales_after = dict(block_scales_before_mma=False, **PER_TILE)
     steps = {
+        "a pipeline per tile (stop 57's default)": PER_TILE,
         "3 stages, scales after the MMA (stop 53's default)": dict(
             max_concurrent_steps=3, **scales_after
         ),
@@ -738,10 +749,12 @@ def fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig]:
         "5 stages": dict(max_concurrent_steps=5),
         "6 stages, 1 epilogue buffer": dict(max_concurrent_steps=6, epilogue_buffers=1),
         "grid minor 0": dict(grid_minor_dim=0),
-        "persistent pipeline": dict(persistent_pipeline=True),
-        "5 stages, persistent pipeline": dict(max_concurrent_steps=5, persistent_pipeline=True),
     }
-    variants = {"default (4 stages, scales before the MMA, grid minor 1, width 4)": default}
+    variants = {
+        "default (4 stages, scales before the MMA, grid minor 1, width 4, persistent pipeline)": (
+            default
+        )
+    }
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
 
@@ -752,18 +765,17 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     point's own pick first (None), then one or two changes each, every config fitted to the
     shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
-    scales_after = dict(block_scales_before_mma=False)
     steps = {
+        "a pipeline per tile (stop 57's default)": PER_TILE,
         "5 stages, scales after the MMA (stop 55's default)": dict(
-            max_concurrent_steps=5, **scales_after
+            max_concurrent_steps=5, block_scales_before_mma=False, **PER_TILE
         ),
         "5 stages": dict(max_concurrent_steps=5),
         "3 stages": dict(max_concurrent_steps=3),
         "grid minor 0": dict(grid_minor_dim=0),
-        "persistent pipeline": dict(persistent_pipeline=True),
     }
     variants: dict[str, GroupedWgradConfig | None] = {
-        "default (4 stages, scales before the MMA)": None
+        "default (4 stages, scales before the MMA, persistent pipeline)": None
     }
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
@@ -772,8 +784,9 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
 def wgrad_stage_spot_variants() -> dict[str, GroupedWgradConfig]:
     """name -> the MoE block-FP8 wgrad config at 2 to 5 stages, the scales loaded after the
     wgmma is issued (stop 53's 3 stages first: the slow spot was found against it), then each
-    with its scales loaded before (4 stages so is the default since stop 57)."""
-    default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    with its scales loaded before (4 stages so is the default since stop 57); all with a
+    pipeline per tile, as stops 53-57 timed them."""
+    default = dataclasses.replace(DEFAULT_FP8_BLOCK_WGRAD_CONFIG, **PER_TILE)
     variants = {}
     for stages in (3, 2, 4, 5):
         variants[f"{stages} stages"] = dataclasses.replace(
@@ -786,16 +799,6 @@ def wgrad_stage_spot_variants() -> dict[str, GroupedWgradConfig]:
     return variants
 
 
-def wgrad_persistent_label(config: GroupedWgradConfig) -> str:
-    """What `wgrad_persistent_variants` change: depth, epilogue buffers, grid order, pipeline."""
-    buffers = f"{config.epilogue_buffers} buffer" + ("s" if config.epilogue_buffers > 1 else "")
-    pipeline = "persistent pipeline" if config.persistent_pipeline else "a pipeline per tile"
-    return (
-        f"{config.max_concurrent_steps} stages, {buffers}, grid minor {config.grid_minor_dim}, "
-        f"{pipeline}"
-    )
-
-
 def wgrad_persistent_variants(
     default: GroupedWgradConfig, sizes: tuple[int, int, int], block_scaled: bool
 ) -> dict[str, GroupedWgradConfig]:
@@ -805,7 +808,7 @@ def wgrad_persistent_variants(
     points fit their defaults; configs that fit to the same one are timed once."""
     changes = [
         {},
-        dict(persistent_pipeline=False),
+        PER_TILE,
         dict(max_concurrent_steps=default.max_concurrent_steps - 1),
         dict(max_concurrent_steps=default.max_concurrent_steps + 1, epilogue_buffers=1),
         dict(epilogue_buffers=1),
@@ -814,10 +817,22 @@ def wgrad_persistent_variants(
     variants: dict[str, GroupedWgradConfig] = {}
     for change in changes:
         config = fit_to_shared_memory(dataclasses.replace(default, **change), sizes, block_scaled)
-        label = wgrad_persistent_label(config) + (" (default)" if not change else "")
+        label = wgrad_config_label(config) + (" (default)" if not change else "")
         if config not in variants.values():
             variants[label] = config
     return variants
+
+
+def _grouped_wgrad(lhs, rhs, group_sizes, lhs_block_scale=None, rhs_block_scale=None, **kw):
+    """`grouped_matmul_wgrad` with its block scales positional (jit arguments in one tuple)."""
+    return grouped_matmul_wgrad(
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_block_scale=lhs_block_scale,
+        rhs_block_scale=rhs_block_scale,
+        **kw,
+    )
 
 
 def wgrad_persistent_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
@@ -851,39 +866,28 @@ def wgrad_persistent_cases(run_case, shapes, interpret: bool, tiny: dict | None)
             keys = jax.random.split(jax.random.key(17), 2)
             x = jax.random.normal(keys[0], (m, k), f32)
             dy = jax.random.normal(keys[1], (m, n), f32)
-
-            def grouped(lhs, rhs, group_sizes, lhs_block_scale=None, rhs_block_scale=None, **kw):
-                return grouped_matmul_wgrad(
-                    lhs,
-                    rhs,
-                    group_sizes,
-                    lhs_block_scale=lhs_block_scale,
-                    rhs_block_scale=rhs_block_scale,
-                    **kw,
-                )
-
             kinds = {
                 "bf16 token-major": (
                     DEFAULT_BF16_WGRAD_CONFIG,
-                    grouped,
+                    _grouped_wgrad,
                     (x.astype(BF16), dy.astype(BF16), group_sizes),
                     dict(token_major=True),
                 ),
                 "bf16 K-major": (
                     DEFAULT_BF16_WGRAD_CONFIG,
-                    grouped,
+                    _grouped_wgrad,
                     (x.T.astype(BF16), dy.T.astype(BF16), group_sizes),
                     {},
                 ),
                 "FP8 K-major": (
                     DEFAULT_FP8_WGRAD_CONFIG,
-                    grouped,
+                    _grouped_wgrad,
                     (x.T.astype(E4M3), dy.T.astype(jnp.float8_e5m2), group_sizes),
                     {},
                 ),
                 "block FP8": (
                     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
-                    grouped,
+                    _grouped_wgrad,
                     (lhs8, rhs8, group_sizes, *block_scales),
                     {},
                 ),

@@ -20,8 +20,8 @@ block-FP8 MoE wgrad (G8 balanced, dW (8, 4096, 4096) bf16) at 2 to 6 pipeline st
 4 stages run 0.78-0.87x of 3 and 5 on every shape timed. Stop 56 read why from
 `--section SourceCounters --page source --print-source sass`: ptxas put the row-scale loads
 after the wgmma instructions at 4 stages, before them at 3 (`block_scales_before_mma`
-now asks for before, the default since stop 57); `..._persistent`: the default with
-`persistent_pipeline` (stop 57).
+now asks for before, the default since stop 57); `..._persistent`: with
+`persistent_pipeline`, the default since stop 58 (the others keep a pipeline per tile).
 `bash benchmarks/h200.sh ncu` profiles each. ncu locks the SM clock (~1.48 GHz on the H200), so
 its durations are longer than CUPTI's: read its pipe, issue and stall figures, not its times.
 """
