@@ -109,8 +109,8 @@ for the run's clocks) are timed batch by batch in alternation
   a tile), XLA's dense FP8 GEMM of the same flops as the yardstick; then one group of 8192
   tokens at 8192 x 8192 (the dense layers' wgrad since stop 54) through
   `dense_matmul_fp8_block_wgrad` with float32 out, as the layers call it, around its own
-  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`, the MoE default since stop 57; 5 stages in stops
-  55-56);
+  default (`DENSE_FP8_BLOCK_WGRAD_CONFIG`: the MoE default since stop 57, with one epilogue
+  buffer since stop 59; 5 stages in stops 55-56);
 * ``wgrad_stage_spot``: the block-FP8 wgrad kernel at 2 to 5 stages (bfloat16 out, a
   pipeline per tile, as stops 53-57 timed it) on tiles of 16 and 17 token steps (G8) and of
   64 and 65 (one group), each depth with its scales loaded after the wgmma is issued and
@@ -122,8 +122,9 @@ for the run's clocks) are timed batch by batch in alternation
 * ``wgrad_persistent``: every wgrad the layers call, float32 out as they call it (bf16
   token-major and K-major, per-tensor FP8, block FP8 on G8 balanced and G64 small experts;
   the dense layers' block FP8 on 8192³), around its default: with a pipeline per tile (the
-  defaults until stop 58), and with the persistent pipeline at one stage fewer or more, one
-  epilogue buffer, the other grid order (`wgrad_persistent_variants`);
+  defaults until stop 58), and with the persistent pipeline at one stage fewer (with either
+  epilogue buffer count) or more (one buffer), the other buffer count, the other grid order
+  (`wgrad_persistent_variants`; stop 59's defaults came from two of its calls);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -766,7 +767,10 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
     shared memory as the entry point fits its own (5 stages keep one epilogue buffer)."""
     default = DENSE_FP8_BLOCK_WGRAD_CONFIG
     steps = {
-        "a pipeline per tile (stop 57's default)": PER_TILE,
+        "2 epilogue buffers (stop 58's default)": dict(epilogue_buffers=2),
+        "a pipeline per tile, 2 epilogue buffers (stop 57's default)": dict(
+            epilogue_buffers=2, **PER_TILE
+        ),
         "5 stages, scales after the MMA (stop 55's default)": dict(
             max_concurrent_steps=5, block_scales_before_mma=False, **PER_TILE
         ),
@@ -775,7 +779,7 @@ def dense_fp8_block_wgrad_variants() -> dict[str, GroupedWgradConfig | None]:
         "grid minor 0": dict(grid_minor_dim=0),
     }
     variants: dict[str, GroupedWgradConfig | None] = {
-        "default (4 stages, scales before the MMA, persistent pipeline)": None
+        "default (4 stages, 1 epilogue buffer, scales before the MMA, persistent pipeline)": None
     }
     variants.update({name: dataclasses.replace(default, **f) for name, f in steps.items()})
     return variants
@@ -803,15 +807,20 @@ def wgrad_persistent_variants(
     default: GroupedWgradConfig, sizes: tuple[int, int, int], block_scaled: bool
 ) -> dict[str, GroupedWgradConfig]:
     """label -> config: a wgrad default (first), it with a pipeline per tile (the defaults
-    until stop 58), and its neighbours with the persistent pipeline: one stage fewer or more,
-    one epilogue buffer, grid minor 0. Each is fitted to the shared memory as the entry
-    points fit their defaults; configs that fit to the same one are timed once."""
+    until stop 58), and its neighbours with the persistent pipeline: one stage fewer (with
+    either epilogue buffer count), one more (one buffer), the other buffer count, the other
+    grid order. Each is fitted to the shared memory as the entry points fit their defaults;
+    configs that fit to the same one are timed once."""
+    other_buffers = 3 - default.epilogue_buffers  # 1 <-> 2
+    fewer = default.max_concurrent_steps - 1
     changes = [
         {},
         PER_TILE,
-        dict(max_concurrent_steps=default.max_concurrent_steps - 1),
+        dict(max_concurrent_steps=fewer),
+        # (Stop 58's bf16 default, 3 stages with 2 buffers, is this one of stop 59's.)
+        dict(max_concurrent_steps=fewer, epilogue_buffers=other_buffers),
         dict(max_concurrent_steps=default.max_concurrent_steps + 1, epilogue_buffers=1),
-        dict(epilogue_buffers=1),
+        dict(epilogue_buffers=other_buffers),
         dict(grid_minor_dim=1 - default.grid_minor_dim),
     ]
     variants: dict[str, GroupedWgradConfig] = {}

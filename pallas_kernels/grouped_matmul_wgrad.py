@@ -151,12 +151,21 @@ class GroupedWgradConfig:
 # alternation, token-major bf16 601 against 564 TFLOP/s at G8 and 393 against 355 at G64
 # small experts; K-major bf16 591 against 558 and per-tensor FP8 1023 against 937 at G8
 # (`grouped_ab --variants wgrad_persistent`, a second call); block FP8 below.
+# Since stop 59, one epilogue buffer, which at bf16 frees the shared memory for a 4th
+# stage: `grouped_ab --variants wgrad_persistent`, float32 out, two calls on two H100s
+# (stop 58's second, stop 59's first), in alternation, the same bits. bf16 4 stages, one
+# buffer, against 3 stages, two: token-major G8 603 / 615 against 587 / 601, G64 415 / 407
+# against 397 / 394; K-major G8 617 / 623 against 591 / 584, G64 400 / 391 against 376 / 378.
+# Per-tensor FP8 3 stages, one buffer, against two: G64 529 / 523 against 494 / 482, G8
+# level (1015 / 1024 against 1023 / 1013). (4 stages would win at G8, 1047 / 1057, but lose
+# 12% at G64, 435 / 429.)
 DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128,
     tile_n=128,
     tile_t=64,
-    max_concurrent_steps=3,
+    max_concurrent_steps=4,
     epi_tile_n=32,
+    epilogue_buffers=1,
     persistent_pipeline=True,
 )
 DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
@@ -165,6 +174,7 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
     tile_t=128,
     max_concurrent_steps=3,
     epi_tile_n=32,
+    epilogue_buffers=1,
     persistent_pipeline=True,
 )
 # Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
@@ -187,13 +197,17 @@ DEFAULT_FP8_BLOCK_WGRAD_CONFIG = GroupedWgradConfig(
     persistent_pipeline=True,
 )
 # The dense layers' block-FP8 wgrad (one group of every token, `dense_matmul_fp8_block_wgrad`,
-# float32 out): the MoE default, from stop 57's sweeps on an H100 (`grouped_ab --variants
-# fp8_block_wgrad`, its one-group 8192³ case, three calls, the same bits): 783 / 783 / 790
-# TFLOP/s against 766 / 756 / 753 with stop 55's 5 stages (one epilogue buffer, the scales
-# loaded after the wgmma). With a bfloat16 output the two are level (853 against 857). With
-# the persistent pipeline (stop 58, H100, two calls): 811 against 743, then 741 against 748
-# (level; 4 stages with one epilogue buffer ran 800 in the second call, one call only).
-DENSE_FP8_BLOCK_WGRAD_CONFIG = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+# float32 out): the MoE default with one epilogue buffer. Stop 57's sweeps on an H100
+# (`grouped_ab --variants fp8_block_wgrad`, its one-group 8192³ case, three calls, the same
+# bits) made it the MoE default: 783 / 783 / 790 TFLOP/s against 766 / 756 / 753 with stop
+# 55's 5 stages (one epilogue buffer, the scales loaded after the wgmma). With the persistent
+# pipeline (stop 58, H100, two calls): 811 against 743, then 741 against 748. One epilogue
+# buffer instead of two (stop 59; `grouped_ab --variants wgrad_persistent`, two calls on two
+# H100s, in alternation): 800 / 794 against 741 / 736, the same bits. The MoE wgrad keeps two
+# (G8: 711 / 734 with one against 738 / 754).
+DENSE_FP8_BLOCK_WGRAD_CONFIG = dataclasses.replace(
+    DEFAULT_FP8_BLOCK_WGRAD_CONFIG, epilogue_buffers=1
+)
 
 
 def _smem_needed(
