@@ -817,7 +817,7 @@ def wgrad_persistent_variants(
         {},
         PER_TILE,
         dict(max_concurrent_steps=fewer),
-        # (Stop 58's bf16 default, 3 stages with 2 buffers, is this one of stop 59's.)
+        # (For bf16 this is stop 58's default: 3 stages, 2 buffers.)
         dict(max_concurrent_steps=fewer, epilogue_buffers=other_buffers),
         dict(max_concurrent_steps=default.max_concurrent_steps + 1, epilogue_buffers=1),
         dict(epilogue_buffers=other_buffers),

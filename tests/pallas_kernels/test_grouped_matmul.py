@@ -40,6 +40,7 @@ from pallas_kernels.grouped_matmul_fwd import (
 from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
+    DEFAULT_FP8_WGRAD_CONFIG,
     DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
     fit_to_shared_memory,
@@ -461,6 +462,27 @@ def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
             config=dataclasses.replace(TALL_BLOCK, wgmma_in_flight=1),
             rhs_block_rows=1,
         )
+
+
+@pytest.mark.parametrize(
+    "default, sizes, block_scaled, stages, buffers",
+    [
+        (DEFAULT_BF16_WGRAD_CONFIG, (2, 2, 4), False, 4, 1),
+        (DEFAULT_FP8_WGRAD_CONFIG, (1, 1, 4), False, 3, 1),
+        (DEFAULT_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True, 4, 2),
+        (DENSE_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True, 4, 1),
+    ],
+    ids=["bf16", "fp8", "fp8_block", "dense_fp8_block"],
+)
+def test_wgrad_defaults_run_as_timed_with_a_float32_output(
+    default, sizes, block_scaled, stages, buffers
+):
+    # The layers ask for a float32 wgrad; the entry points fit their default to the shared
+    # memory for it. Stop 59's sweeps timed these depths and epilogue buffers, so the fit must
+    # leave them as they are (4 bf16 stages fill 229376 of 231424 bytes with one buffer).
+    assert fit_to_shared_memory(default, sizes, block_scaled) == default
+    assert (default.max_concurrent_steps, default.epilogue_buffers) == (stages, buffers)
+    assert default.persistent_pipeline
 
 
 def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():
