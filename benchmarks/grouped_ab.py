@@ -125,6 +125,11 @@ for the run's clocks) are timed batch by batch in alternation
   defaults until stop 58), and with the persistent pipeline at one stage fewer (with either
   epilogue buffer count) or more (one buffer), the other buffer count, the other grid order
   (`wgrad_persistent_variants`; stop 59's defaults came from two of its calls);
+* ``fp8_wgrad_depth``: the per-tensor FP8 wgrad (K-major e4m3 x e5m2, float32 out) at its
+  default 3 stages and at 4, on issue 5's 16384 x 4096 x 4096 with 2048, 1024, 512 and 256
+  tokens a group, and on G64 small experts (512 tokens, K 2048, N 1408): 4 stages won 3% at
+  G8 and lost 18% at G64 small experts in stops 58-59; is the crossing set by the tokens a
+  group (a shape rule for the default) or by K and N?
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -136,7 +141,7 @@ for the run's clocks) are timed batch by batch in alternation
         [--variants epilogue|schedule|grouping|defaults|block_tiles|stagger|wide_tiles|
                     consumer_split|cluster_m|three_consumers|wide_three_consumers|stream_k|
                     wgrad|fp8_block_wgrad|wgrad_stage_spot|wgrad_persistent|
-                    dense_fp8_block_stages]
+                    fp8_wgrad_depth|dense_fp8_block_stages]
         [--dense-only]
 
 writes DIR/grouped_ab_<variants>.json and .md. `--small` runs tiny shapes in the Pallas
@@ -547,6 +552,7 @@ VARIANT_SETS = {
     "fp8_block_wgrad": None,  # block FP8's MoE wgrad: see fp8_block_wgrad_cases
     "wgrad_stage_spot": None,  # its 4-stage slow spot: see WGRAD_STAGE_SPOT_SHAPES
     "wgrad_persistent": None,  # every wgrad the layers call: see wgrad_persistent_cases
+    "fp8_wgrad_depth": None,  # per-tensor FP8 wgrad depth by group size: FP8_WGRAD_DEPTH_...
     "dense_fp8_block_stages": None,  # dense block FP8, fwd and wgrad: see dense_fp8_block_...
     "weights_in_registers": None,  # MXFP8 / NVFP4 in-register kernels: see weights_cases
 }
@@ -923,6 +929,56 @@ def wgrad_persistent_cases(run_case, shapes, interpret: bool, tiny: dict | None)
             candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs8, rhs8)])
             run_case(f"{shape} wgrad {kind}", 2 * m * k * n, candidates)
             del candidates, args
+
+
+# (case, G, M, K, N, group sizes) of `--variants fp8_wgrad_depth`: issue 5's 16384 x 4096 x
+# 4096 with 2048 down to 256 tokens a group, and G64 small experts (512 tokens, K 2048, N 1408).
+FP8_WGRAD_DEPTH_SHAPES = {
+    "G8, 2048 tokens a group": (8, 16384, 4096, 4096, [2048] * 8),
+    "G16, 1024 tokens a group": (16, 16384, 4096, 4096, [1024] * 16),
+    "G32, 512 tokens a group": (32, 16384, 4096, 4096, [512] * 32),
+    "G64, 256 tokens a group": (64, 16384, 4096, 4096, [256] * 64),
+    "G64 small experts": bench_grouped_matmul.SHAPES["G64 small experts"],
+}
+
+
+def fp8_wgrad_depth_variants() -> dict[str, GroupedWgradConfig]:
+    """label -> config: the per-tensor FP8 wgrad default (3 stages, one epilogue buffer) and
+    4 stages (stops 58-59: +3% at G8, -18% at G64 small experts), the same bits. (Steps of 64
+    tokens would sum in another order: not the default's bits.)"""
+    default = DEFAULT_FP8_WGRAD_CONFIG
+    return {
+        "3 stages (default)": default,
+        "4 stages": dataclasses.replace(default, max_concurrent_steps=4),
+    }
+
+
+def fp8_wgrad_depth_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:
+    """The per-tensor FP8 wgrad (e4m3 xᵀ by e5m2 dyᵀ, K-major, float32 out, as the layers call
+    it) under `fp8_wgrad_depth_variants` on each shape: does the depth that wins depend on
+    the tokens a group (the steps of a tile), or on K and N? XLA's dense FP8 GEMM of the same
+    flops is the yardstick. `tiny`: config fields for the interpreter."""
+    from benchmarks.peers_ab import xla_fp8_nt  # (peers_ab imports us)
+
+    for shape, (_, m, k, n, sizes) in shapes.items():
+        keys = jax.random.split(jax.random.key(19), 2)
+        lhs = jax.random.normal(keys[0], (k, m), jnp.float32).astype(E4M3)
+        rhs = jax.random.normal(keys[1], (n, m), jnp.float32).astype(jnp.float8_e5m2)
+        args = (lhs, rhs, jnp.asarray(sizes, jnp.int32))
+        candidates = {}
+        for label, config in fp8_wgrad_depth_variants().items():
+            config = dataclasses.replace(config, **tiny) if tiny else config
+            candidates[label] = (
+                jax.jit(
+                    lambda a, b, s, c=config: grouped_matmul_wgrad(
+                        a, b, s, out_dtype=jnp.float32, config=c, interpret=interpret
+                    )
+                ),
+                [args],
+            )
+        candidates["XLA dense FP8"] = (xla_fp8_nt, [(lhs, rhs.astype(E4M3))])
+        run_case(f"{shape} wgrad FP8 K-major", 2 * m * k * n, candidates)
+        del candidates, args
 
 
 # (case, G, M, K, N, group sizes) of `--variants wgrad_stage_spot`: token steps a tile that 4
@@ -1318,6 +1374,16 @@ def main(
             }
             tiny_wgrad = dict(tile_n=64, num_sms=2, grid_tile_width=1)
         wgrad_persistent_cases(run_case, shapes, interpret, tiny_wgrad)
+        return _report(out_dir, variants, rows, rounds)
+    if variants == "fp8_wgrad_depth":
+        depth_shapes, tiny_depth = FP8_WGRAD_DEPTH_SHAPES, None
+        if small:  # 1 and 2 steps of 128 tokens a group (2 and 4 of 64)
+            depth_shapes = {
+                "G2, 128 tokens a group": (2, 256, 128, 128, [128, 128]),
+                "one group of 256 tokens": (1, 256, 128, 128, [256]),
+            }
+            tiny_depth = dict(tile_n=64, num_sms=2, grid_tile_width=1)
+        fp8_wgrad_depth_cases(run_case, depth_shapes, interpret, tiny_depth)
         return _report(out_dir, variants, rows, rounds)
     if variants == "wgrad_stage_spot":
         spot_shapes, tiny_block = WGRAD_STAGE_SPOT_SHAPES, None

@@ -155,6 +155,22 @@ def test_grouped_ab_wgrad_persistent_runs_small(tmp_path):
     assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
 
 
+def test_grouped_ab_fp8_wgrad_depth_runs_small(tmp_path):
+    # The per-tensor FP8 wgrad at 3 and 4 stages on two groups and on one, in the
+    # interpreter: the default's bits from each; the GPU shapes shrink the tokens a group.
+    from benchmarks import grouped_ab
+
+    grouped_ab.main(str(tmp_path), small=True, variants="fp8_wgrad_depth")
+    rows = json.loads((tmp_path / "grouped_ab_fp8_wgrad_depth.json").read_text())
+    kernels = [r for r in rows if not r["variant"].startswith("XLA")]
+    for case in ("G2, 128 tokens a group", "one group of 256 tokens"):
+        variants = [r["variant"] for r in kernels if r["case"] == f"{case} wgrad FP8 K-major"]
+        assert variants == ["3 stages (default)", "4 stages"], case
+    assert all(r["ms"] > 0 and r["same_bits"] for r in kernels)
+    tokens = [sizes[0] for *_, sizes in grouped_ab.FP8_WGRAD_DEPTH_SHAPES.values()]
+    assert tokens == [2048, 1024, 512, 256, 512]
+
+
 def test_wgrad_persistent_variants_are_the_defaults_neighbours_fitted_once():
     # The GPU sweep's variants (not run in the interpreter above): the default first, then
     # one change each, fitted to the shared memory, none twice.
