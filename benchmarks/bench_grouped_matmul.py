@@ -643,8 +643,8 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
     expert's weight per expert) through `jax_qtrain.grouped_matmul`. On the GPU it dequantizes
     the MX ones exactly to bf16 and runs the Pallas 16-bit kernel (issue 5's "≥ 0.95× XLA's
     dense bf16 GEMM": the "XLA dense bf16" row of the same run), the block-FP8 ones on their
-    own kernel. Peer for the MX format: `jax.nn.scaled_dot_general` (XLA's own MXFP8 dot,
-    quantizing its bf16 operands itself) on the dense (M, K)·(K, N)."""
+    own kernel. Peer for the MX format: `jax.nn.scaled_matmul` (XLA's own block-scaled GEMM)
+    on MXFP8 codes and scales of the dense (M, K)·(N, K)ᵀ."""
     if bench.over_budget():
         return
     import jax_qtrain as jq  # the library's public op; the suites above call the kernels directly
@@ -724,19 +724,32 @@ def quantized_operand_suite(bench: Bench, shape: str, g, m, k, n, sizes, backend
                     ref=ref,
                 )
         del arg_sets, ref
-    if not hasattr(jax.nn, "scaled_dot_general"):
-        return
-    # The same M×K×N as one dense GEMM: lhs (M, K) and one expert's weight as (K, N).
-    dense = [(x["lhs"], jnp.swapaxes(x["rhs"][0], 0, 1)) for x in sets]
+    # XLA's own MXFP8 GEMM (`jax.nn.scaled_matmul`, the block-scaled custom call) on the same
+    # M×K×N as one dense GEMM: the tokens' E4M3 codes and one expert's, E8M0 scale bytes
+    # 120..134 (1x32 blocks along K). (`jax.nn.scaled_dot_general` without `configs`, this
+    # row's peer until stop 60, is a plain bf16 dot_general.)
+    keys = jax.random.split(jax.random.key(zlib.crc32(f"{shape}/mx peer".encode())), 2)
+    e8m0 = jnp.float8_e8m0fnu
+    dense = [
+        (
+            x["lhs"][None].astype(E4M3),
+            x["rhs"][:1].astype(E4M3),
+            jax.lax.bitcast_convert_type(
+                jax.random.randint(keys[0], (1, m, k // 32), 120, 135).astype(jnp.uint8), e8m0
+            ),
+            jax.lax.bitcast_convert_type(
+                jax.random.randint(keys[1], (1, n, k // 32), 120, 135).astype(jnp.uint8), e8m0
+            ),
+        )
+        for x in sets
+    ]
     measure(
         bench,
         shape=shape,
         op="dense",
-        impl="XLA scaled_dot_general mxfp8",
+        impl="XLA scaled_matmul mxfp8 (block-scaled custom call)",
         flops=flops,
-        fn=lambda a, b: jax.nn.scaled_dot_general(
-            a, b, (((1,), (0,)), ((), ())), preferred_element_type=BF16
-        ),
+        fn=lambda a, b, sa, sb: jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=BF16),
         arg_sets=dense,
     )
 

@@ -232,12 +232,13 @@ def grouped_candidates(sets, fp8: bool, small: bool) -> dict:
     return candidates
 
 
-def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict:
-    """MXFP8 tokens and weights (random codes, scale bytes 120..134): the library's path
-    (both dequantized to bf16 by the Pallas kernel, then the 16-bit grouped kernel) against the
-    weights dequantized in registers (`grouped_matmul_mxfp8_weights`, the tokens still through
-    the dequantize kernel), XLA's dense bf16 GEMM of the same flops, and XLA's own dense MXFP8
-    `scaled_dot_general` (issue 5's peer: it quantizes bf16 operands itself)."""
+def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tuple[dict, dict]:
+    """(candidates, peer differences) of MXFP8 tokens and weights (random codes, scale bytes
+    120..134): the library's path (both dequantized to bf16 by the Pallas kernel, then the
+    16-bit grouped kernel) against the weights dequantized in registers
+    (`grouped_matmul_mxfp8_weights`, the tokens still through the dequantize kernel), XLA's
+    dense bf16 GEMM of the same flops (issue 5's "≥ 0.95× XLA dense bf16") and XLA's own MXFP8
+    GEMM on the same codes and scales (`xla_block_scaled_peers`)."""
     keys = jax.random.split(jax.random.key(11), 4)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
     rhs = jax.random.normal(keys[1], (g, n, k), jnp.float32).astype(E4M3)
@@ -295,25 +296,83 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
     }
-    if not small and hasattr(jax.nn, "scaled_dot_general"):
-        # (M, K) · (K, N), as bench_grouped_matmul's quantized suite calls it.
-        candidates["XLA scaled_dot_general MXFP8 dense (same flops)"] = (
-            jax.jit(
-                lambda a, b: jax.nn.scaled_dot_general(
-                    a, b, (((1,), (0,)), ((), ())), preferred_element_type=BF16
-                )
-            ),
-            [(dense[0], dense[1].T)],
+    peers, differences = xla_block_scaled_peers(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        [int(size) for size in sizes],
+        lambda: candidates[next(iter(candidates))][0](*operands[0]),
+        jnp.float8_e4m3fn,
+        jnp.float8_e8m0fnu,
+    )
+    return {**candidates, **peers}, differences
+
+
+def xla_block_scaled_peers(
+    lhs, lhs_scale, rhs, rhs_scale, sizes, ours_output, element_dtype, scale_dtype
+) -> tuple[dict, dict]:
+    """(candidates, {name: max |peer - ours| / max |ours| over the rows both compute}) of XLA's
+    own block-scaled GEMM, `jax.nn.scaled_matmul` (the `__op$block_scaled_dot` custom call,
+    which XLA lowers for the device it compiles for), on the case's own codes and scales
+    reinterpreted as `element_dtype` / `scale_dtype` (bitcasts outside the timing):
+
+    * batched per expert, (G, M/G, K) by (G, N, K), where every group has M/G rows: the same
+      problem as ours;
+    * dense, (1, M, K) by the first expert's (1, N, K): the same flops, compared with ours on
+      the first group's rows.
+
+    (`jax.nn.scaled_dot_general` without `configs` is a plain `lax.dot_general`: the rows of
+    stops 18-50 labelled "XLA scaled_dot_general MXFP8" timed XLA's bf16 GEMM.)"""
+    g, m = rhs.shape[0], lhs.shape[0]
+
+    def as_elements(codes):  # packed uint8 E2M1 pairs (low nibble first) -> (..., K)
+        if codes.dtype == element_dtype:
+            return codes
+        unpacked = lax.bitcast_convert_type(codes, element_dtype)
+        return unpacked.reshape(*codes.shape[:-1], -1)
+
+    lhs, rhs = as_elements(lhs), as_elements(rhs)
+    lhs_scale, rhs_scale = (
+        s if s.dtype == scale_dtype else lax.bitcast_convert_type(s, scale_dtype)
+        for s in (lhs_scale, rhs_scale)
+    )
+    matmul = jax.jit(
+        lambda a, sa, b, sb: jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=BF16)
+    )
+    mine = np.asarray(ours_output().astype(jnp.float32))
+    problems = {}
+    if len(set(sizes)) == 1:
+        rows = m // g
+        problems["XLA scaled_matmul, batched per expert (the same problem)"] = (
+            (lhs.reshape(g, rows, -1), lhs_scale.reshape(g, rows, -1), rhs, rhs_scale),
+            slice(None),
         )
-    return candidates
+    problems["XLA scaled_matmul, dense (same flops)"] = (
+        (lhs[None], lhs_scale[None], rhs[:1], rhs_scale[:1]),
+        slice(0, sizes[0]),
+    )
+    candidates, differences = {}, {}
+    for name, (args, rows) in problems.items():
+        try:
+            theirs = np.asarray(matmul(*args).astype(jnp.float32)).reshape(-1, mine.shape[1])
+        except Exception as error:  # (a backend that cannot lower it: said so, not timed)
+            print(f"{name}: not run ({type(error).__name__}: {str(error).splitlines()[0]})")
+            continue
+        differences[name] = float(
+            np.max(np.abs(theirs[rows] - mine[rows])) / np.max(np.abs(mine[rows]))
+        )
+        candidates[name] = (matmul, [args])
+    return candidates, differences
 
 
-def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict:
-    """NVFP4 tokens and weights (random bytes, scales 2^-3 .. 2^3; no global scales, which both
-    paths apply alike): the library's path (both dequantized to bf16, then the 16-bit kernel)
-    against the weights dequantized in registers (`grouped_matmul_nvfp4_weights`, the tokens
-    dequantized in its even/odd column order by the same kernel), and XLA's dense bf16 GEMM of
-    the same flops."""
+def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tuple[dict, dict]:
+    """(candidates, peer differences) of NVFP4 tokens and weights (random bytes, scales 2^-3 ..
+    2^3; no global scales, which every path applies alike): the library's path (both
+    dequantized to bf16, then the 16-bit kernel) against the weights dequantized in registers
+    (`grouped_matmul_nvfp4_weights`, the tokens dequantized in its even/odd column order by the
+    same kernel), XLA's dense bf16 GEMM of the same flops and XLA's own NVFP4 GEMM on the same
+    codes and scales (`xla_block_scaled_peers`)."""
     keys = jax.random.split(jax.random.key(12), 4)
     lhs = jax.random.randint(keys[0], (m, k // 2), 0, 256).astype(jnp.uint8)
     rhs = jax.random.randint(keys[1], (g, n, k // 2), 0, 256).astype(jnp.uint8)
@@ -356,7 +415,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16),
         jax.random.normal(keys[1], (n, k), jnp.float32).astype(BF16),
     )
-    return {
+    candidates = {
         "ours: dequantize both + 16-bit kernel (library path)": (
             jax.jit(library_path),
             operands,
@@ -381,6 +440,17 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> dict
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
     }
+    peers, differences = xla_block_scaled_peers(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        [int(size) for size in sizes],
+        lambda: candidates[next(iter(candidates))][0](*operands[0]),
+        jnp.float4_e2m1fn,
+        jnp.float8_e4m3fn,
+    )
+    return {**candidates, **peers}, differences
 
 
 def dense_candidates(size: int, small: bool) -> dict:
@@ -756,12 +826,24 @@ def main(
             kind = "FP8 rowwise" if fp8 else "bf16"
             run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
         del sets
-        mx = mxfp8_candidates(g, m, k, n, sizes, small)
-        run_case(f"{shape} fwd MXFP8", 2 * m * k * n, mx, same_bits=list(mx)[:4])
+        mx, differences = mxfp8_candidates(g, m, k, n, sizes, small)
+        run_case(
+            f"{shape} fwd MXFP8",
+            2 * m * k * n,
+            mx,
+            same_bits=list(mx)[:4],
+            differences=differences,
+        )
         del mx
-        nv = nvfp4_candidates(g, m, k, n, sizes, small)
+        nv, differences = nvfp4_candidates(g, m, k, n, sizes, small)
         # (The in-register decodes and stagings give the same values: checked bit for bit.)
-        run_case(f"{shape} fwd NVFP4", 2 * m * k * n, nv, same_bits=list(nv)[1:4])
+        run_case(
+            f"{shape} fwd NVFP4",
+            2 * m * k * n,
+            nv,
+            same_bits=list(nv)[1:4],
+            differences=differences,
+        )
         del nv
     for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_fp8_block" in cases else ():
         block, differences = grouped_fp8_block_candidates(g, m, k, n, sizes, small)

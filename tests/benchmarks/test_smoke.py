@@ -893,11 +893,13 @@ def test_peers_ab_runs_small(tmp_path):
         ("G2 small fwd MXFP8", "ours: the same, one wgmma per 64-wide K step"),
         ("G2 small fwd MXFP8", "ours: the same, two K steps a stage"),
         ("G2 small fwd MXFP8", "XLA dense bf16 (same flops)"),
+        ("G2 small fwd MXFP8", "XLA scaled_matmul, dense (same flops)"),
         ("G2 small fwd NVFP4", "ours: dequantize both + 16-bit kernel (library path)"),
         ("G2 small fwd NVFP4", "ours: dequantize tokens (even/odd) + NVFP4 weights in registers"),
         ("G2 small fwd NVFP4", "ours: the same, codes decoded by byte permutes"),
         ("G2 small fwd NVFP4", "ours: the same by byte permutes, two K steps a stage"),
         ("G2 small fwd NVFP4", "XLA dense bf16 (same flops)"),
+        ("G2 small fwd NVFP4", "XLA scaled_matmul, dense (same flops)"),
         ("G2 small fwd block FP8", "ours grouped_matmul_fp8_block (default)"),
         ("G2 small fwd block FP8", "XLA dense FP8, no block scales (same flops)"),
         ("G2 small wgrad block FP8", "ours grouped_matmul_wgrad, 1x128 block scales"),
@@ -940,6 +942,34 @@ def test_peers_ab_runs_small(tmp_path):
         peers_ab.main(str(tmp_path), rounds=0, small=True)
     with pytest.raises(ValueError, match="cases must be a non-empty subset"):
         peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("dense",))
+
+
+@pytest.mark.parametrize(
+    "fmt, element_type", [("mxfp8", "f8E4M3FN"), ("nvfp4", "f4E2M1FN")], ids=["mxfp8", "nvfp4"]
+)
+def test_xla_block_scaled_peers_are_block_scaled_gemms_of_our_operands(fmt, element_type):
+    # Stops 18-50 timed `jax.nn.scaled_dot_general` without `configs` as "XLA's MXFP8 GEMM":
+    # that is a plain bf16 `lax.dot_general`. The peers now are XLA's block-scaled custom call
+    # on our own codes and scales: lowered for CUDA, it takes the 8-bit / 4-bit operands
+    # (not a bf16 dot), and it computes our library path's products.
+    import jax
+
+    from benchmarks import peers_ab
+
+    make = peers_ab.mxfp8_candidates if fmt == "mxfp8" else peers_ab.nvfp4_candidates
+    candidates, differences = make(2, 256, 128, 128, [128, 128], small=True)
+    batched = "XLA scaled_matmul, batched per expert (the same problem)"
+    assert set(differences) == {batched, "XLA scaled_matmul, dense (same flops)"}
+    assert all(difference < 1e-3 for difference in differences.values()), differences
+    fn, (args,) = candidates[batched]
+    target = "__op$block_scaled_dot"
+    exported = jax.export.export(
+        fn, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)]
+    )(*args)
+    module = exported.mlir_module()
+    assert f"custom_call @{target}" in module
+    assert f"tensor<2x128x128x{element_type}>" in module
+    assert "dot_general" not in module
 
 
 def test_peers_ab_block_fp8_operands_are_what_both_gemms_read():
