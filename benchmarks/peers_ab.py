@@ -17,13 +17,15 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   Pallas kernel, then the 16-bit kernel) against the weights dequantized in registers
   (`grouped_matmul_mxfp8_weights`, stop 46; one wgmma per MX block or per 64-wide K step,
   and two K steps a stage, stop 48), checked bit for bit against it first; XLA's dense
-  bf16 GEMM and its dense MXFP8 `scaled_dot_general` of the same flops (issue 5's "≥ 0.95× XLA
-  dense bf16");
+  bf16 GEMM of the same flops (issue 5's "≥ 0.95× XLA dense bf16") and XLA's own
+  block-scaled GEMM (`jax.nn.scaled_matmul`) on the same codes and scales, batched per expert
+  (balanced groups) and dense (stops 18-59 timed `scaled_dot_general` without `configs` here:
+  a plain bf16 dot);
 * the same with NVFP4 tokens and weights: the library's path against the weights dequantized
   in registers (`grouped_matmul_nvfp4_weights`, stop 47), its tokens dequantized in the
   kernel's even/odd column order (the same products summed in another order: not bit for bit),
   with either decode of the codes and with two K steps a stage (the three checked bit for
-  bit against each other);
+  bit against each other), and XLA's block-scaled GEMM on the same E2M1 codes and E4M3 scales;
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS);
 * dense 8192³ block FP8 (1×128 lhs, 128×128 rhs blocks, E4M3 codes, power-of-2 scales):
   `dense_matmul_fp8_block`'s default against `torch._scaled_mm` with the same block scales
@@ -43,6 +45,7 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small] [--cases NAME ...]
 
 `--cases` picks groups of cases: `grouped` (the bf16, FP8 rowwise, MXFP8 and NVFP4 G8 rows),
+`grouped_mx` (its MXFP8 and NVFP4 rows alone),
 `grouped_fp8_block`, `grouped_fp8_block_wgrad` (G8 balanced only: whole 128-token groups),
 `dense_bf16`, `dense_fp8_block` (default: all).
 
@@ -88,6 +91,7 @@ SMALL_WGRAD_BLOCK_CONFIG = pk.GroupedWgradConfig(
 )
 CASE_GROUPS = (
     "grouped",
+    "grouped_mx",  # the MXFP8 and NVFP4 rows of "grouped" alone
     "grouped_fp8_block",
     "grouped_fp8_block_wgrad",
     "dense_bf16",
@@ -818,14 +822,15 @@ def main(
             )
             print(f"{case:28s} {name:44s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
 
-    for shape, (g, m, k, n, sizes) in shapes.items() if "grouped" in cases else ():
-        sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
-        for fp8 in (False, True):
+    grouped = {"grouped", "grouped_mx"} & set(cases)
+    for shape, (g, m, k, n, sizes) in shapes.items() if grouped else ():
+        for fp8 in (False, True) if "grouped" in cases else ():
             if small and fp8:
                 continue  # the interpreter's FP8 path is the kernel tests' business
             kind = "FP8 rowwise" if fp8 else "bf16"
+            sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
             run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
-        del sets
+            del sets
         mx, differences = mxfp8_candidates(g, m, k, n, sizes, small)
         run_case(
             f"{shape} fwd MXFP8",

@@ -944,6 +944,16 @@ def test_peers_ab_runs_small(tmp_path):
         peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("dense",))
 
 
+def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path):
+    from benchmarks import peers_ab
+
+    peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("grouped_mx",))
+    rows = json.loads((tmp_path / "peers_ab.json").read_text())
+    assert {r["case"] for r in rows} == {"G2 small fwd MXFP8", "G2 small fwd NVFP4"}
+    peers = [r for r in rows if r["implementation"].startswith("XLA scaled_matmul")]
+    assert len(peers) == 2 and all(r["relative_difference"] < 1e-3 for r in peers)
+
+
 @pytest.mark.parametrize(
     "fmt, element_type", [("mxfp8", "f8E4M3FN"), ("nvfp4", "f4E2M1FN")], ids=["mxfp8", "nvfp4"]
 )
