@@ -125,11 +125,12 @@ for the run's clocks) are timed batch by batch in alternation
   defaults until stop 58), and with the persistent pipeline at one stage fewer (with either
   epilogue buffer count) or more (one buffer), the other buffer count, the other grid order
   (`wgrad_persistent_variants`; stop 59's defaults came from two of its calls);
-* ``fp8_wgrad_depth``: the per-tensor FP8 wgrad (K-major e4m3 x e5m2, float32 out) at its
-  default 3 stages and at 4, on issue 5's 16384 x 4096 x 4096 with 2048, 1024, 512 and 256
-  tokens a group, and on G64 small experts (512 tokens, K 2048, N 1408): 4 stages won 3% at
-  G8 and lost 18% at G64 small experts in stops 58-59; is the crossing set by the tokens a
-  group (a shape rule for the default) or by K and N?
+* ``fp8_wgrad_depth``: the per-tensor FP8 wgrad (K-major e4m3 x e5m2, float32 out) at 3
+  stages and at 4, on issue 5's 16384 x 4096 x 4096 with 2048, 1024, 512 and 256 tokens a
+  group, and on G64 small experts (512 tokens, K 2048, N 1408): 4 stages won 3% at G8 and
+  lost 18% at G64 small experts in stops 58-59. Stop 60's call (an H100): 4 stages +5% at
+  2048 tokens, +10% at 1024, level at 512 and 256, -18% at G64 small experts, so the
+  default is 4 stages from 1024 tokens a group (`default_wgrad_config`);
 * ``dense_fp8_block_stages``: the dense block-FP8 GEMM (`dense_matmul_fp8_block`, 8192³),
   as the forward (128x128 rhs blocks, issue 5's 1300 TFLOP/s target) and as the layers'
   wgrad (`rhs_block_rows=1`, 1x128 blocks on both operands), under pipeline depths, without
@@ -195,11 +196,13 @@ from pallas_kernels.grouped_matmul_mx_weights import (
     grouped_matmul_nvfp4_weights,
 )
 from pallas_kernels.grouped_matmul_wgrad import (
+    DEEP_FP8_WGRAD_CONFIG,
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     DEFAULT_FP8_WGRAD_CONFIG,
     DENSE_FP8_BLOCK_WGRAD_CONFIG,
     GroupedWgradConfig,
+    default_wgrad_config,
     fit_to_shared_memory,
     grouped_matmul_wgrad,
 )
@@ -895,7 +898,7 @@ def wgrad_persistent_cases(run_case, shapes, interpret: bool, tiny: dict | None)
                     {},
                 ),
                 "FP8 K-major": (
-                    DEFAULT_FP8_WGRAD_CONFIG,
+                    default_wgrad_config(True, False, m, g),
                     _grouped_wgrad,
                     (x.T.astype(E4M3), dy.T.astype(jnp.float8_e5m2), group_sizes),
                     {},
@@ -943,14 +946,11 @@ FP8_WGRAD_DEPTH_SHAPES = {
 
 
 def fp8_wgrad_depth_variants() -> dict[str, GroupedWgradConfig]:
-    """label -> config: the per-tensor FP8 wgrad default (3 stages, one epilogue buffer) and
-    4 stages (stops 58-59: +3% at G8, -18% at G64 small experts), the same bits. (Steps of 64
-    tokens would sum in another order: not the default's bits.)"""
-    default = DEFAULT_FP8_WGRAD_CONFIG
-    return {
-        "3 stages (default)": default,
-        "4 stages": dataclasses.replace(default, max_concurrent_steps=4),
-    }
+    """label -> config: the per-tensor FP8 wgrad at 3 stages (one epilogue buffer) and at 4
+    (stops 58-59: +3% at G8, -18% at G64 small experts), the same bits; since stop 60 the
+    default is 4 from 1024 tokens a group, 3 below (`default_wgrad_config`). (Steps of 64
+    tokens would sum in another order: not the same bits.)"""
+    return {"3 stages": DEFAULT_FP8_WGRAD_CONFIG, "4 stages": DEEP_FP8_WGRAD_CONFIG}
 
 
 def fp8_wgrad_depth_cases(run_case, shapes, interpret: bool, tiny: dict | None) -> None:

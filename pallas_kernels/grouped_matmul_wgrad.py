@@ -177,6 +177,13 @@ DEFAULT_FP8_WGRAD_CONFIG = GroupedWgradConfig(
     epilogue_buffers=1,
     persistent_pipeline=True,
 )
+# Per-tensor FP8 with many tokens a group: one stage more. Stop 60's `grouped_ab --variants
+# fp8_wgrad_depth` (an H100, in alternation, the same bits, float32 out) at 16384 x 4096 x
+# 4096: 4 stages against 3 at 2048 tokens a group 1047 / 1001 TFLOP/s, at 1024 871 / 795,
+# at 512 510 / 513, at 256 280 / 281; at G64 small experts (512 tokens, K 2048, N 1408) 432 /
+# 525. So 4 stages from 1024 tokens a group (8 steps a tile), 3 below.
+FP8_WGRAD_DEEP_MIN_TOKENS_PER_GROUP = 1024
+DEEP_FP8_WGRAD_CONFIG = dataclasses.replace(DEFAULT_FP8_WGRAD_CONFIG, max_concurrent_steps=4)
 # Block FP8: a main and a chunk accumulator per consumer, so half the columns (64 registers
 # each a thread); one 128-token scale block a step. 4 stages with each chunk's scales loaded
 # before its wgmma is issued (`block_scales_before_mma`), from stop 57's sweeps on an H100
@@ -217,6 +224,25 @@ def _smem_needed(
     f32 scales of the tile's lhs rows and rhs columns)."""
     scales = config.max_concurrent_steps * 4 * (config.tile_m + 2 * config.tile_n)
     return config.smem_bytes(*sizes) + (scales if block_scaled else 0)
+
+
+def default_wgrad_config(
+    is_fp8: bool, block_scaled: bool, num_tokens: int, num_groups: int
+) -> GroupedWgradConfig:
+    """The wgrad default for operands of this kind and shape (before `fit_to_shared_memory`):
+    block FP8's, per-tensor FP8's (one stage deeper from
+    `FP8_WGRAD_DEEP_MIN_TOKENS_PER_GROUP` tokens a group on average), or 16-bit's."""
+    if num_tokens < 0 or num_groups < 1:
+        raise ValueError(
+            f"num_tokens must be >= 0 and num_groups >= 1, got {num_tokens} and {num_groups}"
+        )
+    if block_scaled:
+        return DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    if not is_fp8:
+        return DEFAULT_BF16_WGRAD_CONFIG
+    if num_tokens >= FP8_WGRAD_DEEP_MIN_TOKENS_PER_GROUP * num_groups:
+        return DEEP_FP8_WGRAD_CONFIG
+    return DEFAULT_FP8_WGRAD_CONFIG
 
 
 def fit_to_shared_memory(
@@ -271,7 +297,7 @@ def grouped_matmul_wgrad(
       out_dtype: float32 (default) or bfloat16.
       token_major: the operands' token axis is their first (major) one: x and dy as the
         forward pass stores them, 16-bit only.
-      config: tiling; defaults per dtype.
+      config: tiling; None: `default_wgrad_config` for the operands' kind and shape.
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
       lhs_block_scale, rhs_block_scale: f32 scale_inv of each 1x128 token block, (K,
         ceil(M/128)) and (N, ceil(M/128)), FP8 token-contiguous operands only, both or
@@ -329,9 +355,7 @@ def grouped_matmul_wgrad(
         )
     sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
     if config is None:
-        default = DEFAULT_FP8_WGRAD_CONFIG if is_fp8 else DEFAULT_BF16_WGRAD_CONFIG
-        if block_scaled:
-            default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+        default = default_wgrad_config(is_fp8, block_scaled, num_tokens, num_groups)
         config = fit_to_shared_memory(default, sizes, block_scaled)
     if not isinstance(config, GroupedWgradConfig):
         raise TypeError(f"config must be a GroupedWgradConfig, got {type(config).__name__}")

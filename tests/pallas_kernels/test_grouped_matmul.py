@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import re
 
@@ -38,6 +39,7 @@ from pallas_kernels.grouped_matmul_fwd import (
     grouped_matmul_fp8_block,
 )
 from pallas_kernels.grouped_matmul_wgrad import (
+    DEEP_FP8_WGRAD_CONFIG,
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     DEFAULT_FP8_WGRAD_CONFIG,
@@ -47,6 +49,9 @@ from pallas_kernels.grouped_matmul_wgrad import (
     grouped_matmul_wgrad,
 )
 from tests.pallas_kernels import gpu_cases
+
+# (The package's `grouped_matmul_wgrad` attribute is the function: the module by name.)
+grouped_matmul_wgrad_module = importlib.import_module("pallas_kernels.grouped_matmul_wgrad")
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -469,10 +474,11 @@ def test_fp8_block_dense_with_1x128_rhs_blocks_and_its_refusals():
     [
         (DEFAULT_BF16_WGRAD_CONFIG, (2, 2, 4), False, 4, 1),
         (DEFAULT_FP8_WGRAD_CONFIG, (1, 1, 4), False, 3, 1),
+        (DEEP_FP8_WGRAD_CONFIG, (1, 1, 4), False, 4, 1),
         (DEFAULT_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True, 4, 2),
         (DENSE_FP8_BLOCK_WGRAD_CONFIG, (1, 1, 4), True, 4, 1),
     ],
-    ids=["bf16", "fp8", "fp8_block", "dense_fp8_block"],
+    ids=["bf16", "fp8", "fp8_deep", "fp8_block", "dense_fp8_block"],
 )
 def test_wgrad_defaults_run_as_timed_with_a_float32_output(
     default, sizes, block_scaled, stages, buffers
@@ -483,6 +489,51 @@ def test_wgrad_defaults_run_as_timed_with_a_float32_output(
     assert fit_to_shared_memory(default, sizes, block_scaled) == default
     assert (default.max_concurrent_steps, default.epilogue_buffers) == (stages, buffers)
     assert default.persistent_pipeline
+
+
+def test_fp8_wgrad_default_is_one_stage_deeper_from_1024_tokens_a_group(monkeypatch):
+    # Stop 60's sweep: 4 stages won from 1024 tokens a group on average (8 steps a tile) and
+    # lost or tied below; the other kinds keep one default whatever the shape.
+    pick = grouped_matmul_wgrad_module.default_wgrad_config
+    assert pick(True, False, 16384, 16) is DEEP_FP8_WGRAD_CONFIG
+    assert pick(True, False, 16383, 16) is DEFAULT_FP8_WGRAD_CONFIG
+    assert pick(True, False, 32768, 64) is DEFAULT_FP8_WGRAD_CONFIG  # G64 small experts
+    for tokens, groups in ((16384, 8), (256, 64)):
+        assert pick(False, False, tokens, groups) is DEFAULT_BF16_WGRAD_CONFIG
+        assert pick(True, True, tokens, groups) is DEFAULT_FP8_BLOCK_WGRAD_CONFIG
+    with pytest.raises(ValueError, match="num_groups >= 1"):
+        pick(True, False, 1024, 0)
+    # The entry point asks it with the operands' token and group counts, and runs what it
+    # gets: one group of 1024 tokens (8 steps of 128) at 4 stages, the sums of 3 stages.
+    asked = []
+
+    def spy(*args):
+        asked.append((args, pick(*args)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(grouped_matmul_wgrad_module, "default_wgrad_config", spy)
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(keys[0], (128, 1024), F32).astype(jnp.float8_e4m3fn)
+    dy = jax.random.normal(keys[1], (128, 1024), F32).astype(jnp.float8_e5m2)
+    sizes = jnp.asarray([1024], jnp.int32)
+    tiny = dict(tile_n=64, num_sms=2)
+    deep = grouped_matmul_wgrad(
+        x, dy, sizes, config=dataclasses.replace(DEEP_FP8_WGRAD_CONFIG, **tiny), interpret=True
+    )
+    assert asked == []  # (a config given: no default asked for)
+    shallow = grouped_matmul_wgrad(
+        x, dy, sizes, config=dataclasses.replace(DEFAULT_FP8_WGRAD_CONFIG, **tiny), interpret=True
+    )
+    np.testing.assert_array_equal(
+        np.asarray(deep).view(np.uint32), np.asarray(shallow).view(np.uint32)
+    )
+    ref = x.astype(F32) @ dy.astype(F32).T
+    assert_close(deep[0], ref, rel=1e-5)
+    default = grouped_matmul_wgrad(x, dy, sizes, interpret=True)
+    assert asked == [((True, False, 1024, 1), DEEP_FP8_WGRAD_CONFIG)]
+    np.testing.assert_array_equal(
+        np.asarray(default).view(np.uint32), np.asarray(deep).view(np.uint32)
+    )
 
 
 def test_fp8_block_dense_wgrad_on_the_wgrad_kernel_and_its_refusals():

@@ -36,6 +36,7 @@ from pallas_kernels.grouped_matmul_wgrad import (
     DEFAULT_BF16_WGRAD_CONFIG,
     DEFAULT_FP8_BLOCK_WGRAD_CONFIG,
     DEFAULT_FP8_WGRAD_CONFIG,
+    default_wgrad_config,
     grouped_matmul_wgrad,
 )
 from tests.pallas_kernels.gpu_cases import (
@@ -214,7 +215,9 @@ def test_gpu_wgrad(operands):
 
 
 @pytest.mark.parametrize("num_sms", [None, 8])
-@pytest.mark.parametrize("operands", ["bf16", "bf16_token_major", "fp8", "block_fp8"])
+@pytest.mark.parametrize(
+    "operands", ["bf16", "bf16_token_major", "fp8", "fp8_3_stages", "block_fp8"]
+)
 def test_gpu_wgrad_persistent_pipeline_gives_the_same_bits(operands, num_sms):
     # One TMA pipeline from tile to tile (stop 57's `persistent_pipeline`): the same bits as
     # the per-tile pipeline of the same config, on G8 with skewed and empty groups (tiles of
@@ -233,7 +236,10 @@ def test_gpu_wgrad_persistent_pipeline_gives_the_same_bits(operands, num_sms):
             lhs, rhs, kwargs = lhs.T, rhs.T, dict(token_major=True)
     else:
         lhs, rhs = random_fp8(k[0], (k_dim, tokens), E4M3), random_fp8(k[1], (n_dim, tokens), E4M3)
-        default = DEFAULT_FP8_WGRAD_CONFIG
+        # (1024 tokens a group on average: the entry point's pick is 4 stages since stop 60.)
+        default = default_wgrad_config(True, False, tokens, 8)
+        if operands == "fp8_3_stages":
+            default = DEFAULT_FP8_WGRAD_CONFIG
         kwargs = dict(lhs_scale=jax.random.uniform(k[2], (k_dim,), F32, 0.25, 4.0))
         if operands == "block_fp8":
             default = DEFAULT_FP8_BLOCK_WGRAD_CONFIG
