@@ -20,13 +20,13 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (defaults: stop 51's grouped block-FP8
-#                                      wgrad kernel, its gpu tests (with stop 57's
-#                                      persistent_pipeline) and peers_ab --cases
-#                                      grouped_fp8_block_wgrad; grouped_ab's wgrad_persistent
-#                                      set (stop 58's wgrad defaults and their neighbours);
-#                                      then whatever PENDING_RESOURCES / PENDING_AB /
-#                                      PENDING_BENCH name)
+#                                      and their timing (defaults: the wgrad gpu tests (stop
+#                                      60's FP8 depth rule, the persistent pipeline, block FP8
+#                                      against cuBLASLt), peers_ab --cases grouped_mx (stop 60's
+#                                      XLA block-scaled peers, not yet on an H200); grouped_ab's
+#                                      fp8_wgrad_depth (a second call for stop 60's rule) and
+#                                      wgrad_persistent sets; then whatever PENDING_RESOURCES /
+#                                      PENDING_AB / PENDING_BENCH name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
 #                                      torch, jax's Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
@@ -106,16 +106,15 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults
-  # (stop 51's grouped block-FP8 wgrad on the FP8 kernel, "fp8_block_grouped_wgrad",
-  # verified and the default since stop 53: the defaults now re-check it):
-  # its gpu tests (bits against cuBLASLt per expert, the layer under "pallas"), then
+  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
+  # the wgrad gpu tests (stop 60's FP8 depth rule in the persistent-pipeline bit test; bits
+  # against cuBLASLt per expert; the layers under "pallas"), then
   # peers_ab's case groups ($PENDING_PEERS), ptxas resources ($PENDING_RESOURCES, e.g.
   # "weights in registers"), quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
   # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
   # fewer than $GROUPED_AB_MIN_S seconds of $PENDING_DEADLINE_S are left; its rows print as
   # they are timed, so a cut set still reports) and bench_quantize's case groups
-  # ($PENDING_BENCH, e.g. extra). Then run `gpu and slow`. Point PENDING_* at the next path.
+  # ($PENDING_BENCH, e.g. extra). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
     -rfE -k "${PENDING_TESTS:-wgrad}" \
     ${PENDING_FILES:-tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py \
@@ -126,9 +125,9 @@ elif [[ $STAGE == pending ]]; then
   # ptxas's resources of the kernels named by $PENDING_RESOURCES (the in-register kernels:
   # do the second step's A registers spill? A refusal writes ptxas_error.txt into the
   # archive).
-  if [[ -n ${PENDING_PEERS-grouped_fp8_block_wgrad} ]]; then
+  if [[ -n ${PENDING_PEERS-grouped_mx} ]]; then
     timeout "${PEERS_BUDGET:-200}" python3 -m benchmarks.peers_ab --out "$OUT" --rounds 15 \
-      --cases ${PENDING_PEERS-grouped_fp8_block_wgrad} 2>&1 | tail -8
+      --cases ${PENDING_PEERS-grouped_mx} 2>&1 | tail -30
   fi
   if [[ -n ${PENDING_RESOURCES-} ]]; then
     res=$(mktemp -d)
@@ -138,8 +137,8 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  # (Default since stop 58: every wgrad kind around its persistent-pipeline default.)
-  for entry in ${PENDING_GROUPED_AB-wgrad_persistent}; do
+  # (Defaults: stop 60's FP8 depth sweep, then every wgrad kind around its default.)
+  for entry in ${PENDING_GROUPED_AB-fp8_wgrad_depth wgrad_persistent}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
