@@ -242,7 +242,7 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tupl
     16-bit grouped kernel) against the weights dequantized in registers
     (`grouped_matmul_mxfp8_weights`, the tokens still through the dequantize kernel), XLA's
     dense bf16 GEMM of the same flops (issue 5's "≥ 0.95× XLA dense bf16") and XLA's own MXFP8
-    GEMM on the same codes and scales (`xla_block_scaled_peers`)."""
+    GEMM on the same codes and scales (`with_xla_block_scaled_peers`)."""
     keys = jax.random.split(jax.random.key(11), 4)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
     rhs = jax.random.normal(keys[1], (g, n, k), jnp.float32).astype(E4M3)
@@ -300,26 +300,16 @@ def mxfp8_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tupl
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
     }
-    peers, differences = xla_block_scaled_peers(
-        lhs,
-        lhs_scale,
-        rhs,
-        rhs_scale,
-        [int(size) for size in sizes],
-        lambda: candidates[next(iter(candidates))][0](*operands[0]),
-        jnp.float8_e4m3fn,
-        jnp.float8_e8m0fnu,
-    )
-    return {**candidates, **peers}, differences
+    return with_xla_block_scaled_peers(candidates, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
-def xla_block_scaled_peers(
-    lhs, lhs_scale, rhs, rhs_scale, sizes, ours_output, element_dtype, scale_dtype
-) -> tuple[dict, dict]:
-    """(candidates, {name: max |peer - ours| / max |ours| over the rows both compute}) of XLA's
-    own block-scaled GEMM, `jax.nn.scaled_matmul` (the `__op$block_scaled_dot` custom call,
-    which XLA lowers for the device it compiles for), on the case's own codes and scales
-    reinterpreted as `element_dtype` / `scale_dtype` (bitcasts outside the timing):
+def with_xla_block_scaled_peers(candidates: dict, element_dtype, scale_dtype) -> tuple[dict, dict]:
+    """(`candidates` and the peers below, {peer: max |peer - ours| / max |ours| over the rows
+    both compute}). `candidates` comes first with the library path, on (lhs codes, lhs scales,
+    rhs codes, rhs scales, group sizes). The peers are XLA's own block-scaled GEMM,
+    `jax.nn.scaled_matmul` (the `__op$block_scaled_dot` custom call, which XLA lowers for the
+    device it compiles for), on those codes and scales reinterpreted as `element_dtype` /
+    `scale_dtype` (bitcasts outside the timing):
 
     * batched per expert, (G, M/G, K) by (G, N, K), where every group has M/G rows: the same
       problem as ours;
@@ -328,6 +318,9 @@ def xla_block_scaled_peers(
 
     (`jax.nn.scaled_dot_general` without `configs` is a plain `lax.dot_general`: the rows of
     stops 18-50 labelled "XLA scaled_dot_general MXFP8" timed XLA's bf16 GEMM.)"""
+    library_path, (operands,) = next(iter(candidates.values()))
+    lhs, lhs_scale, rhs, rhs_scale, sizes = operands
+    sizes = [int(size) for size in sizes]
     g, m = rhs.shape[0], lhs.shape[0]
 
     def as_elements(codes):  # packed uint8 E2M1 pairs (low nibble first) -> (..., K)
@@ -344,7 +337,7 @@ def xla_block_scaled_peers(
     matmul = jax.jit(
         lambda a, sa, b, sb: jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=BF16)
     )
-    mine = np.asarray(ours_output().astype(jnp.float32))
+    mine = np.asarray(library_path(*operands).astype(jnp.float32))
     problems = {}
     if len(set(sizes)) == 1:
         rows = m // g
@@ -356,7 +349,7 @@ def xla_block_scaled_peers(
         (lhs[None], lhs_scale[None], rhs[:1], rhs_scale[:1]),
         slice(0, sizes[0]),
     )
-    candidates, differences = {}, {}
+    candidates, differences = dict(candidates), {}
     for name, (args, rows) in problems.items():
         try:
             theirs = np.asarray(matmul(*args).astype(jnp.float32)).reshape(-1, mine.shape[1])
@@ -376,7 +369,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tupl
     dequantized to bf16, then the 16-bit kernel) against the weights dequantized in registers
     (`grouped_matmul_nvfp4_weights`, the tokens dequantized in its even/odd column order by the
     same kernel), XLA's dense bf16 GEMM of the same flops and XLA's own NVFP4 GEMM on the same
-    codes and scales (`xla_block_scaled_peers`)."""
+    codes and scales (`with_xla_block_scaled_peers`)."""
     keys = jax.random.split(jax.random.key(12), 4)
     lhs = jax.random.randint(keys[0], (m, k // 2), 0, 256).astype(jnp.uint8)
     rhs = jax.random.randint(keys[1], (g, n, k // 2), 0, 256).astype(jnp.uint8)
@@ -444,17 +437,7 @@ def nvfp4_candidates(g: int, m: int, k: int, n: int, sizes, small: bool) -> tupl
         ),
         "XLA dense bf16 (same flops)": (jax.jit(lambda a, b: a @ b.T), [dense]),
     }
-    peers, differences = xla_block_scaled_peers(
-        lhs,
-        lhs_scale,
-        rhs,
-        rhs_scale,
-        [int(size) for size in sizes],
-        lambda: candidates[next(iter(candidates))][0](*operands[0]),
-        jnp.float4_e2m1fn,
-        jnp.float8_e4m3fn,
-    )
-    return {**candidates, **peers}, differences
+    return with_xla_block_scaled_peers(candidates, jnp.float4_e2m1fn, jnp.float8_e4m3fn)
 
 
 def dense_candidates(size: int, small: bool) -> dict:
