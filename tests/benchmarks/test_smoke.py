@@ -944,32 +944,99 @@ def test_peers_ab_runs_small(tmp_path):
         peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("dense",))
 
 
-def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path):
+def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path, monkeypatch):
+    # `--cases grouped_mx` builds the MXFP8 and NVFP4 cases only (cheap stand-ins here: the
+    # full smoke run above interprets the real ones).
+    import jax
+    import jax.numpy as jnp
+
     from benchmarks import peers_ab
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("grouped_mx must not build the bf16 / FP8 rowwise cases")
+
+    built = []
+
+    def stand_in(fmt):
+        def make(g, m, k, n, sizes, small):
+            built.append((fmt, g, m, small))
+            add_one = jax.jit(lambda a: a + 1)
+            return {f"{fmt} {i}": (add_one, [(jnp.ones(4),)]) for i in range(2)}, {}
+
+        return make
+
+    monkeypatch.setattr(peers_ab, "grouped_candidates", refuse)
+    monkeypatch.setattr(peers_ab, "mxfp8_candidates", stand_in("MXFP8"))
+    monkeypatch.setattr(peers_ab, "nvfp4_candidates", stand_in("NVFP4"))
     peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("grouped_mx",))
     rows = json.loads((tmp_path / "peers_ab.json").read_text())
     assert {r["case"] for r in rows} == {"G2 small fwd MXFP8", "G2 small fwd NVFP4"}
-    peers = [r for r in rows if r["implementation"].startswith("XLA scaled_matmul")]
-    assert len(peers) == 2 and all(r["relative_difference"] < 1e-3 for r in peers)
+    assert built == [("MXFP8", 2, 256, True), ("NVFP4", 2, 256, True)]
+
+
+def _jnp_library_path(fmt: str) -> dict:
+    """A candidates dict whose first entry is the library path's math in jnp (the formats'
+    reference decode, one product per group) on MXFP8 / NVFP4 operands as peers_ab makes
+    them: what `with_xla_block_scaled_peers` compares its peers with, without interpreting
+    our kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_qtrain.formats import mxfp8, nvfp4
+
+    g, m, k, n = 2, 256, 128, 128
+    keys = jax.random.split(jax.random.key(5), 4)
+    if fmt == "mxfp8":
+        lhs = jax.random.normal(keys[0], (m, k)).astype(jnp.float8_e4m3fn)
+        rhs = jax.random.normal(keys[1], (g, n, k)).astype(jnp.float8_e4m3fn)
+        lhs_scale = jax.random.randint(keys[2], (m, k // 32), 120, 135).astype(jnp.uint8)
+        rhs_scale = jax.random.randint(keys[3], (g, n, k // 32), 120, 135).astype(jnp.uint8)
+        values = mxfp8.dequantize
+    else:
+        lhs = jax.random.randint(keys[0], (m, k // 2), 0, 256).astype(jnp.uint8)
+        rhs = jax.random.randint(keys[1], (g, n, k // 2), 0, 256).astype(jnp.uint8)
+        powers = jnp.exp2(jnp.arange(-3, 4, dtype=jnp.float32))
+        lhs_scale = powers[jax.random.randint(keys[2], (m, k // 16), 0, 7)].astype(
+            jnp.float8_e4m3fn
+        )
+        rhs_scale = powers[jax.random.randint(keys[3], (g, n, k // 16), 0, 7)].astype(
+            jnp.float8_e4m3fn
+        )
+
+        def values(packed, scales):
+            blocks = jnp.repeat(scales.astype(jnp.float32), 16, axis=1)
+            return nvfp4.code_values(nvfp4.unpack_codes(packed)) * blocks
+
+    def library_path(a, sa, b, sb, sizes):
+        x = values(a, sa)
+        w = values(b.reshape(g * n, -1), sb.reshape(g * n, -1)).reshape(g, n, k)
+        return jnp.concatenate([x[:128] @ w[0].T, x[128:] @ w[1].T]).astype(jnp.bfloat16)
+
+    operands = (lhs, lhs_scale, rhs, rhs_scale, jnp.asarray([128, 128], jnp.int32))
+    return {"library path": (jax.jit(library_path), [operands])}
 
 
 @pytest.mark.parametrize(
     "fmt, element_type", [("mxfp8", "f8E4M3FN"), ("nvfp4", "f4E2M1FN")], ids=["mxfp8", "nvfp4"]
 )
 def test_xla_block_scaled_peers_are_block_scaled_gemms_of_our_operands(fmt, element_type):
-    # Stops 18-50 timed `jax.nn.scaled_dot_general` without `configs` as "XLA's MXFP8 GEMM":
+    # Stops 18-59 timed `jax.nn.scaled_dot_general` without `configs` as "XLA's MXFP8 GEMM":
     # that is a plain bf16 `lax.dot_general`. The peers now are XLA's block-scaled custom call
     # on our own codes and scales: lowered for CUDA, it takes the 8-bit / 4-bit operands
-    # (not a bf16 dot), and it computes our library path's products.
+    # (not a bf16 dot), and it computes the library path's products.
     import jax
+    import jax.numpy as jnp
 
     from benchmarks import peers_ab
 
-    make = peers_ab.mxfp8_candidates if fmt == "mxfp8" else peers_ab.nvfp4_candidates
-    candidates, differences = make(2, 256, 128, 128, [128, 128], small=True)
+    scale_dtype = jnp.float8_e8m0fnu if fmt == "mxfp8" else jnp.float8_e4m3fn
+    element_dtype = jnp.float8_e4m3fn if fmt == "mxfp8" else jnp.float4_e2m1fn
+    candidates, differences = peers_ab.with_xla_block_scaled_peers(
+        _jnp_library_path(fmt), element_dtype, scale_dtype
+    )
     batched = "XLA scaled_matmul, batched per expert (the same problem)"
-    assert set(differences) == {batched, "XLA scaled_matmul, dense (same flops)"}
+    assert list(candidates) == ["library path", batched, "XLA scaled_matmul, dense (same flops)"]
+    assert set(differences) == set(list(candidates)[1:])
     assert all(difference < 1e-3 for difference in differences.values()), differences
     fn, (args,) = candidates[batched]
     target = "__op$block_scaled_dot"
@@ -980,6 +1047,13 @@ def test_xla_block_scaled_peers_are_block_scaled_gemms_of_our_operands(fmt, elem
     assert f"custom_call @{target}" in module
     assert f"tensor<2x128x128x{element_type}>" in module
     assert "dot_general" not in module
+    # Unequal groups: no batched form, the dense one alone.
+    library = _jnp_library_path(fmt)
+    name = "library path"
+    fn, [(lhs, lhs_scale, rhs, rhs_scale, _)] = library[name]
+    library[name] = (fn, [(lhs, lhs_scale, rhs, rhs_scale, jnp.asarray([100, 156]))])
+    _, differences = peers_ab.with_xla_block_scaled_peers(library, element_dtype, scale_dtype)
+    assert list(differences) == ["XLA scaled_matmul, dense (same flops)"]
 
 
 def test_peers_ab_block_fp8_operands_are_what_both_gemms_read():
