@@ -317,7 +317,7 @@ def with_xla_block_scaled_peers(candidates: dict, element_dtype, scale_dtype) ->
       the first group's rows.
 
     (`jax.nn.scaled_dot_general` without `configs` is a plain `lax.dot_general`: the rows of
-    stops 18-50 labelled "XLA scaled_dot_general MXFP8" timed XLA's bf16 GEMM.)"""
+    stops 18-59 labelled "XLA scaled_dot_general MXFP8" timed XLA's bf16 GEMM.)"""
     library_path, (operands,) = next(iter(candidates.values()))
     lhs, lhs_scale, rhs, rhs_scale, sizes = operands
     sizes = [int(size) for size in sizes]
@@ -805,34 +805,33 @@ def main(
             )
             print(f"{case:28s} {name:44s} {value * 1e3:8.3f} ms {flops / value / 1e12:7.1f}")
 
+    # (format, its candidates, the names checked bit for bit: MXFP8's in-register kernels
+    # against the library path; NVFP4's in-register decodes and stagings against each other.)
+    mx_formats = (
+        ("MXFP8", mxfp8_candidates, slice(0, 4)),
+        ("NVFP4", nvfp4_candidates, slice(1, 4)),
+    )
     grouped = {"grouped", "grouped_mx"} & set(cases)
     for shape, (g, m, k, n, sizes) in shapes.items() if grouped else ():
-        for fp8 in (False, True) if "grouped" in cases else ():
-            if small and fp8:
-                continue  # the interpreter's FP8 path is the kernel tests' business
-            kind = "FP8 rowwise" if fp8 else "bf16"
+        if "grouped" in cases:
             sets = random_operands(jax.random.key(7), g, m, k, n, sizes)
-            run_case(f"{shape} fwd {kind}", 2 * m * k * n, grouped_candidates(sets, fp8, small))
+            for fp8 in (False, True):
+                if small and fp8:
+                    continue  # the interpreter's FP8 path is the kernel tests' business
+                kind = "FP8 rowwise" if fp8 else "bf16"
+                candidates = grouped_candidates(sets, fp8, small)
+                run_case(f"{shape} fwd {kind}", 2 * m * k * n, candidates)
             del sets
-        mx, differences = mxfp8_candidates(g, m, k, n, sizes, small)
-        run_case(
-            f"{shape} fwd MXFP8",
-            2 * m * k * n,
-            mx,
-            same_bits=list(mx)[:4],
-            differences=differences,
-        )
-        del mx
-        nv, differences = nvfp4_candidates(g, m, k, n, sizes, small)
-        # (The in-register decodes and stagings give the same values: checked bit for bit.)
-        run_case(
-            f"{shape} fwd NVFP4",
-            2 * m * k * n,
-            nv,
-            same_bits=list(nv)[1:4],
-            differences=differences,
-        )
-        del nv
+        for fmt, make_candidates, checked in mx_formats:
+            candidates, differences = make_candidates(g, m, k, n, sizes, small)
+            run_case(
+                f"{shape} fwd {fmt}",
+                2 * m * k * n,
+                candidates,
+                same_bits=list(candidates)[checked],
+                differences=differences,
+            )
+            del candidates
     for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_fp8_block" in cases else ():
         block, differences = grouped_fp8_block_candidates(g, m, k, n, sizes, small)
         run_case(f"{shape} fwd block FP8", 2 * m * k * n, block, differences=differences)

@@ -157,8 +157,8 @@ class GroupedWgradConfig:
 # buffer, against 3 stages, two: token-major G8 603 / 615 against 587 / 601, G64 415 / 407
 # against 397 / 394; K-major G8 617 / 623 against 591 / 584, G64 400 / 391 against 376 / 378.
 # Per-tensor FP8 3 stages, one buffer, against two: G64 529 / 523 against 494 / 482, G8
-# level (1015 / 1024 against 1023 / 1013). (4 stages would win at G8, 1047 / 1057, but lose
-# 12% at G64, 435 / 429.)
+# level (1015 / 1024 against 1023 / 1013). (4 stages won at G8, 1047 / 1057, but lost 12% at
+# G64, 435 / 429: since stop 60 the depth follows the tokens a group, `DEEP_FP8_WGRAD_CONFIG`.)
 DEFAULT_BF16_WGRAD_CONFIG = GroupedWgradConfig(
     tile_m=128,
     tile_n=128,
