@@ -501,8 +501,10 @@ def test_fp8_wgrad_default_is_one_stage_deeper_from_1024_tokens_a_group(monkeypa
     for tokens, groups in ((16384, 8), (256, 64)):
         assert pick(False, False, tokens, groups) is DEFAULT_BF16_WGRAD_CONFIG
         assert pick(True, True, tokens, groups) is DEFAULT_FP8_BLOCK_WGRAD_CONFIG
-    with pytest.raises(ValueError, match="num_groups >= 1"):
+    with pytest.raises(ValueError, match="num_groups >= 1, got 1024 and 0"):
         pick(True, False, 1024, 0)
+    with pytest.raises(ValueError, match=r"num_tokens must be >= 0 .* got -1 and 8"):
+        pick(True, False, -1, 8)
     # The entry point asks it with the operands' token and group counts, and runs what it
     # gets: one group of 1024 tokens (8 steps of 128) at 4 stages, the sums of 3 stages.
     asked = []
