@@ -26,6 +26,11 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
   kernel's even/odd column order (the same products summed in another order: not bit for bit),
   with either decode of the codes and with two K steps a stage (the three checked bit for
   bit against each other), and XLA's block-scaled GEMM on the same E2M1 codes and E4M3 scales;
+* the G8 balanced layer from bf16, MXFP8 and NVFP4, forward and forward + backward (both
+  operands quantized in every call): `jax_qtrain.grouped_dense` under the recipe against
+  `jax.nn.scaled_dot_general` with jax's own MXFP8 / NVFP4 configs (batched per expert: the
+  peer issue 5 names, used as a JAX user would), with our 16-bit layer and XLA's batched
+  bf16 GEMM as yardsticks;
 * dense 8192³ bf16: `dense_matmul`, XLA, and `torch.mm` (cuBLAS);
 * dense 8192³ block FP8 (1×128 lhs, 128×128 rhs blocks, E4M3 codes, power-of-2 scales):
   `dense_matmul_fp8_block`'s default against `torch._scaled_mm` with the same block scales
@@ -45,7 +50,7 @@ DLPack: a GEMM's power draw, and so its clock, depends on the data):
     python -m benchmarks.peers_ab [--out DIR] [--rounds N] [--small] [--cases NAME ...]
 
 `--cases` picks groups of cases: `grouped` (the bf16, FP8 rowwise, MXFP8 and NVFP4 G8 rows),
-`grouped_mx` (its MXFP8 and NVFP4 rows alone),
+`grouped_mx` (its MXFP8 and NVFP4 rows alone), `grouped_mx_layer` (the layers from bf16),
 `grouped_fp8_block`, `grouped_fp8_block_wgrad` (G8 balanced only: whole 128-token groups),
 `dense_bf16`, `dense_fp8_block` (default: all).
 
@@ -92,6 +97,7 @@ SMALL_WGRAD_BLOCK_CONFIG = pk.GroupedWgradConfig(
 CASE_GROUPS = (
     "grouped",
     "grouped_mx",  # the MXFP8 and NVFP4 rows of "grouped" alone
+    "grouped_mx_layer",  # from bf16: grouped_dense against jax.nn.scaled_dot_general
     "grouped_fp8_block",
     "grouped_fp8_block_wgrad",
     "dense_bf16",
@@ -360,6 +366,84 @@ def with_xla_block_scaled_peers(candidates: dict, element_dtype, scale_dtype) ->
             np.max(np.abs(theirs[rows] - mine[rows])) / np.max(np.abs(mine[rows]))
         )
         candidates[name] = (matmul, [args])
+    return candidates, differences
+
+
+def mx_layer_candidates(
+    mode: str, g: int, m: int, k: int, n: int, backward: bool
+) -> tuple[dict, dict]:
+    """(candidates, differences from ours) of one MX layer from bf16, `mode` "mxfp8" or
+    "nvfp4", forward or forward + backward (y, dx, dw for a random dy), on equal groups of
+    m / g rows. Each quantizes both operands in every call, as a training step without kept
+    weights does:
+
+    * ours: `jax_qtrain.grouped_dense` under the MXFP8BlockScaling / NVFP4BlockScaling recipe
+      (TransformerEngine's rules: NVFP4 with 16×16 weight blocks, global scales, the Hadamard
+      transform on the wgrad operands and stochastic rounding of dy, which XLA's config
+      lacks);
+    * XLA: `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config(mode)` for
+      the forward and both backward GEMMs, batched per expert (the peer issue 5 names; it
+      quantizes in XLA and calls the block-scaled GEMM, `__op$block_scaled_dot`; in jax
+      0.11.2 its NVFP4 backward runs bf16 `dot_general`s instead, see
+      tests/benchmarks/test_smoke.py);
+    * the bf16 yardsticks: `grouped_dense` without a recipe (our 16-bit kernels) and XLA's
+      batched bf16 GEMM.
+
+    The differences are max |theirs - ours| / max |ours| over y (and dx, dw): two quantizers
+    with their own rules, so near, not equal."""
+    import jax_qtrain as jq  # (the library's public op; peers_ab otherwise times kernels)
+
+    recipe = {"mxfp8": jq.MXFP8BlockScaling(), "nvfp4": jq.NVFP4BlockScaling()}[mode]
+    xla_config = jax.nn.get_scaled_dot_general_config(mode)
+    keys = jax.random.split(jax.random.key(13), 3)
+    # (Random values: a GEMM's power draw, and so its clock, depends on the data.)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16)
+    kernels = jax.random.normal(keys[1], (g, k, n), jnp.float32).astype(BF16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(BF16)
+    sizes = jnp.full((g,), m // g, jnp.int32)
+    per_expert = (((2,), (1,)), ((0,), (0,)))
+
+    def batched(fn):  # (m, k) tokens -> (g, m / g, k) and the (g, m / g, n) result back
+        return lambda a, w: fn(a.reshape(g, m // g, k), w).reshape(m, n)
+
+    layers = {
+        f"ours: jax_qtrain.grouped_dense, {type(recipe).__name__}": lambda a, w: jq.grouped_dense(
+            a, w, sizes, recipe=recipe
+        ),
+        f"XLA jax.nn.scaled_dot_general, {mode} configs, batched": batched(
+            lambda a, w: jax.nn.scaled_dot_general(
+                a, w, per_expert, preferred_element_type=BF16, configs=[xla_config] * 3
+            )
+        ),
+        "ours: jax_qtrain.grouped_dense, bf16 (no recipe)": lambda a, w: jq.grouped_dense(
+            a, w, sizes
+        ),
+        "XLA bf16, batched": batched(
+            lambda a, w: lax.dot_general(a, w, per_expert, preferred_element_type=BF16)
+        ),
+    }
+
+    def training(layer):  # y, dx, dw
+        def step(a, w, cotangent):
+            y, vjp = jax.vjp(layer, a, w)
+            return (y, *vjp(cotangent))
+
+        return step
+
+    if backward:
+        arguments = [(x, kernels, dy)]
+        candidates = {name: (jax.jit(training(f)), arguments) for name, f in layers.items()}
+    else:
+        candidates = {name: (jax.jit(f), [(x, kernels)]) for name, f in layers.items()}
+    ours, (args,) = next(iter(candidates.values()))
+    mine = [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(ours(*args))]
+    differences = {}
+    for name, (fn, (args,)) in list(candidates.items())[1:]:
+        theirs = [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(fn(*args))]
+        differences[name] = max(
+            float(np.max(np.abs(t - o)) / np.max(np.abs(o)))
+            for t, o in zip(theirs, mine, strict=True)
+        )
     return candidates, differences
 
 
@@ -829,6 +913,21 @@ def main(
                 2 * m * k * n,
                 candidates,
                 same_bits=list(candidates)[checked],
+                differences=differences,
+            )
+            del candidates
+    # The layer from bf16, equal groups (XLA's batched form): G8 balanced, or the smoke test's
+    # two groups evened out.
+    for shape, (g, m, k, n, sizes) in shapes.items() if "grouped_mx_layer" in cases else ():
+        if len(set(sizes)) > 1 and not small:
+            continue
+        for mode, backward in itertools.product(("mxfp8", "nvfp4"), (False, True)):
+            candidates, differences = mx_layer_candidates(mode, g, m, k, n, backward)
+            passes = "fwd+bwd" if backward else "fwd"
+            run_case(
+                f"{shape} layer {passes} {mode.upper()}",
+                (6 if backward else 2) * m * k * n,
+                candidates,
                 differences=differences,
             )
             del candidates

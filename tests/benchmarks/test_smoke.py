@@ -882,7 +882,9 @@ def test_peers_ab_runs_small(tmp_path):
     # join only on a GPU.
     from benchmarks import peers_ab
 
-    text = peers_ab.main(str(tmp_path), rounds=1, small=True)
+    # (The layers from bf16 have a test of their own, below.)
+    cases = tuple(c for c in peers_ab.CASE_GROUPS if c != "grouped_mx_layer")
+    text = peers_ab.main(str(tmp_path), rounds=1, small=True, cases=cases)
     rows = json.loads((tmp_path / "peers_ab.json").read_text())
     assert {(r["case"], r["implementation"]) for r in rows} == {
         ("G2 small fwd bf16", "ours grouped_matmul bf16 (default)"),
@@ -972,6 +974,74 @@ def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "peers_ab.json").read_text())
     assert {r["case"] for r in rows} == {"G2 small fwd MXFP8", "G2 small fwd NVFP4"}
     assert built == [("MXFP8", 2, 256, True), ("NVFP4", 2, 256, True)]
+
+
+def test_peers_ab_grouped_mx_layer_runs_each_format_and_pass(tmp_path, monkeypatch):
+    # `--cases grouped_mx_layer`: MXFP8 and NVFP4, forward (2 MKN flops) and forward +
+    # backward (6 MKN), on the shape's equal groups (stand-ins here; the real candidates are
+    # checked below).
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import peers_ab
+
+    built = []
+
+    def stand_in(mode, g, m, k, n, backward):
+        built.append((mode, g, m, k, n, backward))
+        add_one = jax.jit(lambda a: a + 1)
+        return {f"{mode} {i}": (add_one, [(jnp.ones(4),)]) for i in range(2)}, {}
+
+    monkeypatch.setattr(peers_ab, "mx_layer_candidates", stand_in)
+    peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("grouped_mx_layer",))
+    rows = json.loads((tmp_path / "peers_ab.json").read_text())
+    flops = {r["case"]: r["tflops"] * r["ms"] * 1e9 for r in rows}
+    assert list(flops) == [
+        "G2 small layer fwd MXFP8",
+        "G2 small layer fwd+bwd MXFP8",
+        "G2 small layer fwd NVFP4",
+        "G2 small layer fwd+bwd NVFP4",
+    ]
+    assert [round(f / 256**3) for f in flops.values()] == [2, 6, 2, 6]
+    assert built == [
+        (mode, 2, 256, 256, 256, backward)
+        for mode in ("mxfp8", "nvfp4")
+        for backward in (False, True)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_mx_layer_peer_is_jax_scaled_dot_general_on_the_same_layer(mode):
+    # The peer issue 5 names, as a JAX user calls it: `jax.nn.scaled_dot_general` with jax's
+    # own configs, from bf16, batched per expert. For CUDA it lowers to the block-scaled GEMM
+    # (`__op$block_scaled_dot`) for all three MXFP8 GEMMs; jax 0.11.2's NVFP4 backward is two
+    # bf16 `dot_general`s (only its forward is block-scaled). It computes our layer's
+    # y, dx, dw: jax's MXFP8 quantizer gives our (TransformerEngine's) values here, NVFP4's
+    # differs (no global amax, 1×16 weight blocks, no Hadamard transform or stochastic
+    # rounding) by about its quantization noise.
+    import jax
+
+    from benchmarks import peers_ab
+
+    candidates, differences = peers_ab.mx_layer_candidates(mode, 2, 128, 128, 64, backward=True)
+    ours, xla, ours_bf16, xla_bf16 = candidates
+    assert ours.startswith("ours: jax_qtrain.grouped_dense") and "scaled_dot_general" in xla
+    # bf16 against the quantized layer: the quantization noise (~4% MXFP8, ~15% NVFP4).
+    noise = differences[xla_bf16]
+    assert 0.01 < noise < 0.5 and abs(differences[ours_bf16] - noise) < 0.01
+    if mode == "mxfp8":
+        assert differences[xla] < 1e-3, differences
+    else:
+        assert 0.01 < differences[xla] < 0.5, differences
+    fn, (args,) = candidates[xla]
+    target = "__op$block_scaled_dot"
+    module = jax.export.export(
+        fn, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)]
+    )(*args).mlir_module()
+    assert f"custom_call @{target}" in module
+    block_scaled_calls = module.count("call @_scaled_matmul")
+    bf16_dots = module.count("stablehlo.dot_general")
+    assert (block_scaled_calls, bf16_dots) == ((3, 0) if mode == "mxfp8" else (1, 2))
 
 
 def _jnp_library_path(fmt: str) -> dict:
