@@ -123,6 +123,13 @@ xla_fp8_nt = jax.jit(
 )
 
 
+def relative_difference(theirs, mine) -> float:
+    """max |theirs - mine| / max |mine|: how far a peer whose sums are ordered differently
+    (or whose quantizer differs) lands from ours, in the table's last column."""
+    theirs, mine = np.asarray(theirs, np.float32), np.asarray(mine, np.float32)
+    return float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+
+
 class _TorchResult:
     """A torch output that `jax.block_until_ready` can wait for (it calls this method)."""
 
@@ -362,9 +369,7 @@ def with_xla_block_scaled_peers(candidates: dict, element_dtype, scale_dtype) ->
         except Exception as error:  # (a backend that cannot lower it: said so, not timed)
             print(f"{name}: not run ({type(error).__name__}: {str(error).splitlines()[0]})")
             continue
-        differences[name] = float(
-            np.max(np.abs(theirs[rows] - mine[rows])) / np.max(np.abs(mine[rows]))
-        )
+        differences[name] = relative_difference(theirs[rows], mine[rows])
         candidates[name] = (matmul, [args])
     return candidates, differences
 
@@ -393,7 +398,12 @@ def mx_layer_candidates(
     with their own rules, so near, not equal."""
     import jax_qtrain as jq  # (the library's public op; peers_ab otherwise times kernels)
 
-    recipe = {"mxfp8": jq.MXFP8BlockScaling(), "nvfp4": jq.NVFP4BlockScaling()}[mode]
+    recipes = {"mxfp8": jq.MXFP8BlockScaling, "nvfp4": jq.NVFP4BlockScaling}
+    if mode not in recipes:
+        raise ValueError(f"mode must be one of {tuple(recipes)}, got {mode!r}")
+    if g < 1 or m % g:
+        raise ValueError(f"m must split into g equal groups, got m={m}, g={g}")
+    recipe = recipes[mode]()
     xla_config = jax.nn.get_scaled_dot_general_config(mode)
     keys = jax.random.split(jax.random.key(13), 3)
     # (Random values: a GEMM's power draw, and so its clock, depends on the data.)
@@ -441,8 +451,7 @@ def mx_layer_candidates(
     for name, (fn, (args,)) in list(candidates.items())[1:]:
         theirs = [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(fn(*args))]
         differences[name] = max(
-            float(np.max(np.abs(t - o)) / np.max(np.abs(o)))
-            for t, o in zip(theirs, mine, strict=True)
+            relative_difference(t, o) for t, o in zip(theirs, mine, strict=True)
         )
     return candidates, differences
 
@@ -604,7 +613,7 @@ def _add_torch_peer(candidates, differences, name, first_output, timed, ours) ->
         print(f"{name}: not run ({str(error).splitlines()[0]})")
         return
     mine = np.asarray(ours().astype(jnp.float32))
-    differences[name] = float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
+    differences[name] = relative_difference(theirs, mine)
     candidates[name] = timed
 
 

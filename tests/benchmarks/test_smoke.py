@@ -946,12 +946,18 @@ def test_peers_ab_runs_small(tmp_path):
         peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("dense",))
 
 
-def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path, monkeypatch):
-    # `--cases grouped_mx` builds the MXFP8 and NVFP4 cases only (cheap stand-ins here: the
-    # full smoke run above interprets the real ones).
+def _two_stand_in_candidates(label: str) -> dict:
+    """Two cheap interleaved_seconds candidates, for tests of peers_ab's case dispatch."""
     import jax
     import jax.numpy as jnp
 
+    add_one = jax.jit(lambda a: a + 1)
+    return {f"{label} {i}": (add_one, [(jnp.ones(4),)]) for i in range(2)}
+
+
+def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path, monkeypatch):
+    # `--cases grouped_mx` builds the MXFP8 and NVFP4 cases only (cheap stand-ins here: the
+    # full smoke run above interprets the real ones).
     from benchmarks import peers_ab
 
     def refuse(*args, **kwargs):
@@ -962,8 +968,7 @@ def test_peers_ab_grouped_mx_runs_the_mx_rows_alone(tmp_path, monkeypatch):
     def stand_in(fmt):
         def make(g, m, k, n, sizes, small):
             built.append((fmt, g, m, small))
-            add_one = jax.jit(lambda a: a + 1)
-            return {f"{fmt} {i}": (add_one, [(jnp.ones(4),)]) for i in range(2)}, {}
+            return _two_stand_in_candidates(fmt), {}
 
         return make
 
@@ -980,17 +985,13 @@ def test_peers_ab_grouped_mx_layer_runs_each_format_and_pass(tmp_path, monkeypat
     # `--cases grouped_mx_layer`: MXFP8 and NVFP4, forward (2 MKN flops) and forward +
     # backward (6 MKN), on the shape's equal groups (stand-ins here; the real candidates are
     # checked below).
-    import jax
-    import jax.numpy as jnp
-
     from benchmarks import peers_ab
 
     built = []
 
     def stand_in(mode, g, m, k, n, backward):
         built.append((mode, g, m, k, n, backward))
-        add_one = jax.jit(lambda a: a + 1)
-        return {f"{mode} {i}": (add_one, [(jnp.ones(4),)]) for i in range(2)}, {}
+        return _two_stand_in_candidates(mode), {}
 
     monkeypatch.setattr(peers_ab, "mx_layer_candidates", stand_in)
     peers_ab.main(str(tmp_path), rounds=1, small=True, cases=("grouped_mx_layer",))
@@ -1042,6 +1043,10 @@ def test_mx_layer_peer_is_jax_scaled_dot_general_on_the_same_layer(mode):
     block_scaled_calls = module.count("call @_scaled_matmul")
     bf16_dots = module.count("stablehlo.dot_general")
     assert (block_scaled_calls, bf16_dots) == ((3, 0) if mode == "mxfp8" else (1, 2))
+    with pytest.raises(ValueError, match=r"mode must be one of \('mxfp8', 'nvfp4'\), got 'fp8'"):
+        peers_ab.mx_layer_candidates("fp8", 2, 128, 128, 64, backward=False)
+    with pytest.raises(ValueError, match="m must split into g equal groups, got m=100, g=3"):
+        peers_ab.mx_layer_candidates(mode, 3, 100, 128, 64, backward=False)
 
 
 def _jnp_library_path(fmt: str) -> dict:
