@@ -739,7 +739,7 @@ def grouped_fp8_block_wgrad_candidates(g: int, m: int, k: int, n: int, sizes, sm
 
     def dequantized_then_16_bit_kernel(a, sa, b, sb, s):
         a16, b16 = _dequantize_1x128(a, sa), _dequantize_1x128(b, sb)
-        return pk.grouped_matmul_wgrad(a16, b16, s, out_dtype=BF16, interpret=small)
+        return pk.grouped_matmul_wgrad(a16, b16, s, out_dtype=BF16, config=config, interpret=small)
 
     args = (lhs8, lhs_scale, rhs8, rhs_scale, group_sizes)
     candidates = {
