@@ -122,10 +122,26 @@ def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch, gpu_backend):
     _dense_case(monkeypatch, (1000, 1024, 768), gpu_backend)
 
 
-def _dense_wgrad_on_either_kernel(monkeypatch, shape):
+def exactly_summable_dense_operands(shape, seed):
+    """Like `dense_operands`, but x and dy are integers in [-4, 4] times 2^e, e in [-2, 2]
+    drawn per 128-token chunk and column (so each 1x128 block gets its own scale): their FP8
+    block copies are exact, and every float32 sum of their products is exact in any order,
+    so dW = xᵀ dy to the bit on whatever CPU runs the interpreter."""
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(seed), 5)
+    _, w, _ = dense_operands(shape, seed)
+
+    def operand(int_key, exponent_key, cols):
+        ints = jax.random.randint(int_key, (m, cols), -4, 5).astype(jnp.float32)
+        exponents = jax.random.randint(exponent_key, (-(-m // 128), cols), -2, 3)
+        return ints * jnp.exp2(jnp.repeat(exponents, 128, axis=0)[:m].astype(jnp.float32))
+
+    return operand(keys[0], keys[1], k), w, operand(keys[2], keys[3], n)
+
+
+def _dense_wgrad_on_either_kernel(monkeypatch, x, w, dy):
     # The block-FP8 wgrad on the FP8 kernel (rhs_block_rows=1) and on the MoE wgrad kernel
     # with one group promote the same 128-token chunks in the same order: the same dW bits.
-    x, w, dy = dense_operands(shape, seed=2)
     recipe = jq.Float8BlockScaling()
     dw = {}
     for wgrad_kernel in ("fp8", "grouped"):
@@ -140,15 +156,26 @@ def _dense_wgrad_on_either_kernel(monkeypatch, shape):
     np.testing.assert_array_equal(
         np.asarray(dw["fp8"]).view(np.uint32), np.asarray(dw["grouped"]).view(np.uint32)
     )
+    return dw["fp8"]
 
 
 def test_dense_fp8_block_wgrad_on_either_kernel(monkeypatch):
-    _dense_wgrad_on_either_kernel(monkeypatch, (256, 128, 128))
+    # In the interpreter each 128-token chunk's sum is XLA:CPU's dot, whose order follows the
+    # kernels' (different) tile shapes and the CPU (random operands gave the same bits on
+    # one CPU, not on an AMD EPYC, 2026-12-07): exactly summable operands make the bits
+    # independent of that order, and the scales still differ block by block. The order
+    # itself is the GPU test's (random operands, wgmma's sums).
+    x, w, dy = exactly_summable_dense_operands((256, 128, 128), seed=2)
+    dw = _dense_wgrad_on_either_kernel(monkeypatch, x, w, dy)
+    exact = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
+    np.testing.assert_array_equal(np.asarray(dw), exact.astype(np.float32))
+    block_amaxes = np.abs(np.asarray(x)).reshape(2, 128, -1).max(axis=1)
+    assert np.unique(block_amaxes).size > 1  # (the blocks' scales do differ)
 
 
 @pytest.mark.gpu
 def test_dense_fp8_block_wgrad_on_either_kernel_gpu(monkeypatch):
-    _dense_wgrad_on_either_kernel(monkeypatch, (1000, 1024, 768))
+    _dense_wgrad_on_either_kernel(monkeypatch, *dense_operands((1000, 1024, 768), seed=2))
 
 
 def grouped_fwd_bwd(x, w, group_sizes, dy, recipe):
