@@ -417,31 +417,46 @@ NVFP4_PER_LINE_BLOCK_AMAXES = pk.NVFP4QuantizeConfig(compact_block_amaxes=False)
 NVFP4_NAN_CLAMP = pk.NVFP4QuantizeConfig(clamp_clears_nan_blocks=True)
 
 
+NVFP4_CASES = [  # rht, sr, dtype, shape, block
+    (False, False, jnp.bfloat16, (256, 128), (1, 16)),
+    (True, False, jnp.float32, (128, 256), (1, 16)),
+    (True, True, jnp.bfloat16, (128, 256), (1, 16)),
+    (True, False, jnp.bfloat16, (144, 160), (1, 16)),  # padding
+    (False, False, jnp.bfloat16, (256, 128), (16, 16)),  # weights
+    (False, True, jnp.float32, (144, 200), (16, 16)),  # padding, stochastic rounding
+]
+NVFP4_CONFIGS = {
+    "default": None,
+    "exact": NVFP4_EXACT,
+    "unrolled": NVFP4_UNROLLED,
+    "integer_division": NVFP4_INTEGER_DIVISION,
+    "magic_rounding": NVFP4_MAGIC_ROUNDING,
+    "compare_sign": NVFP4_COMPARE_SIGN,
+    "nan_clamp": NVFP4_NAN_CLAMP,
+}
+# Options of stochastic rounding alone: without it they build the default kernel, so they
+# run on the stochastic cases only.
+NVFP4_SR_CONFIGS = {"float_sr": NVFP4_FLOAT_SR, "comparison_sr": NVFP4_COMPARISON_SR}
+
+
+def nvfp4_params(configs, stochastic_only=False):
+    return [
+        pytest.param(
+            *case,
+            config,
+            id=f"{name}-{'rht' if case[0] else 'no_rht'}-{'sr' if case[1] else 'rn'}-"
+            f"{case[2].dtype.name}-{case[3][0]}x{case[3][1]}-{case[4][0]}x{case[4][1]}",
+        )
+        for name, config in configs.items()
+        for case in NVFP4_CASES
+        if case[1] or not stochastic_only
+    ]
+
+
 @cpu_only
 @pytest.mark.parametrize(
-    "config",
-    [
-        None,
-        NVFP4_EXACT,
-        NVFP4_UNROLLED,
-        NVFP4_FLOAT_SR,
-        NVFP4_INTEGER_DIVISION,
-        NVFP4_COMPARISON_SR,
-        NVFP4_MAGIC_ROUNDING,
-        NVFP4_COMPARE_SIGN,
-        NVFP4_NAN_CLAMP,
-    ],
-)
-@pytest.mark.parametrize(
-    "rht, sr, dtype, shape, block",
-    [
-        (False, False, jnp.bfloat16, (256, 128), (1, 16)),
-        (True, False, jnp.float32, (128, 256), (1, 16)),
-        (True, True, jnp.bfloat16, (128, 256), (1, 16)),
-        (True, False, jnp.bfloat16, (144, 160), (1, 16)),  # padding
-        (False, False, jnp.bfloat16, (256, 128), (16, 16)),  # weights
-        (False, True, jnp.float32, (144, 200), (16, 16)),  # padding, stochastic rounding
-    ],
+    "rht, sr, dtype, shape, block, config",
+    nvfp4_params(NVFP4_CONFIGS) + nvfp4_params(NVFP4_SR_CONFIGS, stochastic_only=True),
 )
 def test_nvfp4_interpret(rht, sr, dtype, shape, block, config):
     check_nvfp4(sample(shape, dtype, 7, block=16), rht, sr, block, config=config)
