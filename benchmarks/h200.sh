@@ -22,13 +22,13 @@
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (defaults: the wgrad gpu tests (stop
 #                                      60's FP8 depth rule, the persistent pipeline, block FP8
-#                                      against cuBLASLt), peers_ab --cases grouped_mx (stop 60's
-#                                      XLA block-scaled peers, not yet on an H200) and
-#                                      grouped_mx_layer (the layers from bf16 against
-#                                      jax.nn.scaled_dot_general, stop 61); grouped_ab's
-#                                      fp8_wgrad_depth (a second call for stop 60's rule) and
-#                                      wgrad_persistent sets; then whatever PENDING_RESOURCES /
-#                                      PENDING_AB / PENDING_BENCH name)
+#                                      against cuBLASLt; all passed on the H200 in stop 63);
+#                                      peers_ab's case groups in $PENDING_PEERS (none by
+#                                      default: grouped_mx and grouped_mx_layer ran on the H200
+#                                      in stop 63); grouped_ab's fp8_wgrad_depth (a second call
+#                                      for stop 60's rule) and wgrad_persistent sets; then
+#                                      whatever PENDING_RESOURCES / PENDING_AB / PENDING_BENCH
+#                                      name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
 #                                      torch, jax's Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
@@ -127,9 +127,9 @@ elif [[ $STAGE == pending ]]; then
   # ptxas's resources of the kernels named by $PENDING_RESOURCES (the in-register kernels:
   # do the second step's A registers spill? A refusal writes ptxas_error.txt into the
   # archive).
-  if [[ -n ${PENDING_PEERS-grouped_mx grouped_mx_layer} ]]; then
+  if [[ -n ${PENDING_PEERS-} ]]; then
     timeout "${PEERS_BUDGET:-200}" python3 -m benchmarks.peers_ab --out "$OUT" --rounds 15 \
-      --cases ${PENDING_PEERS-grouped_mx grouped_mx_layer} 2>&1 | tail -40
+      --cases ${PENDING_PEERS-} 2>&1 | tail -40
   fi
   if [[ -n ${PENDING_RESOURCES-} ]]; then
     res=$(mktemp -d)
