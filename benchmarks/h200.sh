@@ -22,11 +22,13 @@
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
 #                                      and their timing (defaults: the wgrad gpu tests (stop
 #                                      60's FP8 depth rule, the persistent pipeline, block FP8
-#                                      against cuBLASLt; all passed on the H200 in stop 63);
+#                                      against cuBLASLt; all passed on the H200 in stop 63
+#                                      and on an H100 in stop 64);
 #                                      peers_ab's case groups in $PENDING_PEERS (none by
 #                                      default: grouped_mx and grouped_mx_layer ran on the H200
-#                                      in stop 63); grouped_ab's fp8_wgrad_depth (a second call
-#                                      for stop 60's rule) and wgrad_persistent sets; then
+#                                      in stop 63); grouped_ab's fp8_wgrad_depth and
+#                                      wgrad_persistent sets (stop 64 ran both again: nothing
+#                                      in them awaits a GPU now; point PENDING_* at new work); then
 #                                      whatever PENDING_RESOURCES / PENDING_AB / PENDING_BENCH
 #                                      name)
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
