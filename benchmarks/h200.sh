@@ -131,7 +131,7 @@ elif [[ $STAGE == pending ]]; then
   # archive).
   if [[ -n ${PENDING_PEERS-} ]]; then
     timeout "${PEERS_BUDGET:-200}" python3 -m benchmarks.peers_ab --out "$OUT" --rounds 15 \
-      --cases ${PENDING_PEERS-} 2>&1 | tail -40
+      --cases $PENDING_PEERS 2>&1 | tail -40
   fi
   if [[ -n ${PENDING_RESOURCES-} ]]; then
     res=$(mktemp -d)

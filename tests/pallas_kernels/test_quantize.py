@@ -440,17 +440,17 @@ NVFP4_SR_CONFIGS = {"float_sr": NVFP4_FLOAT_SR, "comparison_sr": NVFP4_COMPARISO
 
 
 def nvfp4_params(configs, stochastic_only=False):
-    return [
-        pytest.param(
-            *case,
-            config,
-            id=f"{name}-{'rht' if case[0] else 'no_rht'}-{'sr' if case[1] else 'rn'}-"
-            f"{case[2].dtype.name}-{case[3][0]}x{case[3][1]}-{case[4][0]}x{case[4][1]}",
-        )
-        for name, config in configs.items()
-        for case in NVFP4_CASES
-        if case[1] or not stochastic_only
-    ]
+    """One param per config and case (the stochastic cases only with `stochastic_only`), with a
+    readable id such as "exact-rht-rn-float32-128x256-1x16"."""
+    params = []
+    for name, config in configs.items():
+        for rht, sr, dtype, shape, block in NVFP4_CASES:
+            if stochastic_only and not sr:
+                continue
+            words = [name, "rht" if rht else "no_rht", "sr" if sr else "rn", dtype.dtype.name]
+            case_id = "-".join(words + ["x".join(map(str, dims)) for dims in (shape, block)])
+            params.append(pytest.param(rht, sr, dtype, shape, block, config, id=case_id))
+    return params
 
 
 @cpu_only
