@@ -21,7 +21,7 @@ from jax import lax
 from jax_qtrain import kernels
 from jax_qtrain.formats import common, fp8_block, fp8_tensor, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
-from jax_qtrain.recipes import Recipe, Role
+from jax_qtrain.recipes import Recipe, Role, check_recipe
 
 Usage = Literal["rowwise", "columnwise"]
 USAGES: tuple[str, ...] = get_args(Usage)
@@ -425,10 +425,7 @@ def quantize(
     elif isinstance(recipe, Recipe):
         spec = recipe.spec(role)
     else:
-        raise TypeError(
-            f"recipe must be a jax_qtrain recipe (e.g. MXFP8BlockScaling()) or a QuantizerSpec, "
-            f"got {type(recipe).__name__}"
-        )
+        check_recipe(recipe, allow_none=False, or_also="a QuantizerSpec")
     _validate_input(x)
     _check_scale_layout(scale_layout, spec)
     _check_tiles_shape(scale_layout, (math.prod(x.shape[:-1]), x.shape[-1]))

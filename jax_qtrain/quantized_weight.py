@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jax_qtrain.formats.spec import QuantizerSpec
 from jax_qtrain.quantize import USAGES, QuantizedTensor, Usage, quantize
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 _WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -50,8 +50,7 @@ def needed_weight_usages(recipe: Recipe, *, training: bool) -> tuple[str, ...]:
     dequantizes the columnwise copy and under "high_precision" it reads the raw kernel, so
     training there needs only the columnwise copy.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_qtrain recipe, got {type(recipe).__name__}")
+    check_recipe(recipe, allow_none=False)
     if training and recipe.backward_override is None:
         return ("rowwise", "columnwise")
     return ("columnwise",)
@@ -282,11 +281,7 @@ def quantize_weight(
     block's overflow rule and the rounding of a wider weight). `layout`: for a kernel split over
     devices, e.g. `jax_qtrain.sharding.SplitKernelLayout(sharding)`; kept for every refresh.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"recipe must be a jax_qtrain recipe (e.g. MXFP8BlockScaling()), got "
-            f"{type(recipe).__name__}"
-        )
+    check_recipe(recipe, allow_none=False)
     _check_weight(weight)
     usages = _canonical_usages(usages, "usages")
     if not usages:

@@ -266,3 +266,22 @@ def recipe_from_name(name: str, **options) -> Recipe:
     if key not in RECIPES_BY_NAME:
         raise ValueError(f"unknown recipe {name!r}; expected one of {sorted(RECIPES_BY_NAME)}")
     return RECIPES_BY_NAME[key](**options)
+
+
+def check_recipe(recipe, *, allow_none: bool = True, or_also: str = "") -> None:
+    """Raises TypeError unless `recipe` is a Recipe (or None where `allow_none`).
+
+    A recipe's name (`"mxfp8"`) is the commonest wrong value, so the error shows how to make a
+    recipe from it. `or_also` names another accepted type for the message (quantize's
+    QuantizerSpec), which the caller has checked already.
+    """
+    if isinstance(recipe, Recipe) or (allow_none and recipe is None):
+        return
+    alternatives = [name for name in (or_also, "None" if allow_none else "") if name]
+    expected = " or ".join(["a jax_qtrain recipe (e.g. MXFP8BlockScaling())", *alternatives])
+    hint = (
+        f"; jax_qtrain.recipe_from_name({recipe!r}) makes one from its name"
+        if isinstance(recipe, str)
+        else ""
+    )
+    raise TypeError(f"recipe must be {expected}, got {type(recipe).__name__}{hint}")

@@ -11,14 +11,16 @@ vmapped, so every call lowers to `jax_qtrain.dense` and inherits its custom_vjp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import string
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_qtrain.ops.dense import dense
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,15 +133,43 @@ def _parse_einsum(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, s
     return lhs, rhs, out
 
 
+def _factory(flax_argument: str):
+    """Refuses, with the fix, a factory passed where Flax wants the op itself (`flax_argument`).
+
+    `nnx.Linear(dot_general=jax_qtrain.dot_general)` reads naturally (`lax.dot_general` is passed
+    that way) but hands Flax the factory: its call `(inputs, kernel, dims, precision=...)` would
+    otherwise fail with a bare "unexpected keyword argument".
+    """
+
+    def decorate(make):
+        name = f"jax_qtrain.{make.__name__}"
+
+        @functools.wraps(make)
+        def checked(*args, **kwargs):
+            called_as_op = len(args) > 1 or not set(kwargs) <= {"recipe", "save_original_input"}
+            if called_as_op or (args and isinstance(args[0], jax.Array | np.ndarray)):
+                raise TypeError(
+                    f"{name}(recipe) makes the quantized op; it was called as the op itself. "
+                    f"Pass {flax_argument}={name}(recipe) (or {name}() to follow autocast), "
+                    f"not {flax_argument}={name}"
+                )
+            return make(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+@_factory("dot_general")
 def dot_general(
     recipe: Recipe | None = None, *, save_original_input: bool = False
 ) -> QuantizedDotGeneral:
     """A quantized `dot_general` for `nnx.Linear(dot_general=...)` / `nnx.LinearGeneral`."""
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}")
+    check_recipe(recipe)
     return QuantizedDotGeneral(recipe=recipe, save_original_input=save_original_input)
 
 
+@_factory("einsum_op")
 def einsum(recipe: Recipe | None = None, *, save_original_input: bool = False):
     """A quantized two-operand `jnp.einsum` for `nnx.Einsum(einsum_op=...)`."""
     return dot_general(recipe, save_original_input=save_original_input).einsum

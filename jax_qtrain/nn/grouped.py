@@ -26,16 +26,11 @@ from jax_qtrain.ops.grouped_dense import grouped_dense
 from jax_qtrain.ops.grouped_mlp import grouped_mlp
 from jax_qtrain.quantize import Usage
 from jax_qtrain.quantized_weight import WeightLayout
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 # lecun_normal per expert: fan-in is the expert's in_features, not G·in_features.
 default_expert_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
 default_bias_init = nnx.initializers.zeros_init()
-
-
-def _check_recipe(recipe) -> None:
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}")
 
 
 def keep_quantized(
@@ -108,7 +103,7 @@ class GroupedLinear(nnx.Module):
         check_positive_sizes(
             num_groups=num_groups, in_features=in_features, out_features=out_features
         )
-        _check_recipe(recipe)
+        check_recipe(recipe)
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype)
         )
@@ -188,7 +183,7 @@ class GroupedMLP(nnx.Module):
             out_features=out_features,
         )
         check_activation(activation)
-        _check_recipe(recipe)
+        check_recipe(recipe)
         fc1_out = 2 * ffn_features if is_gated(activation) else ffn_features
         self.fc1_kernel = nnx.Param(
             kernel_init(rngs.params(), (num_experts, in_features, fc1_out), param_dtype)

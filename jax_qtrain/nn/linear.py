@@ -12,7 +12,7 @@ from flax import nnx
 from jax_qtrain.nn.quantized_weights import QuantizedKernel
 from jax_qtrain.ops.dense import dense
 from jax_qtrain.quantize import Usage
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 
 def check_positive_sizes(**sizes) -> None:
@@ -64,10 +64,7 @@ class Linear(nnx.Linear):
         **kwargs,
     ):
         check_positive_sizes(in_features=in_features, out_features=out_features)
-        if recipe is not None and not isinstance(recipe, Recipe):
-            raise TypeError(
-                f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}"
-            )
+        check_recipe(recipe)
         if "dot_general" in kwargs and kwargs["dot_general"] is not None:
             raise ValueError(
                 "jax_qtrain.nn.Linear computes with jax_qtrain.dense; drop dot_general"

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 from jax._src import config as jax_config  # pinned jax==0.11.2: config states keyed into jit
 
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 _UNSET = "jax_qtrain:no-autocast"
 
 
 def _validate(value) -> None:
-    if value is not None and value != _UNSET and not isinstance(value, Recipe):
-        raise TypeError(f"autocast takes a jax_qtrain recipe or None, got {type(value).__name__}")
+    if value != _UNSET:
+        check_recipe(value)
 
 
 _active_recipe = jax_config.string_or_object_state(
@@ -53,9 +53,6 @@ def current_recipe() -> Recipe | None:
 def resolve_recipe(recipe: Recipe | None) -> Recipe | None:
     """An op's or layer's own recipe if it has one, else the autocast recipe, else None."""
     if recipe is not None:
-        if not isinstance(recipe, Recipe):
-            raise TypeError(
-                f"recipe must be a jax_qtrain recipe or None, got {type(recipe).__name__}"
-            )
+        check_recipe(recipe)
         return recipe
     return current_recipe()

@@ -26,7 +26,7 @@ from jax_qtrain.nn.moe import (
 )
 from jax_qtrain.ops.activations import check_activation, is_gated
 from jax_qtrain.quantize import Usage
-from jax_qtrain.recipes import Recipe
+from jax_qtrain.recipes import Recipe, check_recipe
 
 from .config import WeightSharding, check_kernel_dim, laid_out
 from .expert_parallel import expert_parallel_mlp
@@ -215,8 +215,7 @@ class ShardedMoE(nnx.Module):
                 f"{sharding.axis!r} is also a batch axis (tokens split over it), got "
                 f"kernel_dim={sharding.kernel_dim!r}, batch_axes={sharding.batch_axes}"
             )
-        if recipe is not None and not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a jax_qtrain recipe or None, got {recipe!r}")
+        check_recipe(recipe)
         check_activation(activation)
         for name, value in (
             ("in_features", in_features),

@@ -383,6 +383,24 @@ def test_nnx_einsum_with_quantized_einsum_op():
         jq.einsum(RECIPES["mxfp8"])("ab,cd->ac", x[0], x[0])
 
 
+def test_the_factories_passed_as_the_op_say_how_to_call_them():
+    # `dot_general=jq.dot_general` reads like `dot_general=lax.dot_general`; Flax then calls the
+    # factory with (inputs, kernel, dims, precision=...).
+    x = jnp.ones((2, 8))
+    with pytest.raises(TypeError, match=r"Pass dot_general=jax_qtrain\.dot_general\(recipe\)"):
+        nnx.Linear(8, 4, dot_general=jq.dot_general, rngs=nnx.Rngs(0))(x)
+    einsum_layer = nnx.Einsum("bd,dh->bh", (8, 4), einsum_op=jq.einsum, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"Pass einsum_op=jax_qtrain\.einsum\(recipe\)"):
+        einsum_layer(x)
+    with pytest.raises(TypeError, match="called as the op itself"):
+        jq.nn.dot_general(x)  # one array, no dims
+    # Called as factories they still take the recipe by position or name.
+    assert jq.dot_general(recipe=RECIPES["fp8"], save_original_input=True) == (
+        jq.nn.QuantizedDotGeneral(RECIPES["fp8"], save_original_input=True)
+    )
+    assert nnx.Linear(8, 4, dot_general=jq.dot_general(), rngs=nnx.Rngs(0))(x).shape == (2, 4)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 def test_bad_inputs_are_rejected_with_clear_errors():
     x, w, b, _ = make_inputs()
@@ -394,11 +412,12 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         jq.dense(x, w, b[:5], recipe=RECIPES["fp8"])
     with pytest.raises(TypeError, match="x must be"):
         jq.dense(x.astype(jnp.int32), w, recipe=RECIPES["fp8"])
-    with pytest.raises(TypeError, match="recipe"):
+    # A recipe's name is the likeliest wrong recipe: the error says how to make one from it.
+    with pytest.raises(TypeError, match=r"got str; jax_qtrain\.recipe_from_name\('fp8'\)"):
         jq.dense(x, w, recipe="fp8")
     with pytest.raises(ValueError, match="backward_override"):
         RECIPES["fp8"].replace(backward_override="fp64")
-    with pytest.raises(TypeError, match="autocast"):
+    with pytest.raises(TypeError, match=r"recipe_from_name\('mxfp8'\)"):
         with jq.autocast("mxfp8"):
             pass
     # The layer refuses empty or non-int sizes as GroupedLinear and MoE do (nnx.Linear itself
