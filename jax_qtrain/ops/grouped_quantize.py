@@ -152,7 +152,14 @@ def check_group_sizes(
     `num_rows` when given. A jax array's values are not read (that would copy them from the
     device and wait for it); they are clamped at run time (module docstring)."""
     if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
-        raise TypeError(f"{name} must be an int32 array of shape (G,), got {type(group_sizes)}")
+        hint = (
+            f" (e.g. jnp.array({list(group_sizes)!r}, jnp.int32))"
+            if isinstance(group_sizes, list | tuple)
+            else ""
+        )
+        raise TypeError(
+            f"{name} must be an int32 array of shape (G,), got {type(group_sizes).__name__}{hint}"
+        )
     if jnp.dtype(group_sizes.dtype) != jnp.int32:
         raise TypeError(f"{name} must have dtype int32, got {group_sizes.dtype}")
     if group_sizes.ndim != 1 or num_groups not in (None, group_sizes.shape[0]):

@@ -406,6 +406,11 @@ def test_bad_inputs_name_the_argument():
             "group_sizes must have dtype int32",
             lambda: jq.grouped_dense(x, w, gs.astype(jnp.uint32), recipe=recipe),
         ),
+        (  # a list is not an array (as for jnp's functions); the error shows the one to pass
+            TypeError,
+            r"got list \(e\.g\. jnp\.array\(\[96, 96, 96, 96\], jnp\.int32\)\)",
+            lambda: jq.grouped_dense(x, w, [96, 96, 96, 96], recipe=recipe),
+        ),
         (
             ValueError,
             r"group_sizes must have shape \(4,\)",
