@@ -383,6 +383,23 @@ def test_nnx_einsum_with_quantized_einsum_op():
         jq.einsum(RECIPES["mxfp8"])("ab,cd->ac", x[0], x[0])
 
 
+def test_nnx_linear_general_with_quantized_dot_general():
+    # Two contracting axes flattened into K and two output axes into N: jq.dense on the
+    # flattened operands, bit for bit (LinearGeneral adds its zero bias after the dot). Batch
+    # axes take the vmap path that the einsum test above covers.
+    recipe = RECIPES["mxfp8"]
+    x = jax.random.normal(jax.random.key(0), (2, 4, 2, 32), jnp.float32)
+    layer = nnx.LinearGeneral(
+        (2, 32), (2, 16), axis=(-2, -1), dot_general=jq.dot_general(recipe), rngs=nnx.Rngs(0)
+    )
+    kernel = layer.kernel[...].reshape(64, 32)
+    expected = jq.dense(x.reshape(8, 64), kernel, recipe=recipe).reshape(2, 4, 2, 16)
+    assert_bits_equal((layer(x),), (expected,))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    assert grads.kernel[...].shape == (2, 32, 2, 16)
+    assert bool(jnp.all(jnp.isfinite(grads.kernel[...]))) and bool(jnp.any(grads.kernel[...] != 0))
+
+
 def test_the_factories_passed_as_the_op_say_how_to_call_them():
     # `dot_general=jq.dot_general` reads like `dot_general=lax.dot_general`; Flax then calls the
     # factory with (inputs, kernel, dims, precision=...).
