@@ -268,7 +268,7 @@ def recipe_from_name(name: str, **options) -> Recipe:
     return RECIPES_BY_NAME[key](**options)
 
 
-def check_recipe(recipe, *, allow_none: bool = True, or_also: str = "") -> None:
+def check_recipe(recipe: object, *, allow_none: bool = True, or_also: str = "") -> None:
     """Raises TypeError unless `recipe` is a Recipe (or None where `allow_none`).
 
     A recipe's name (`"mxfp8"`) is the commonest wrong value, so the error shows how to make a
