@@ -31,7 +31,7 @@ os.environ.setdefault(
 # host (2026-12-07, tests/jax_qtrain/test_{dense,grouped_dense,quantize,grouped_mlp}.py and
 # tests/train/test_model.py, -n 2): warm 103 / 109 s with 0 against 121 / 121 s with the
 # earlier 0.2 s threshold; cold 386 against 375 s (1240 cache entries against 350, 31 against
-# 26 MB).
+# 26 MB). The whole suite, warm: 1017 s against 1155 s (docs/getting-started.md).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
