@@ -422,10 +422,9 @@ def quantize(
     """
     if isinstance(recipe, QuantizerSpec):
         spec = recipe
-    elif isinstance(recipe, Recipe):
-        spec = recipe.spec(role)
     else:
         check_recipe(recipe, allow_none=False, or_also="a QuantizerSpec")
+        spec = recipe.spec(role)
     _validate_input(x)
     _check_scale_layout(scale_layout, spec)
     _check_tiles_shape(scale_layout, (math.prod(x.shape[:-1]), x.shape[-1]))
