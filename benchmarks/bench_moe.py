@@ -10,6 +10,9 @@ for its backward (`jq.saved_residuals`). The grouped GEMMs run on whatever
 `jax_qtrain.ops.grouped_gemm` dispatches to: on the GPU the Pallas grouped kernels (native FP8
 for per-tensor FP8 and block FP8's fprop/dgrad, the 16-bit ones for bf16 and for the dequantized
 MXFP8, NVFP4 and block-FP8 wgrad operands). `bench_grouped_quantize` times the quantizers alone.
+The blocks of one configuration and routing are timed in alternation
+(`timing.interleaved_seconds`), the plain-JAX peer among them, so the GPU's clock drift falls on
+all of them alike.
 
     python -m benchmarks.bench_moe [--small] [--out DIR] [--configs "8 experts" ...]
                                    [--routings balanced] [--budget SECONDS]
@@ -27,7 +30,7 @@ import numpy as np
 from jax import lax
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, median_seconds, report
+from benchmarks.timing import device_description, interleaved_seconds, report
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -93,8 +96,8 @@ def make_arguments(tokens, hidden, experts, ffn, routing, sets=2):
     return out
 
 
-def measure(block, argument_sets, iters: int) -> tuple[float, float, int]:
-    """(forward seconds, forward+backward seconds, bytes saved for backward)."""
+def compiled(block):
+    """(forward, forward+backward) of `block` under jit, on the arguments of make_arguments."""
     forward = jax.jit(lambda x, w1, w2, gs, p, dy: block(x, w1, w2, gs, p))
 
     @jax.jit
@@ -102,20 +105,44 @@ def measure(block, argument_sets, iters: int) -> tuple[float, float, int]:
         y, vjp = jax.vjp(lambda x, w1, w2, p: block(x, w1, w2, gs, p), x, w1, w2, p)
         return y, vjp(dy)
 
-    x, w1, w2, gs, p, _ = argument_sets[0]
+    return forward, train
+
+
+def saved_bytes(block, argument_set) -> int:
+    """What one call of `block` keeps for its backward pass."""
+    x, w1, w2, gs, p, _ = argument_set
     saved = jq.saved_residuals(lambda x, w1, w2, p: block(x, w1, w2, gs, p), x, w1, w2, p)
-    return (
-        median_seconds(forward, argument_sets, iters=iters),
-        median_seconds(train, argument_sets, iters=iters),
-        sum(r.nbytes for r in saved),
-    )
+    return sum(r.nbytes for r in saved)
 
 
 ROUTINGS = ("balanced", "skewed")
 
 
-def run(configs: dict, iters: int, budget_s: float | None = None, routings=ROUTINGS) -> list[dict]:
-    """One row per (config, routing, block); stops starting new configs after `budget_s`."""
+def blocks_to_time() -> dict:
+    blocks = {
+        "bf16 (lax.ragged_dot)": plain_jax_block,
+        # jax_qtrain without a recipe: bf16 GEMMs on the Pallas grouped kernels (GPU)
+        "bf16 (jax_qtrain)": quantized_block(None),
+    }
+    blocks |= {name: quantized_block(recipe) for name, recipe in RECIPES.items()}
+    if jax.default_backend() == "gpu":
+        # MXFP8 / NVFP4 fprop and dgrad with the weights dequantized in the GEMM kernel (stops
+        # 46-47): opt-in, slower than the default path in stop 47's kernel timing.
+        blocks["mxfp8 (weights in registers)"] = quantized_block(
+            RECIPES["mxfp8"], gemm_backend="pallas"
+        )
+        blocks["nvfp4 (weights in registers)"] = quantized_block(
+            RECIPES["nvfp4"], gemm_backend="pallas"
+        )
+    return blocks
+
+
+def run(
+    configs: dict, timing: dict, budget_s: float | None = None, routings=ROUTINGS
+) -> list[dict]:
+    """One row per (config, routing, block); the blocks of one (config, routing) are timed in
+    alternation (`timing.interleaved_seconds`), so clock drift falls on all of them alike. No
+    new config starts after `budget_s`."""
     start = time.perf_counter()
     rows = []
     for config, (tokens, hidden, experts, ffn) in configs.items():
@@ -124,54 +151,46 @@ def run(configs: dict, iters: int, budget_s: float | None = None, routings=ROUTI
                 print(f"time budget spent: skipping {config} {routing}", flush=True)
                 continue
             argument_sets = make_arguments(tokens, hidden, experts, ffn, routing)
-            flops = 6 * tokens * hidden * ffn
-            baseline = None
-            blocks = {
-                "bf16 (lax.ragged_dot)": plain_jax_block,
-                # jax_qtrain without a recipe: bf16 GEMMs on the Pallas grouped kernels (GPU)
-                "bf16 (jax_qtrain)": quantized_block(None),
+            head = {
+                "config": config,
+                "routing": routing,
+                "shape": f"T={tokens} H={hidden} E={experts} F={ffn}",
             }
-            blocks |= {name: quantized_block(recipe) for name, recipe in RECIPES.items()}
-            if jax.default_backend() == "gpu":
-                # MXFP8 fprop / dgrad with the weights dequantized in the GEMM kernel (stop 46):
-                # opt-in (slower than the default path in stop 47's kernel timing).
-                blocks["mxfp8 (weights in registers)"] = quantized_block(
-                    RECIPES["mxfp8"], gemm_backend="pallas"
-                )
-                # NVFP4 likewise (stop 47).
-                blocks["nvfp4 (weights in registers)"] = quantized_block(
-                    RECIPES["nvfp4"], gemm_backend="pallas"
-                )
+            blocks = blocks_to_time()
+            forward, train, out_of_memory = {}, {}, set()
             for name, block in blocks.items():
-                row = {
-                    "config": config,
-                    "routing": routing,
-                    "shape": f"T={tokens} H={hidden} E={experts} F={ffn}",
-                    "recipe": name,
-                }
-                try:
-                    fwd_s, train_s, saved = measure(block, argument_sets, iters)
+                fwd, fwd_bwd = compiled(block)
+                try:  # one call of each first: it compiles, and finds what does not fit
+                    jax.block_until_ready((fwd(*argument_sets[0]), fwd_bwd(*argument_sets[0])))
                 except jax.errors.JaxRuntimeError as error:
-                    # lax.ragged_dot's backward materializes a dense per-group operand: with 64
-                    # experts it asks for 55 GiB more than the H200's 141 GB hold.
+                    # lax.ragged_dot's backward materializes a dense per-group operand: with
+                    # 64 experts it asks for 55 GiB more than the H200's 141 GB hold.
                     if "RESOURCE_EXHAUSTED" not in str(error):
                         raise
-                    rows.append(row | {"error": "out of memory"})
-                    print(rows[-1], flush=True)
+                    out_of_memory.add(name)
                     continue
-                if name == "bf16 (lax.ragged_dot)":
-                    baseline = train_s
-                rows.append(
-                    row
-                    | {
-                        "forward_ms": fwd_s * 1e3,
-                        "forward_tflops": flops / fwd_s / 1e12,
-                        "fwd_bwd_ms": train_s * 1e3,
-                        "fwd_bwd_tflops": 3 * flops / train_s / 1e12,
-                        "speedup_vs_bf16": baseline / train_s if baseline else None,
-                        "saved_mib": saved / 2**20,
-                    }
-                )
+                forward[name] = (fwd, argument_sets)
+                train[name] = (fwd_bwd, argument_sets)
+            forward_s = interleaved_seconds(forward, **timing)
+            train_s = interleaved_seconds(train, **timing)
+            baseline = train_s.get("bf16 (lax.ragged_dot)")
+            flops = 6 * tokens * hidden * ffn
+            for name, block in blocks.items():
+                if name in out_of_memory:
+                    rows.append(head | {"recipe": name, "error": "out of memory"})
+                else:
+                    rows.append(
+                        head
+                        | {
+                            "recipe": name,
+                            "forward_ms": forward_s[name] * 1e3,
+                            "forward_tflops": flops / forward_s[name] / 1e12,
+                            "fwd_bwd_ms": train_s[name] * 1e3,
+                            "fwd_bwd_tflops": 3 * flops / train_s[name] / 1e12,
+                            "speedup_vs_bf16": baseline / train_s[name] if baseline else None,
+                            "saved_mib": saved_bytes(block, argument_sets[0]) / 2**20,
+                        }
+                    )
                 print(rows[-1], flush=True)
     return rows
 
@@ -206,13 +225,19 @@ def main(
     config_names: list[str] | None = None,
     routings=ROUTINGS,
 ) -> str:
-    configs, iters = (SMALL_CONFIGS, 2) if small else (CONFIGS, 10)
+    configs = SMALL_CONFIGS if small else CONFIGS
+    # A smoke run's times mean nothing: one short round keeps it quick anywhere.
+    timing = (
+        dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+        if small
+        else dict(rounds=10, calls_per_batch=5)
+    )
     if config_names:
         unknown = sorted(set(config_names) - set(configs))
         if unknown:
             raise ValueError(f"unknown configs {unknown}; expected some of {sorted(configs)}")
         configs = {name: configs[name] for name in config_names}
-    rows = run(configs, iters, budget_s, routings)
+    rows = run(configs, timing, budget_s, routings)
     text = markdown(rows)
     return report(out_dir, "bench_moe", rows, text)
 

@@ -45,6 +45,19 @@ def test_moe_and_grouped_quantize_benchmarks_run_small(tmp_path):
     assert {r["case"] for r in rows} == {"copy floor: XLA x + 1", "fp8 grouped", "fp8 whole tensor"}
 
 
+def test_dense_benchmark_runs_small(tmp_path):
+    from benchmarks import bench_dense
+
+    text = bench_dense.main(str(tmp_path), small=True, shape_names=["128x256x512"])
+    rows = json.loads((tmp_path / "bench_dense.json").read_text())
+    assert [r["recipe"] for r in rows] == [bench_dense.PEER, *bench_dense.RECIPES]
+    assert {r["shape"] for r in rows} == {"128x256x512"} and "| 128x256x512 | fp8 |" in text
+    assert all(r["fwd_bwd_ms"] > 0 and r["forward_ms"] > 0 for r in rows)
+    assert rows[0]["fwd_bwd_speedup_vs_peer"] == 1.0
+    with pytest.raises(ValueError, match="unknown shapes"):
+        bench_dense.main(str(tmp_path), small=True, shape_names=["8192x4096x4096"])
+
+
 def test_train_benchmark_names_a_bad_recipe_list(tmp_path):
     from benchmarks import bench_train
 
