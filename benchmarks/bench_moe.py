@@ -119,6 +119,7 @@ ROUTINGS = ("balanced", "skewed")
 
 
 def blocks_to_time() -> dict:
+    """{row label: block} for every configuration: the peer, bf16 and each recipe."""
     blocks = {
         "bf16 (lax.ragged_dot)": plain_jax_block,
         # jax_qtrain without a recipe: bf16 GEMMs on the Pallas grouped kernels (GPU)
