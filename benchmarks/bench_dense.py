@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.timing import (
+    SMOKE_TIMING,
+    device_description,
+    interleaved_seconds,
+    named_subset,
+    report,
+)
 
 
 def plain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -122,15 +128,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(out_dir: str | None = None, small: bool = False, shape_names=None) -> str:
-    shapes = SMALL_SHAPES if small else SHAPES
-    if shape_names:
-        unknown = sorted(set(shape_names) - set(shapes))
-        if unknown:
-            raise ValueError(f"unknown shapes {unknown}; expected some of {sorted(shapes)}")
-        shapes = {name: shapes[name] for name in shape_names}
-    # A smoke run's times mean nothing: one short round keeps it quick anywhere.
-    timing = dict(rounds=1, calls_per_batch=1, warmup_seconds=0) if small else {}
-    rows = run(shapes, timing)
+    shapes = named_subset(SMALL_SHAPES if small else SHAPES, shape_names, "shapes")
+    rows = run(shapes, SMOKE_TIMING if small else {})
     return report(out_dir, "bench_dense", rows, markdown(rows))
 
 

@@ -30,7 +30,13 @@ import numpy as np
 from jax import lax
 
 import jax_qtrain as jq
-from benchmarks.timing import device_description, interleaved_seconds, report
+from benchmarks.timing import (
+    SMOKE_TIMING,
+    device_description,
+    interleaved_seconds,
+    named_subset,
+    report,
+)
 
 RECIPES = {
     "fp8": jq.Float8CurrentScaling(),
@@ -226,18 +232,8 @@ def main(
     config_names: list[str] | None = None,
     routings=ROUTINGS,
 ) -> str:
-    configs = SMALL_CONFIGS if small else CONFIGS
-    # A smoke run's times mean nothing: one short round keeps it quick anywhere.
-    timing = (
-        dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
-        if small
-        else dict(rounds=10, calls_per_batch=5)
-    )
-    if config_names:
-        unknown = sorted(set(config_names) - set(configs))
-        if unknown:
-            raise ValueError(f"unknown configs {unknown}; expected some of {sorted(configs)}")
-        configs = {name: configs[name] for name in config_names}
+    configs = named_subset(SMALL_CONFIGS if small else CONFIGS, config_names, "configs")
+    timing = SMOKE_TIMING if small else dict(rounds=10, calls_per_batch=5)
     rows = run(configs, timing, budget_s, routings)
     text = markdown(rows)
     return report(out_dir, "bench_moe", rows, text)

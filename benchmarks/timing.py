@@ -154,6 +154,22 @@ def kernel_timing_setup(script: str, small: bool, shapes, small_shapes, interpre
     raise RuntimeError(f"{script} times the H200 kernels: run it on a GPU (or --small)")
 
 
+# `interleaved_seconds` options for a smoke run (--small), whose times mean nothing: one short
+# round keeps it quick anywhere.
+SMOKE_TIMING = dict(rounds=1, calls_per_batch=1, warmup_seconds=0)
+
+
+def named_subset(named: dict, names, what: str) -> dict:
+    """The entries of `named` that `names` picks, in that order (all of them for no names); a
+    ValueError lists the unknown ones and what `what` may be."""
+    if not names:
+        return named
+    unknown = sorted(set(names) - set(named))
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; expected some of {sorted(named)}")
+    return {name: named[name] for name in names}
+
+
 def device_description() -> str:
     device = jax.devices()[0]
     return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"
