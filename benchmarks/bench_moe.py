@@ -12,10 +12,15 @@ for per-tensor FP8 and block FP8's fprop/dgrad, the 16-bit ones for bf16 and for
 MXFP8, NVFP4 and block-FP8 wgrad operands). `bench_grouped_quantize` times the quantizers alone.
 The blocks of one configuration and routing are timed in alternation
 (`timing.interleaved_seconds`), the plain-JAX peer among them, so the GPU's clock drift falls on
-all of them alike.
+all of them alike. A run on the GPU is long, and nothing is timed until every block has
+compiled (each block's forward and forward+backward build their own Pallas kernels; on an H100,
+2026-12-07, the 8-expert configuration's eight blocks had printed nothing after 500 s, and stop
+18's run was cut by its time limit too): each block's first call (its compilation) is timed and
+printed as it finishes, and `--blocks` times a subset, always with the peer, so that a run can
+be split over device calls.
 
     python -m benchmarks.bench_moe [--small] [--out DIR] [--configs "8 experts" ...]
-                                   [--routings balanced] [--budget SECONDS]
+                                   [--routings balanced] [--budget SECONDS] [--blocks fp8 ...]
 writes DIR/bench_moe.json and DIR/bench_moe.md and prints the table.
 """
 
@@ -124,10 +129,14 @@ def saved_bytes(block, argument_set) -> int:
 ROUTINGS = ("balanced", "skewed")
 
 
-def blocks_to_time() -> dict:
-    """{row label: block} for every configuration: the peer, bf16 and each recipe."""
+PEER = "bf16 (lax.ragged_dot)"
+
+
+def blocks_to_time(names=None) -> dict:
+    """{row label: block} for every configuration: the peer, bf16 and each recipe; with `names`,
+    the peer and those blocks (a ValueError names any unknown one)."""
     blocks = {
-        "bf16 (lax.ragged_dot)": plain_jax_block,
+        PEER: plain_jax_block,
         # jax_qtrain without a recipe: bf16 GEMMs on the Pallas grouped kernels (GPU)
         "bf16 (jax_qtrain)": quantized_block(None),
     }
@@ -141,11 +150,17 @@ def blocks_to_time() -> dict:
         blocks["nvfp4 (weights in registers)"] = quantized_block(
             RECIPES["nvfp4"], gemm_backend="pallas"
         )
-    return blocks
+    if not names:
+        return blocks
+    return {PEER: blocks[PEER]} | named_subset(blocks, [n for n in names if n != PEER], "blocks")
 
 
 def run(
-    configs: dict, timing: dict, budget_s: float | None = None, routings=ROUTINGS
+    configs: dict,
+    timing: dict,
+    budget_s: float | None = None,
+    routings=ROUTINGS,
+    block_names=None,
 ) -> list[dict]:
     """One row per (config, routing, block); the blocks of one (config, routing) are timed in
     alternation (`timing.interleaved_seconds`), so clock drift falls on all of them alike. No
@@ -163,10 +178,11 @@ def run(
                 "routing": routing,
                 "shape": f"T={tokens} H={hidden} E={experts} F={ffn}",
             }
-            blocks = blocks_to_time()
-            forward, train, out_of_memory = {}, {}, set()
+            blocks = blocks_to_time(block_names)
+            forward, train, out_of_memory, compile_s = {}, {}, set(), {}
             for name, block in blocks.items():
                 fwd, fwd_bwd = compiled(block)
+                compile_start = time.perf_counter()
                 try:  # one call of each first: it compiles, and finds what does not fit
                     jax.block_until_ready((fwd(*argument_sets[0]), fwd_bwd(*argument_sets[0])))
                 except jax.errors.JaxRuntimeError as error:
@@ -175,12 +191,18 @@ def run(
                     if "RESOURCE_EXHAUSTED" not in str(error):
                         raise
                     out_of_memory.add(name)
+                    print(f"{config} {routing}: {name} is out of memory", flush=True)
                     continue
+                compile_s[name] = time.perf_counter() - compile_start
+                print(
+                    f"{config} {routing}: {name} compiled and run once in {compile_s[name]:.1f} s",
+                    flush=True,
+                )
                 forward[name] = (fwd, argument_sets)
                 train[name] = (fwd_bwd, argument_sets)
             forward_s = interleaved_seconds(forward, **timing)
             train_s = interleaved_seconds(train, **timing)
-            baseline = train_s.get("bf16 (lax.ragged_dot)")
+            baseline = train_s.get(PEER)
             flops = 6 * tokens * hidden * ffn
             for name, block in blocks.items():
                 if name in out_of_memory:
@@ -196,6 +218,7 @@ def run(
                             "fwd_bwd_tflops": 3 * flops / train_s[name] / 1e12,
                             "speedup_vs_bf16": baseline / train_s[name] if baseline else None,
                             "saved_mib": saved_bytes(block, argument_sets[0]) / 2**20,
+                            "compile_s": compile_s[name],
                         }
                     )
                 print(rows[-1], flush=True)
@@ -231,10 +254,12 @@ def main(
     budget_s: float | None = None,
     config_names: list[str] | None = None,
     routings=ROUTINGS,
+    block_names: list[str] | None = None,
 ) -> str:
     configs = named_subset(SMALL_CONFIGS if small else CONFIGS, config_names, "configs")
+    blocks_to_time(block_names)  # unknown names fail here, before anything compiles
     timing = SMOKE_TIMING if small else dict(rounds=10, calls_per_batch=5)
-    rows = run(configs, timing, budget_s, routings)
+    rows = run(configs, timing, budget_s, routings, block_names)
     text = markdown(rows)
     return report(out_dir, "bench_moe", rows, text)
 
@@ -246,5 +271,11 @@ if __name__ == "__main__":
     parser.add_argument("--configs", nargs="*", help=f"some of {list(CONFIGS)} (default: all)")
     parser.add_argument("--routings", nargs="*", choices=ROUTINGS, default=list(ROUTINGS))
     parser.add_argument("--budget", type=float, default=None, help="seconds; no new config after")
+    parser.add_argument(
+        "--blocks",
+        nargs="*",
+        help="time only these blocks (row labels, e.g. fp8 mxfp8), always with the peer "
+        f"{PEER!r} (default: all)",
+    )
     args = parser.parse_args()
-    main(args.out, args.small, args.budget, args.configs, tuple(args.routings))
+    main(args.out, args.small, args.budget, args.configs, tuple(args.routings), args.blocks)

@@ -36,9 +36,21 @@ def test_moe_and_grouped_quantize_benchmarks_run_small(tmp_path):
         "mxfp8",
         "nvfp4",
     ]
-    assert all(r["fwd_bwd_ms"] > 0 for r in rows) and "| 4 experts" in text
+    assert all(r["fwd_bwd_ms"] > 0 and r["compile_s"] > 0 for r in rows) and "| 4 experts" in text
     with pytest.raises(ValueError, match="unknown configs"):
         bench_moe.main(str(tmp_path), small=True, config_names=["8 experts"])
+    # A subset of the blocks is timed with the peer, whether or not it is named.
+    bench_moe.main(
+        str(tmp_path),
+        small=True,
+        config_names=["4 experts"],
+        routings=("balanced",),
+        block_names=["fp8"],
+    )
+    rows = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert [r["recipe"] for r in rows] == ["bf16 (lax.ragged_dot)", "fp8"]
+    with pytest.raises(ValueError, match=r"unknown blocks \['fp8 block'\]"):
+        bench_moe.main(str(tmp_path), small=True, block_names=["fp8 block"])
 
     bench_grouped_quantize.main(str(tmp_path), small=True, recipe_names=("fp8",))
     rows = json.loads((tmp_path / "bench_grouped_quantize.json").read_text())
