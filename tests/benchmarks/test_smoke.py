@@ -57,6 +57,17 @@ def test_moe_and_grouped_quantize_benchmarks_run_small(tmp_path):
     assert {r["case"] for r in rows} == {"copy floor: XLA x + 1", "fp8 grouped", "fp8 whole tensor"}
 
 
+def test_dense_output_ab_runs_small(tmp_path):
+    # Every output form computes the same product (on the CPU, the same bits).
+    from benchmarks import dense_output_ab
+
+    text = dense_output_ab.main(str(tmp_path), small=True)
+    rows = json.loads((tmp_path / "dense_output_ab.json").read_text())
+    assert [r["group"] for r in rows] == ["bf16"] * 4 + ["fp8"] * 2
+    assert all(r["ms"] > 0 and r["max diff / max |first|"] < 1e-2 for r in rows)
+    assert "| jq.dense(x, w), no recipe |" in text
+
+
 def test_dense_benchmark_runs_small(tmp_path):
     from benchmarks import bench_dense
 

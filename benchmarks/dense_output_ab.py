@@ -1,0 +1,170 @@
+"""Does writing a dense GEMM's float32 accumulator to memory, then rounding it to bf16 in a second
+pass, cost the layers their forward time? Timed in alternation on XLA's own GEMMs.
+
+    PYTHONPATH=. python3 benchmarks/dense_output_ab.py OUT_DIR [--small]
+
+`jax_qtrain.dense` without a recipe (and every quantized dense GEMM) asks XLA for a float32
+result (`preferred_element_type=float32`) and rounds it afterwards, with the FP8 scales or the
+bias applied in float32 first. On the H100 (2026-12-07, `bench_dense`) that layer's forward took
+1.19x the time of a plain `x @ w` at 16384x8192x8192 and 1.33x at 16384x4096x14336, but only
+1.04x at 8192x4096x4096: the float32 product (0.5-0.9 GB at the larger shapes) written, read
+back and rounded would explain the gap, unless XLA folds the rounding into the GEMM. The
+candidates, each on the same operands:
+
+- bf16: `x @ w` (bf16 out); `lax.dot_general(..., preferred_element_type=float32)` then
+  `.astype(bf16)` (the library's plain path); `preferred_element_type=bf16` (one rounding of
+  the float32 accumulator inside the GEMM: the same value up to accumulation order); and
+  `jq.dense(x, w)` itself;
+- per-tensor FP8, operands quantized beforehand (x as (M, K) E4M3, the kernel's transposed copy
+  as (N, K) E4M3, float32 scale_invs): the library's `matmul_nt` form (an FP8 dot to float32,
+  times both scale_invs, then bf16), and the form XLA's GEMM rewriter documents for scaled FP8
+  GEMMs (each operand converted to bf16 and multiplied by its scale_inv, a bf16-output dot),
+  which cuBLASLt runs as one FP8 GEMM applying the scales and rounding in its epilogue.
+
+Each candidate's output is compared with its group's first (the library's form) as the largest
+difference over the largest magnitude, to show the forms compute the same product (they differ
+by accumulation order and by where the one rounding to bf16 happens). Writes
+OUT_DIR/dense_output_ab.{json,md}. `--small`: tiny shapes (a smoke run anywhere; its times mean
+nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_qtrain as jq
+from benchmarks.timing import SMOKE_TIMING, device_description, interleaved_seconds, report
+
+SHAPES = ((8192, 4096, 4096), (16384, 8192, 8192), (16384, 4096, 14336))  # M, K, N
+SMALL_SHAPES = ((128, 256, 384),)
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+E4M3_MAX = 448.0
+
+
+def bf16_candidates() -> dict[str, Callable]:
+    """name -> jitted (x, w) -> bf16 (M, N); the library's plain form first."""
+    return {
+        "f32 out, then bf16 (the library's plain form)": jax.jit(
+            lambda x, w: lax.dot_general(x, w, _NN, preferred_element_type=jnp.float32).astype(
+                jnp.bfloat16
+            )
+        ),
+        "bf16 out (preferred_element_type=bf16)": jax.jit(
+            lambda x, w: lax.dot_general(x, w, _NN, preferred_element_type=jnp.bfloat16)
+        ),
+        "x @ w (XLA's default)": jax.jit(lambda x, w: x @ w),
+        "jq.dense(x, w), no recipe": jax.jit(lambda x, w: jq.dense(x, w)),
+    }
+
+
+def fp8_candidates() -> dict[str, Callable]:
+    """name -> jitted (xq, x_scale_inv, wq_t, w_scale_inv) -> bf16 (M, N); the library's
+    `matmul_nt` form first."""
+
+    def library(xq, x_scale_inv, wq_t, w_scale_inv):
+        acc = lax.dot_general(
+            xq, wq_t, _NT, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
+        return (acc * (x_scale_inv * w_scale_inv)).astype(jnp.bfloat16)
+
+    def scaled_pattern(xq, x_scale_inv, wq_t, w_scale_inv):
+        x = xq.astype(jnp.bfloat16) * x_scale_inv.astype(jnp.bfloat16)
+        w = wq_t.astype(jnp.bfloat16) * w_scale_inv.astype(jnp.bfloat16)
+        return lax.dot_general(
+            x, w, _NT, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.bfloat16
+        )
+
+    return {
+        "FP8 dot to f32, x scales, then bf16 (the library's form)": jax.jit(library),
+        "XLA's scaled-FP8 pattern, bf16 out": jax.jit(scaled_pattern),
+    }
+
+
+def quantize_per_tensor(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(E4M3 codes, float32 scale_inv) with a power-of-2 scale, so that the bf16 scale_inv of
+    the scaled pattern is exact and both forms multiply by the same factor."""
+    amax = jnp.max(jnp.abs(values.astype(jnp.float32)))
+    scale = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / amax)))
+    codes = jnp.clip(values.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX)
+    return codes.astype(jnp.float8_e4m3fn), (1.0 / scale).astype(jnp.float32)
+
+
+def relative_difference(got: jax.Array, want: jax.Array) -> float:
+    got, want = (np.asarray(a, np.float32) for a in (got, want))
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def run_group(group: str, shape, candidates, argument_sets, timing) -> list[dict]:
+    rows_, depth, cols = shape
+    names = list(candidates)
+    outputs = {name: candidates[name](*argument_sets[0]) for name in names}
+    seconds = interleaved_seconds(
+        {name: (candidates[name], argument_sets) for name in names}, **timing
+    )
+    flops = 2 * rows_ * depth * cols
+    first = names[0]
+    return [
+        {
+            "shape": f"{rows_}x{depth}x{cols}",
+            "group": group,
+            "candidate": name,
+            "ms": seconds[name] * 1e3,
+            "tflops": flops / seconds[name] / 1e12,
+            "x first": seconds[first] / seconds[name],
+            "max diff / max |first|": relative_difference(outputs[name], outputs[first]),
+        }
+        for name in names
+    ]
+
+
+def run(shapes, timing) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        m, k, n = shape
+        sets = []
+        for seed in range(2):  # two operand sets, alternated, so no call finds its inputs in L2
+            kx, kw = jax.random.split(jax.random.key(seed))
+            x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+            w = (jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+            sets.append((x, w))
+        rows += run_group("bf16", shape, bf16_candidates(), sets, timing)
+        fp8_sets = [(*quantize_per_tensor(x), *quantize_per_tensor(w.T)) for x, w in sets]
+        rows += run_group("fp8", shape, fp8_candidates(), fp8_sets, timing)
+        for row in rows[-6:]:
+            print(row, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        f"Dense GEMM output: float32 then bf16 vs bf16 from the GEMM, {device_description()}",
+        "",
+        "| M×K×N | candidate | ms | TFLOP/s | × first | max diff / max |first| |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['shape']} | {r['candidate']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+        f"{r['x first']:.2f} | {r['max diff / max |first|']:.1e} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str | None = None, small: bool = False) -> str:
+    rows = run(SMALL_SHAPES if small else SHAPES, SMOKE_TIMING if small else {})
+    return report(out_dir, "dense_output_ab", rows, markdown(rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", nargs="?", default=None)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (smoke run)")
+    args = parser.parse_args()
+    main(args.out, args.small)
