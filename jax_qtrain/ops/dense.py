@@ -68,12 +68,33 @@ def effective_save_original_input(recipe: Recipe, save_original_input: bool) -> 
     return save_original_input
 
 
-def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Array:
-    """A GEMM in the operands' (promoted) dtype with float32 accumulation."""
+def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers, out_dtype) -> jax.Array:
+    """A GEMM in the operands' (promoted) dtype with float32 accumulation, rounded once to
+    `out_dtype`.
+
+    In bfloat16 with a bfloat16 result the GEMM rounds its own float32 accumulator
+    (`preferred_element_type=bfloat16`, as `x @ w` does): asking XLA for the float32 product and
+    rounding it afterwards wrote and re-read it, which made the forward 1.13-1.18x slower at
+    16384x8192x8192 and 16384x4096x14336 on an H100, with the same bits on the GPU and the CPU
+    (benchmarks/dense_output_ab.py, 2026-12-07). XLA sums split-K partial products in float32
+    (its default `--xla_gpu_triton_gemm_disable_reduced_precision_reduction=true`). Other
+    dtypes keep the float32 product, rounded afterwards.
+    """
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    return lax.dot_general(
-        a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32
+    out_dtype = jnp.dtype(out_dtype)
+    accumulated = out_dtype if dtype == out_dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
+    out = lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=accumulated
     )
+    return out.astype(out_dtype)
+
+
+def high_precision_dense(x2d, kernel, bias, out_dtype) -> jax.Array:
+    """`x2d @ kernel (+ bias)` in the compute dtype, rounded once to `out_dtype`: a bias is added
+    to the float32 product before that rounding (as cuBLASLt's bias epilogue does)."""
+    if bias is None:
+        return _high_precision_dot(x2d, kernel, _NN, out_dtype)
+    return _add_bias(_high_precision_dot(x2d, kernel, _NN, jnp.float32), bias, out_dtype)
 
 
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
@@ -155,7 +176,13 @@ def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, 
         _check_quantized_kernel_usages(quantized_kernel, recipe, differentiated)
         qw = quantized_kernel
     rows, cols = x2d.shape[0], qw.shape[1]
-    y = _add_bias(fprop_gemm(qx, qw, recipe, rows=rows, cols=cols), bias, config.out_dtype)
+    # Without a bias the GEMM rounds to the output dtype itself; a bias joins the float32 product.
+    gemm_dtype = config.out_dtype if bias is None else jnp.float32
+    y = _add_bias(
+        fprop_gemm(qx, qw, recipe, rows=rows, cols=cols, out_dtype=gemm_dtype),
+        bias,
+        config.out_dtype,
+    )
     if not differentiated:
         return y, None
 
@@ -199,13 +226,29 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
             else None,
             scale_layout=lhs_scale_layout(recipe, "grad", dy.shape, dy.dtype),
         )
-        dx = matmul_nt(qdy, "rowwise", saved_kernel, "rowwise", rows=rows, cols=in_features)
+        dx = matmul_nt(
+            qdy,
+            "rowwise",
+            saved_kernel,
+            "rowwise",
+            rows=rows,
+            cols=in_features,
+            out_dtype=config.x_dtype,
+        )
         dw = None
         if config.has_kernel:
             qx = saved_input
             if not isinstance(qx, QuantizedTensor):  # save_original_input: re-quantize
                 qx = quantize(qx, recipe, "input", rowwise=False, columnwise=True)
-            dw = matmul_nt(qx, "columnwise", qdy, "columnwise", rows=in_features, cols=out_features)
+            dw = matmul_nt(
+                qx,
+                "columnwise",
+                qdy,
+                "columnwise",
+                rows=in_features,
+                cols=out_features,
+                out_dtype=config.kernel_dtype,
+            )
     else:
         compute_dtype = jnp.promote_types(config.x_dtype, config.kernel_dtype)
         if mode == "high_precision":
@@ -216,8 +259,10 @@ def _dense_bwd(config: _DenseConfig, residuals, dy):
                 x_values = saved_input.dequantize("rowwise", compute_dtype)
             kernel_values = saved_kernel.dequantize("columnwise", compute_dtype)
         dy_c = dy.astype(compute_dtype)
-        dx = _high_precision_dot(dy_c, kernel_values, _NT)
-        dw = _high_precision_dot(x_values, dy_c, _TN) if config.has_kernel else None
+        dx = _high_precision_dot(dy_c, kernel_values, _NT, config.x_dtype)
+        dw = None
+        if config.has_kernel:
+            dw = _high_precision_dot(x_values, dy_c, _TN, config.kernel_dtype)
 
     dbias = None
     if config.bias_dtype is not None:
@@ -235,7 +280,7 @@ def _plain_dense(x2d, kernel, bias, out_dtype, bias_dtype):
     """Unquantized dense: GEMMs in the compute dtype with float32 accumulation. A custom_vjp so
     that the backward GEMMs also run in the compute dtype (JAX's own transpose of a float32-output
     dot would run them in float32), exactly as "high_precision" does."""
-    return _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, out_dtype)
+    return high_precision_dense(x2d, kernel, bias, out_dtype)
 
 
 def _plain_dense_fwd(x2d, kernel, bias, out_dtype, bias_dtype):
@@ -247,8 +292,8 @@ def _plain_dense_bwd(out_dtype, bias_dtype, residuals, dy):
     del out_dtype
     x2d, kernel = residuals
     dy_c = dy.astype(jnp.promote_types(x2d.dtype, kernel.dtype))
-    dx = _high_precision_dot(dy_c, kernel, _NT).astype(x2d.dtype)
-    dw = _high_precision_dot(x2d, dy_c, _TN).astype(kernel.dtype)
+    dx = _high_precision_dot(dy_c, kernel, _NT, x2d.dtype)
+    dw = _high_precision_dot(x2d, dy_c, _TN, kernel.dtype)
     dbias = None
     if bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(bias_dtype)

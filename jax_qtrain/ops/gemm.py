@@ -145,12 +145,18 @@ def matmul_nt(
     rows: int,
     cols: int,
     split_accumulator: bool = True,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """float32 `A · Bᵀ` of two stored copies, cropped to (rows, cols) (the copies may be padded).
+    """`A · Bᵀ` of two stored copies, cropped to (rows, cols) (the copies may be padded),
+    accumulated in float32 and rounded once to `out_dtype`.
 
     Both tensors must use the same format. Padding along the contraction is zeros (or, for two
     Hadamard-rotated copies, the same rotated length), so it adds nothing. `split_accumulator`
     (per-tensor FP8 only): False lets cuBLASLt use FP8 fast accumulation (module docstring).
+    A bfloat16 `out_dtype` on bfloat16 operands with no factor to apply afterwards (MXFP8,
+    power-of-2 FP8 block off the kernel) is the GEMM's own output: a float32 product rounded in
+    a second pass cost XLA's bf16 GEMMs 1.13-1.18x on an H100, for the same bits
+    (benchmarks/dense_output_ab.py).
     """
     if a.spec.format != b.spec.format:
         raise ValueError(f"matmul_nt: formats differ ({a.spec.format} vs {b.spec.format})")
@@ -165,12 +171,13 @@ def matmul_nt(
             precision=lax.Precision.HIGHEST if split_accumulator else lax.Precision.DEFAULT,
             preferred_element_type=jnp.float32,
         )
-        return out[:rows, :cols] * (a_scale_inv * b_scale_inv)
+        # XLA folds the scales and the rounding into cuBLASLt's FP8 GEMM (dense_output_ab.py).
+        return (out[:rows, :cols] * (a_scale_inv * b_scale_inv)).astype(out_dtype)
 
     if a.spec.format == "fp8_block" and kernels.gemm_kernels_enabled():
         out = _fp8_block_kernel(a, a_usage, b, b_usage, rows=rows, cols=cols)
         if out is not None:
-            return out
+            return out.astype(out_dtype)
 
     a_values, a_factor = _block_operand(a, a_usage)
     b_values, b_factor = _block_operand(b, b_usage)
@@ -180,24 +187,36 @@ def matmul_nt(
     ):
         raise ValueError("rotated copies must have the same padded contraction length")
     precision = lax.Precision.HIGHEST if a_values.dtype == jnp.float32 else None
+    rounds_in_gemm = (
+        a_factor is None
+        and b_factor is None
+        and a_values.dtype == jnp.bfloat16
+        and jnp.dtype(out_dtype) == jnp.bfloat16
+    )
     out = lax.dot_general(
         a_values[:rows, :depth],
         b_values[:cols, :depth].astype(a_values.dtype),
         _NT,
         precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=jnp.bfloat16 if rounds_in_gemm else jnp.float32,
     )
     for factor in (a_factor, b_factor):
         if factor is not None:
             out = out * factor
-    return out
+    return out.astype(out_dtype)
 
 
 def fprop_gemm(
-    qx: QuantizedTensor, qw: QuantizedTensor, recipe, *, rows: int, cols: int
+    qx: QuantizedTensor,
+    qw: QuantizedTensor,
+    recipe,
+    *,
+    rows: int,
+    cols: int,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """A linear layer's forward GEMM `y = x · W` (x's rowwise copy, W's columnwise copy), split
-    accumulator or not as the recipe says (only per-tensor FP8 can opt out,
+    """A linear layer's forward GEMM `y = x · W` (x's rowwise copy, W's columnwise copy) in
+    `out_dtype`, split accumulator or not as the recipe says (only per-tensor FP8 can opt out,
     `Float8CurrentScaling.fprop_split_accumulator`)."""
     return matmul_nt(
         qx,
@@ -207,4 +226,5 @@ def fprop_gemm(
         rows=rows,
         cols=cols,
         split_accumulator=getattr(recipe, "fprop_split_accumulator", True),
+        out_dtype=out_dtype,
     )

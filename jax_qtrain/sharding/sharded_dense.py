@@ -46,6 +46,7 @@ from jax_qtrain.ops.dense import (
     _high_precision_dot,
     check_quantized_kernel_recipe,
     effective_save_original_input,
+    high_precision_dense,
 )
 from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
@@ -66,7 +67,6 @@ from .config import (
 from .gather import Split
 from .kept_weight import SplitKernelLayout
 
-_NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
 _TN = (((0,), (0,)), ((), ()))  # a (c, m), b (c, n) -> (m, n)
 
@@ -160,7 +160,7 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDense
     rows = x2d.shape[0]
     if config.recipe is None:
         kernel = config.whole_kernel(kernel_shard)
-        y = _add_bias(_high_precision_dot(x2d, kernel, _NN), bias, config.out_dtype)
+        y = high_precision_dense(x2d, kernel, bias, config.out_dtype)
         saved_input, saved_kernel = x2d, kernel_shard
     else:
         recipe, mode = config.recipe, config.mode
@@ -189,8 +189,11 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDense
             kernel = config.whole_kernel(kernel_shard)
             qw = quantize(kernel, recipe, "weight", rowwise=False, columnwise=True)
             saved_kernel = kernel_shard  # backward re-gathers and re-quantizes
+        gemm_dtype = config.out_dtype if bias is None else jnp.float32  # as jax_qtrain.dense
         y = _add_bias(
-            fprop_gemm(qx, qw, recipe, rows=rows, cols=qw.shape[1]), bias, config.out_dtype
+            fprop_gemm(qx, qw, recipe, rows=rows, cols=qw.shape[1], out_dtype=gemm_dtype),
+            bias,
+            config.out_dtype,
         )
         saved_input = None  # without a kernel to differentiate: only wgrad reads x
         if config.has_kernel:
@@ -235,7 +238,15 @@ def _fsdp_dense_bwd(config: _FsdpDenseConfig, residuals, dy):
             position_offset=(config.row_offset(rows), 0) if spec.stochastic_rounding else None,
         )
         qw = _backward_kernel_copy(saved_kernel, "rowwise", config)
-        dx = matmul_nt(qdy, "rowwise", qw, "rowwise", rows=rows, cols=config.in_features)
+        dx = matmul_nt(
+            qdy,
+            "rowwise",
+            qw,
+            "rowwise",
+            rows=rows,
+            cols=config.in_features,
+            out_dtype=config.x_dtype,
+        )
         dw_partial = None
         if config.has_kernel:
             qx = saved_input
@@ -259,13 +270,13 @@ def _fsdp_dense_bwd(config: _FsdpDenseConfig, residuals, dy):
         else:
             kernel_values = config.whole_kernel(saved_kernel)
         dy_c = dy.astype(compute_dtype)
-        dx = _high_precision_dot(dy_c, kernel_values, _NT)
+        dx = _high_precision_dot(dy_c, kernel_values, _NT, config.x_dtype)
         dw_partial = None
         if config.has_kernel:
             x_values = saved_input
             if mode == "dequantized":
                 x_values = saved_input.dequantize("rowwise", compute_dtype)
-            dw_partial = _high_precision_dot(x_values, dy_c, _TN)
+            dw_partial = _high_precision_dot(x_values, dy_c, _TN, jnp.float32)
 
     # float32 partial sums over this device's rows → the shard of the sum over all rows.
     deterministic = config.deterministic
