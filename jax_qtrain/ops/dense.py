@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.gemm import fprop_gemm, lhs_scale_layout, matmul_nt
+from jax_qtrain.ops.gemm import accumulation_dtype, fprop_gemm, lhs_scale_layout, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
 from jax_qtrain.quantized_weight import QuantizedWeight, needed_weight_usages
 from jax_qtrain.recipes import Recipe
@@ -70,21 +70,14 @@ def effective_save_original_input(recipe: Recipe, save_original_input: bool) -> 
 
 def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers, out_dtype) -> jax.Array:
     """A GEMM in the operands' (promoted) dtype with float32 accumulation, rounded once to
-    `out_dtype`.
-
-    In bfloat16 with a bfloat16 result the GEMM rounds its own float32 accumulator
-    (`preferred_element_type=bfloat16`, as `x @ w` does): asking XLA for the float32 product and
-    rounding it afterwards wrote and re-read it, which made the forward 1.13-1.18x slower at
-    16384x8192x8192 and 16384x4096x14336 on an H100, with the same bits on the GPU and the CPU
-    (benchmarks/dense_output_ab.py, 2026-12-07). XLA sums split-K partial products in float32
-    (its default `--xla_gpu_triton_gemm_disable_reduced_precision_reduction=true`). Other
-    dtypes keep the float32 product, rounded afterwards.
-    """
+    `out_dtype`: by the GEMM itself for bfloat16 on the GPU (as `x @ w` there;
+    ops/gemm.py `accumulation_dtype`), else afterwards."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    out_dtype = jnp.dtype(out_dtype)
-    accumulated = out_dtype if dtype == out_dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
     out = lax.dot_general(
-        a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=accumulated
+        a.astype(dtype),
+        b.astype(dtype),
+        dimension_numbers,
+        preferred_element_type=accumulation_dtype(dtype, out_dtype),
     )
     return out.astype(out_dtype)
 

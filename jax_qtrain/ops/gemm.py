@@ -40,6 +40,33 @@ from jax_qtrain.quantize import QuantizedTensor, Usage
 _NT = (((1,), (1,)), ((), ()))
 
 
+def _gemm_rounds_its_output() -> bool:
+    """Whether a bfloat16 GEMM returns bfloat16 itself here (read at trace time): on the GPU.
+
+    There, asking XLA for the float32 product and rounding it in a second pass wrote and re-read
+    it, 1.13-1.18x the time of the GEMM at 16384x8192x8192 and 16384x4096x14336 on an H100, for
+    the same bits (benchmarks/dense_output_ab.py, 2026-12-07); XLA sums split-K partial products
+    in float32 (its default `--xla_gpu_triton_gemm_disable_reduced_precision_reduction=true`).
+    On the CPU, XLA computes a bfloat16 dot in float32 anyway, so there is nothing to save, and a
+    bfloat16-result dot let its excess-precision rule (`xla_allow_excess_precision`, on by
+    default) drop the rounding of weight gradients that are cast back to float32 parameters,
+    which moved the `cpu` preset's validation loss (2.7349 to 2.7468): the CPU keeps the float32
+    product, rounded explicitly."""
+    return kernels.on_gpu()
+
+
+def accumulation_dtype(operand_dtype, out_dtype) -> jnp.dtype:
+    """The `preferred_element_type` of a float32-accumulating GEMM on `operand_dtype` operands
+    whose result is rounded once to `out_dtype` with nothing applied in between: `out_dtype`
+    for bfloat16 on bfloat16 where the GEMM rounds its own output (`_gemm_rounds_its_output`),
+    float32 otherwise (the caller rounds)."""
+    out_dtype = jnp.dtype(out_dtype)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(operand_dtype) == out_dtype == bf16 and _gemm_rounds_its_output():
+        return bf16
+    return jnp.dtype(jnp.float32)
+
+
 def _copy(q: QuantizedTensor, usage: Usage):
     """(codes, scale_inv in the (lines, blocks) layout, global amax) of one stored copy."""
     if usage == "rowwise":
@@ -153,10 +180,9 @@ def matmul_nt(
     Both tensors must use the same format. Padding along the contraction is zeros (or, for two
     Hadamard-rotated copies, the same rotated length), so it adds nothing. `split_accumulator`
     (per-tensor FP8 only): False lets cuBLASLt use FP8 fast accumulation (module docstring).
-    A bfloat16 `out_dtype` on bfloat16 operands with no factor to apply afterwards (MXFP8,
-    power-of-2 FP8 block off the kernel) is the GEMM's own output: a float32 product rounded in
-    a second pass cost XLA's bf16 GEMMs 1.13-1.18x on an H100, for the same bits
-    (benchmarks/dense_output_ab.py).
+    On the GPU a bfloat16 `out_dtype` on bfloat16 operands with no factor to apply afterwards
+    (MXFP8, power-of-2 FP8 block off the kernel) is the GEMM's own output
+    (`accumulation_dtype`).
     """
     if a.spec.format != b.spec.format:
         raise ValueError(f"matmul_nt: formats differ ({a.spec.format} vs {b.spec.format})")
@@ -187,18 +213,14 @@ def matmul_nt(
     ):
         raise ValueError("rotated copies must have the same padded contraction length")
     precision = lax.Precision.HIGHEST if a_values.dtype == jnp.float32 else None
-    rounds_in_gemm = (
-        a_factor is None
-        and b_factor is None
-        and a_values.dtype == jnp.bfloat16
-        and jnp.dtype(out_dtype) == jnp.bfloat16
-    )
+    no_factors = a_factor is None and b_factor is None
+    accumulated = accumulation_dtype(a_values.dtype, out_dtype) if no_factors else jnp.float32
     out = lax.dot_general(
         a_values[:rows, :depth],
         b_values[:cols, :depth].astype(a_values.dtype),
         _NT,
         precision=precision,
-        preferred_element_type=jnp.bfloat16 if rounds_in_gemm else jnp.float32,
+        preferred_element_type=accumulated,
     )
     for factor in (a_factor, b_factor):
         if factor is not None:
