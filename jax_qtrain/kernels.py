@@ -482,14 +482,15 @@ def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
     )
 
 
-def dense_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale):
-    """float32 (K, N) block-FP8 wgrad lhs · rhsᵀ on the MoE wgrad kernel with one group of
-    every token: lhs (K, M) and rhs (N, M) FP8 token-contiguous copies in 1×128 token blocks
-    with scales (K, M/128) and (N, M/128)."""
+def dense_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, *, out_dtype=jnp.float32):
+    """(K, N) block-FP8 wgrad lhs · rhsᵀ in `out_dtype` (float32 or bfloat16, rounded once in
+    the epilogue) on the MoE wgrad kernel with one group of every token: lhs (K, M) and rhs
+    (N, M) FP8 token-contiguous copies in 1×128 token blocks with scales (K, M/128) and
+    (N, M/128)."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128:
         return None
     return _pallas().dense_matmul_fp8_block_wgrad(
-        lhs, lhs_scale, rhs, rhs_scale, out_dtype=jnp.float32
+        lhs, lhs_scale, rhs, rhs_scale, out_dtype=out_dtype
     )
 
 
@@ -624,11 +625,13 @@ def dense_fp8_block_gemm(
     *,
     lhs_scale_k_major: bool = False,
     rhs_block_rows: int = 128,
+    out_dtype=jnp.float32,
 ):
-    """float32 block-FP8 lhs · rhsᵀ: lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks
-    with scales (N/128, K/128), or 1×128 blocks with scales (N, K/128) (``rhs_block_rows=1``:
-    the wgrad of two token-direction copies); lhs_scale (M, K/128), or (K/128, M) with
-    `lhs_scale_k_major` (the "tiles" layout)."""
+    """Block-FP8 lhs · rhsᵀ in `out_dtype` (float32 or bfloat16, rounded once in the
+    epilogue): lhs (M, K) 1×128 blocks, rhs (N, K) 128×128 blocks with scales (N/128, K/128),
+    or 1×128 blocks with scales (N, K/128) (``rhs_block_rows=1``: the wgrad of two
+    token-direction copies); lhs_scale (M, K/128), or (K/128, M) with `lhs_scale_k_major` (the
+    "tiles" layout)."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[0] % rhs_block_rows:
         return None
     return _pallas().dense_matmul_fp8_block(
@@ -636,7 +639,7 @@ def dense_fp8_block_gemm(
         lhs_scale,
         rhs,
         rhs_scale,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
         lhs_scale_k_major=lhs_scale_k_major,
         rhs_block_rows=rhs_block_rows,
     )

@@ -117,12 +117,18 @@ def lhs_scale_layout(recipe, role: str, shape2d: tuple[int, int], dtype) -> str:
     return "lines"
 
 
-def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Array | None:
+def _fp8_block_kernel(
+    a, a_usage, b, b_usage, *, rows: int, cols: int, out_dtype
+) -> jax.Array | None:
     """The Pallas block-FP8 GEMM (DeepSeek-V3 style: FP8 wgmma, float32 promotion every 128 of
     K) for a 1×128-blocked A and a 128×128-blocked B (fprop and dgrad), or two 1×128-blocked
     copies (wgrad: the path "fp8_block_wgrad"; since stop 54 on the MoE wgrad kernel with one
     group, "fp8_block_wgrad_grouped_kernel", 1.10-1.14x faster, the same bits); None where it
-    does not apply."""
+    does not apply. A bfloat16 `out_dtype` is rounded in the kernel's epilogue, not written as
+    float32 and rounded in another pass (the dense kernel's bf16 output equals cuBLASLt's
+    block-scaled GEMM bit for bit: tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py)."""
+    # The kernel writes float32 or bfloat16; other dtypes are rounded from float32.
+    kernel_dtype = out_dtype if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
     if a.spec.block_shape != (1, 128):
         return None
     if b.spec.block_shape == (128, 128):
@@ -135,7 +141,11 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
     a_data = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
     if rhs_block_rows == 1 and kernels.gemm_path_enabled("fp8_block_wgrad_grouped_kernel"):
         out = kernels.dense_fp8_block_wgrad_gemm(
-            a_data[:rows], a.line_scale_inv(a_usage)[:rows], b_data, b_scale_inv
+            a_data[:rows],
+            a.line_scale_inv(a_usage)[:rows],
+            b_data,
+            b_scale_inv,
+            out_dtype=kernel_dtype,
         )
         if out is not None:
             return out[:, :cols]
@@ -150,6 +160,7 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
             b_scale_inv,
             lhs_scale_k_major=True,
             rhs_block_rows=rhs_block_rows,
+            out_dtype=kernel_dtype,
         )
     else:
         a_scale_inv = a.line_scale_inv(a_usage)
@@ -159,6 +170,7 @@ def _fp8_block_kernel(a, a_usage, b, b_usage, *, rows: int, cols: int) -> jax.Ar
             b_data,
             b_scale_inv,
             rhs_block_rows=rhs_block_rows,
+            out_dtype=kernel_dtype,
         )
     return None if out is None else out[:, :cols]
 
@@ -201,7 +213,7 @@ def matmul_nt(
         return (out[:rows, :cols] * (a_scale_inv * b_scale_inv)).astype(out_dtype)
 
     if a.spec.format == "fp8_block" and kernels.gemm_kernels_enabled():
-        out = _fp8_block_kernel(a, a_usage, b, b_usage, rows=rows, cols=cols)
+        out = _fp8_block_kernel(a, a_usage, b, b_usage, rows=rows, cols=cols, out_dtype=out_dtype)
         if out is not None:
             return out.astype(out_dtype)
 

@@ -8,6 +8,7 @@ rounding (relative error ≲ 1e-5 of the output norm), not bit for bit.
 
 import contextlib
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,52 @@ def test_dense_fp8_block_on_the_kernel_gpu(monkeypatch, gpu_backend):
     _dense_case(monkeypatch, (1000, 1024, 768), gpu_backend)
 
 
+def _rounding_float32_kernel_outputs(fp8_block_kernel):
+    """`gemm._fp8_block_kernel` asking the kernels for float32 and rounding afterwards."""
+
+    def wrapped(*args, out_dtype, **kwargs):
+        out = fp8_block_kernel(*args, out_dtype=jnp.float32, **kwargs)
+        return None if out is None else out.astype(out_dtype)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("wgrad_path", ["fp8_block_wgrad_grouped_kernel", "fp8_block_wgrad"])
+def test_bf16_dense_fp8_block_layer_takes_bf16_from_the_kernels(monkeypatch, wgrad_path):
+    # A bf16 layer's block-FP8 GEMMs round in the kernels' epilogue instead of writing float32
+    # for XLA to round in another pass (ops/gemm.py `_fp8_block_kernel`): in the interpreter
+    # the same bits as rounding the kernels' float32 outputs.
+    x, w, dy = (a.astype(jnp.bfloat16) for a in dense_operands((128, 128, 128), seed=2))
+    recipe = jq.Float8BlockScaling()
+    gemm = importlib.import_module("jax_qtrain.ops.gemm")
+    runs = {}
+    for kernel_dtype in ("as the layer asks", "float32"):
+        log, wgrad_log = [], []
+        with monkeypatch.context() as patch:
+            if wgrad_path == "fp8_block_wgrad":  # the wgrad on the dense FP8-block kernel too
+                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *a, **k: None)
+            ran = count_calls(patch, "dense_fp8_block_gemm", keyword_log=log)
+            ran_wgrad = count_calls(patch, "dense_fp8_block_wgrad_gemm", keyword_log=wgrad_log)
+            if kernel_dtype == "float32":
+                rounding = _rounding_float32_kernel_outputs(gemm._fp8_block_kernel)
+                patch.setattr(gemm, "_fp8_block_kernel", rounding)
+            with kernel_gemms():
+                runs[kernel_dtype] = jax.jit(lambda *a: dense_fwd_bwd(*a, recipe))(x, w, dy)
+        calls = zip(log + wgrad_log, ran + ran_wgrad, strict=True)
+        asked = [k_["out_dtype"] for k_, ran_kernel in calls if ran_kernel]
+        want_asked = jnp.bfloat16 if kernel_dtype == "as the layer asks" else jnp.float32
+        assert asked == [want_asked] * 3, asked  # fprop, dgrad, wgrad
+    for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
+        assert got.dtype == want.dtype == jnp.bfloat16
+    if ON_GPU:  # the kernel's tiling may depend on its output dtype: the order of float32 sums
+        assert_close(runs["as the layer asks"], runs["float32"])
+    else:
+        for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+            )
+
+
 def exactly_summable_dense_operands(shape, seed):
     """Like `dense_operands`, but x and dy are integers in [-4, 4] times 2^e, e in [-2, 2]
     drawn per 128-token chunk and column (so each 1x128 block gets its own scale): their FP8
@@ -147,7 +194,7 @@ def _dense_wgrad_on_either_kernel(monkeypatch, x, w, dy):
     for wgrad_kernel in ("fp8", "grouped"):
         with monkeypatch.context() as patch:
             if wgrad_kernel == "fp8":
-                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args: None)
+                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args, **kwargs: None)
             calls = count_calls(patch, "dense_fp8_block_wgrad_gemm")
             with kernel_gemms("pallas"):
                 # A fresh function per run: a cached trace would not call the patched code.

@@ -186,7 +186,7 @@ def _dense_layouts(monkeypatch, shape, wgrad_kernel="fp8"):
                 patch.setattr(gemm, "lhs_scale_layout", lambda *args: "lines")
                 patch.setattr(dense_ops, "lhs_scale_layout", lambda *args: "lines")
             if wgrad_kernel == "fp8":
-                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args: None)
+                patch.setattr(kernels, "dense_fp8_block_wgrad_gemm", lambda *args, **kwargs: None)
             log = []
             count_calls(patch, "dense_fp8_block_gemm", keyword_log=log)
             with kernel_gemms(), kernels.gemm_backend("pallas"):
