@@ -160,11 +160,12 @@ def run(
     timing: dict,
     budget_s: float | None = None,
     routings=ROUTINGS,
-    block_names=None,
+    blocks: dict | None = None,
 ) -> list[dict]:
     """One row per (config, routing, block); the blocks of one (config, routing) are timed in
     alternation (`timing.interleaved_seconds`), so clock drift falls on all of them alike. No
-    new config starts after `budget_s`."""
+    new config starts after `budget_s`. `blocks`: those of `blocks_to_time` (default all)."""
+    blocks = blocks_to_time() if blocks is None else blocks
     start = time.perf_counter()
     rows = []
     for config, (tokens, hidden, experts, ffn) in configs.items():
@@ -178,7 +179,6 @@ def run(
                 "routing": routing,
                 "shape": f"T={tokens} H={hidden} E={experts} F={ffn}",
             }
-            blocks = blocks_to_time(block_names)
             forward, train, out_of_memory, compile_s = {}, {}, set(), {}
             for name, block in blocks.items():
                 fwd, fwd_bwd = compiled(block)
@@ -257,9 +257,9 @@ def main(
     block_names: list[str] | None = None,
 ) -> str:
     configs = named_subset(SMALL_CONFIGS if small else CONFIGS, config_names, "configs")
-    blocks_to_time(block_names)  # unknown names fail here, before anything compiles
+    blocks = blocks_to_time(block_names)  # unknown names fail here, before anything compiles
     timing = SMOKE_TIMING if small else dict(rounds=10, calls_per_batch=5)
-    rows = run(configs, timing, budget_s, routings, block_names)
+    rows = run(configs, timing, budget_s, routings, blocks)
     text = markdown(rows)
     return report(out_dir, "bench_moe", rows, text)
 

@@ -15,13 +15,13 @@ candidates, each on the same operands:
   `.astype(bf16)` (the library's plain path); `preferred_element_type=bf16` (one rounding of
   the float32 accumulator inside the GEMM: the same value up to accumulation order); and
   `jq.dense(x, w)` itself;
-- per-tensor FP8, operands quantized beforehand (x as (M, K) E4M3, the kernel's transposed copy
-  as (N, K) E4M3, float32 scale_invs): the library's `matmul_nt` form (an FP8 dot to float32,
-  times both scale_invs, then bf16), and the form XLA's GEMM rewriter documents for scaled FP8
-  GEMMs (each operand converted to a wider type and multiplied by its scale_inv, a bf16-output
-  dot), which it can hand to cuBLASLt as one FP8 GEMM applying the scales and rounding in its
-  epilogue: with the operands widened to float32 (TE's float32 scale_invs, exactly) and to bf16
-  (the scale_invs rounded to bf16).
+- per-tensor FP8, operands quantized beforehand by `jq.quantize` (x's rowwise copy (M, K) E4M3,
+  the kernel's columnwise copy (N, K) E4M3, float32 scale_invs): the library's `matmul_nt` (an
+  FP8 dot to float32, times both scale_invs, then bf16), and the form XLA's GEMM rewriter
+  documents for scaled FP8 GEMMs (each operand converted to a wider type and multiplied by its
+  scale_inv, a bf16-output dot), which it can hand to cuBLASLt as one FP8 GEMM applying the
+  scales and rounding in its epilogue: with the operands widened to float32 (TE's float32
+  scale_invs, exactly) and to bf16 (the scale_invs rounded to bf16).
 
 Result (H100, 2026-12-07, docs/benchmarks.md "Stop 67"): bf16 from the GEMM was 1.13-1.18x
 faster at the two larger shapes with the same bits, so the library's unquantized bf16 GEMMs now
@@ -47,12 +47,14 @@ from jax import lax
 
 import jax_qtrain as jq
 from benchmarks.timing import SMOKE_TIMING, device_description, interleaved_seconds, report
+from jax_qtrain.ops.gemm import matmul_nt
 
 SHAPES = ((8192, 4096, 4096), (16384, 8192, 8192), (16384, 4096, 14336))  # M, K, N
 SMALL_SHAPES = ((128, 256, 384),)
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
-E4M3_MAX = 448.0
+# Per-tensor current scaling, E4M3 for x and W (TE's HYBRID): scales 448 / amax, not powers of 2.
+FP8 = jq.Float8CurrentScaling()
 
 
 def bf16_candidates() -> dict[str, Callable]:
@@ -72,19 +74,19 @@ def bf16_candidates() -> dict[str, Callable]:
 
 
 def fp8_candidates() -> dict[str, Callable]:
-    """name -> jitted (xq, x_scale_inv, wq_t, w_scale_inv) -> bf16 (M, N); the library's
-    `matmul_nt` form first."""
+    """name -> jitted (qx, qw) -> bf16 (M, N), qx the input's rowwise FP8 copy (M, K) and qw the
+    weight's columnwise one (N, K); the library's `matmul_nt` first."""
 
-    def library(xq, x_scale_inv, wq_t, w_scale_inv):
-        acc = lax.dot_general(
-            xq, wq_t, _NT, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    def library(qx, qw):
+        (rows, _), (_, cols) = qx.shape, qw.shape
+        return matmul_nt(
+            qx, "rowwise", qw, "columnwise", rows=rows, cols=cols, out_dtype=jnp.bfloat16
         )
-        return (acc * (x_scale_inv * w_scale_inv)).astype(jnp.bfloat16)
 
     def scaled_pattern(dtype):
-        def gemm(xq, x_scale_inv, wq_t, w_scale_inv):
-            x = xq.astype(dtype) * x_scale_inv.astype(dtype)
-            w = wq_t.astype(dtype) * w_scale_inv.astype(dtype)
+        def gemm(qx, qw):
+            x = qx.rowwise_data.astype(dtype) * qx.rowwise_scale_inv.astype(dtype)
+            w = qw.columnwise_data.astype(dtype) * qw.columnwise_scale_inv.astype(dtype)
             return lax.dot_general(
                 x, w, _NT, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.bfloat16
             )
@@ -100,14 +102,6 @@ def fp8_candidates() -> dict[str, Callable]:
         # scales are powers of 2).
         "XLA's scaled-FP8 pattern in bf16, bf16 out": scaled_pattern(jnp.bfloat16),
     }
-
-
-def quantize_per_tensor(values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(E4M3 codes, float32 scale_inv), current scaling's scale 448 / amax (not a power of 2)."""
-    amax = jnp.max(jnp.abs(values.astype(jnp.float32)))
-    scale = E4M3_MAX / amax
-    codes = jnp.clip(values.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX)
-    return codes.astype(jnp.float8_e4m3fn), (1.0 / scale).astype(jnp.float32)
 
 
 def relative_difference(got: jax.Array, want: jax.Array) -> float:
@@ -149,7 +143,13 @@ def run(shapes, timing) -> list[dict]:
             w = (jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
             sets.append((x, w))
         rows += run_group("bf16", shape, bf16_candidates(), sets, timing)
-        fp8_sets = [(*quantize_per_tensor(x), *quantize_per_tensor(w.T)) for x, w in sets]
+        fp8_sets = [
+            (
+                jq.quantize(x, FP8, "input", columnwise=False),
+                jq.quantize(w, FP8, "weight", rowwise=False, columnwise=True),
+            )
+            for x, w in sets
+        ]
         rows += run_group("fp8", shape, fp8_candidates(), fp8_sets, timing)
         for row in rows[-7:]:
             print(row, flush=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,12 +83,13 @@ def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers, out_dtype
     return out.astype(out_dtype)
 
 
-def high_precision_dense(x2d, kernel, bias, out_dtype) -> jax.Array:
-    """`x2d @ kernel (+ bias)` in the compute dtype, rounded once to `out_dtype`: a bias is added
-    to the float32 product before that rounding (as cuBLASLt's bias epilogue does)."""
+def rounded_once(gemm: Callable[[jnp.dtype], jax.Array], bias, out_dtype) -> jax.Array:
+    """`gemm(dtype) (+ bias)` rounded once to `out_dtype`: without a bias the GEMM rounds its own
+    output (`gemm(out_dtype)`); a bias is added to its float32 product before that one rounding
+    (as cuBLASLt's bias epilogue does)."""
     if bias is None:
-        return _high_precision_dot(x2d, kernel, _NN, out_dtype)
-    return _add_bias(_high_precision_dot(x2d, kernel, _NN, jnp.float32), bias, out_dtype)
+        return gemm(out_dtype)
+    return _add_bias(gemm(jnp.float32), bias, out_dtype)
 
 
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
@@ -169,10 +171,8 @@ def _forward(x2d, kernel, bias, key, quantized_kernel, config: _DenseConfig, *, 
         _check_quantized_kernel_usages(quantized_kernel, recipe, differentiated)
         qw = quantized_kernel
     rows, cols = x2d.shape[0], qw.shape[1]
-    # Without a bias the GEMM rounds to the output dtype itself; a bias joins the float32 product.
-    gemm_dtype = config.out_dtype if bias is None else jnp.float32
-    y = _add_bias(
-        fprop_gemm(qx, qw, recipe, rows=rows, cols=cols, out_dtype=gemm_dtype),
+    y = rounded_once(
+        lambda dtype: fprop_gemm(qx, qw, recipe, rows=rows, cols=cols, out_dtype=dtype),
         bias,
         config.out_dtype,
     )
@@ -273,7 +273,7 @@ def _plain_dense(x2d, kernel, bias, out_dtype, bias_dtype):
     """Unquantized dense: GEMMs in the compute dtype with float32 accumulation. A custom_vjp so
     that the backward GEMMs also run in the compute dtype (JAX's own transpose of a float32-output
     dot would run them in float32), exactly as "high_precision" does."""
-    return high_precision_dense(x2d, kernel, bias, out_dtype)
+    return rounded_once(lambda dtype: _high_precision_dot(x2d, kernel, _NN, dtype), bias, out_dtype)
 
 
 def _plain_dense_fwd(x2d, kernel, bias, out_dtype, bias_dtype):

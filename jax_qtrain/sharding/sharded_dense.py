@@ -42,11 +42,10 @@ from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
 from jax_qtrain.ops.dense import (
-    _add_bias,
     _high_precision_dot,
     check_quantized_kernel_recipe,
     effective_save_original_input,
-    high_precision_dense,
+    rounded_once,
 )
 from jax_qtrain.ops.gemm import fprop_gemm, matmul_nt
 from jax_qtrain.quantize import QuantizedTensor, quantize
@@ -67,6 +66,7 @@ from .config import (
 from .gather import Split
 from .kept_weight import SplitKernelLayout
 
+_NN = (((1,), (0,)), ((), ()))  # a (m, c), b (c, n) -> (m, n)
 _NT = (((1,), (1,)), ((), ()))  # a (m, c), b (n, c) -> (m, n)
 _TN = (((0,), (0,)), ((), ()))  # a (c, m), b (c, n) -> (m, n)
 
@@ -160,7 +160,9 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDense
     rows = x2d.shape[0]
     if config.recipe is None:
         kernel = config.whole_kernel(kernel_shard)
-        y = high_precision_dense(x2d, kernel, bias, config.out_dtype)
+        y = rounded_once(
+            lambda dtype: _high_precision_dot(x2d, kernel, _NN, dtype), bias, config.out_dtype
+        )
         saved_input, saved_kernel = x2d, kernel_shard
     else:
         recipe, mode = config.recipe, config.mode
@@ -189,9 +191,8 @@ def _fsdp_dense_fwd(x2d, kernel_shard, bias, key, kept_shard, config: _FsdpDense
             kernel = config.whole_kernel(kernel_shard)
             qw = quantize(kernel, recipe, "weight", rowwise=False, columnwise=True)
             saved_kernel = kernel_shard  # backward re-gathers and re-quantizes
-        gemm_dtype = config.out_dtype if bias is None else jnp.float32  # as jax_qtrain.dense
-        y = _add_bias(
-            fprop_gemm(qx, qw, recipe, rows=rows, cols=qw.shape[1], out_dtype=gemm_dtype),
+        y = rounded_once(
+            lambda dtype: fprop_gemm(qx, qw, recipe, rows=rows, cols=qw.shape[1], out_dtype=dtype),
             bias,
             config.out_dtype,
         )
