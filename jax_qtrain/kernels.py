@@ -415,13 +415,19 @@ _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+# The grouped GEMM adapters write float32 unless asked for bfloat16 (rounded once in the kernel's
+# epilogue, after any scales it applies): ops/grouped_gemm.py asks where nothing is applied after.
+_F32 = jnp.float32
+
+
 def _is_fp8(*arrays) -> bool:
     return all(jnp.dtype(a.dtype) in _FP8 for a in arrays)
 
 
-def grouped_fp8_gemm(lhs, lhs_row_scale, rhs, rhs_group_scale, group_sizes):
-    """float32 out[rows of g] = (lhs · rhs[g]ᵀ) · lhs_row_scale · rhs_group_scale[g]:
-    lhs (M, K) FP8 with (M,) scales, rhs (G, N, K) FP8 with (G,) scales."""
+def grouped_fp8_gemm(lhs, lhs_row_scale, rhs, rhs_group_scale, group_sizes, *, out_dtype=_F32):
+    """out[rows of g] = (lhs · rhs[g]ᵀ) · lhs_row_scale · rhs_group_scale[g]:
+    lhs (M, K) FP8 with (M,) scales, rhs (G, N, K) FP8 with (G,) scales; in `out_dtype`
+    (float32, or bfloat16 rounded once in the epilogue, after the scales)."""
     if not _is_fp8(lhs, rhs):
         return None
     return _pallas().grouped_matmul(
@@ -430,16 +436,16 @@ def grouped_fp8_gemm(lhs, lhs_row_scale, rhs, rhs_group_scale, group_sizes):
         group_sizes,
         lhs_scale=lhs_row_scale,
         rhs_scale=rhs_group_scale,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
     )
 
 
 def grouped_fp8_block_gemm(
-    lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, group_starts=None, out_rows=None
+    lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, group_starts=None, out_rows=None, out_dtype=_F32
 ):
-    """float32 DeepSeek-style block-FP8 grouped GEMM: lhs (M, K) in 1×128 blocks with scales
+    """DeepSeek-style block-FP8 grouped GEMM: lhs (M, K) in 1×128 blocks with scales
     (M, K/128), rhs (G, N, K) in 128×128 blocks with scales (G, N/128, K/128); `group_starts`
-    / `out_rows`: the kernel's packed output (see `grouped_half_gemm`)."""
+    / `out_rows`: the kernel's packed output (see `grouped_half_gemm`); in `out_dtype`."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128 or rhs.shape[1] % 128:
         return None
     return _pallas().grouped_matmul_fp8_block(
@@ -448,28 +454,30 @@ def grouped_fp8_block_gemm(
         rhs,
         rhs_scale,
         group_sizes,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
         group_starts=group_starts,
         out_rows=out_rows,
     )
 
 
-def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False):
-    """float32 (G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ, lhs (K, M) and rhs (N, M)
-    token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers apply them).
+def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False, out_dtype=_F32):
+    """(G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ in `out_dtype`, lhs (K, M) and
+    rhs (N, M) token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers
+    apply them).
     `token_major`: lhs (M, K) and rhs (M, N) instead, 16-bit only (x and dy as stored, no
     transposes before the kernel)."""
     half = jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype
     if not (half or (_is_fp8(lhs, rhs) and not token_major)):
         return None
     return _pallas().grouped_matmul_wgrad(
-        lhs, rhs, group_sizes, out_dtype=jnp.float32, token_major=token_major
+        lhs, rhs, group_sizes, out_dtype=out_dtype, token_major=token_major
     )
 
 
-def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
-    """float32 (G, K, N) block-FP8 wgrad: lhs (K, M) and rhs (N, M) FP8 token-contiguous copies
-    in 1×128 token blocks with scales (K, M/128) and (N, M/128), promoted per 128-token chunk."""
+def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype=_F32):
+    """(G, K, N) block-FP8 wgrad in `out_dtype`: lhs (K, M) and rhs (N, M) FP8 token-contiguous
+    copies in 1×128 token blocks with scales (K, M/128) and (N, M/128), promoted per 128-token
+    chunk."""
     if not _is_fp8(lhs, rhs) or lhs.shape[1] % 128:
         return None
     return _pallas().grouped_matmul_wgrad(
@@ -478,7 +486,7 @@ def grouped_fp8_block_wgrad_gemm(lhs, lhs_scale, rhs, rhs_scale, group_sizes):
         group_sizes,
         lhs_block_scale=lhs_scale,
         rhs_block_scale=rhs_scale,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
     )
 
 
@@ -504,8 +512,9 @@ def grouped_half_gemm(
     out_rows: int | None = None,
     lhs_scale=None,
     rhs_scale=None,
+    out_dtype=_F32,
 ):
-    """float32 grouped GEMM of 16-bit operands: rhs (G, N, K) ("nk") or (G, K, N) ("kn").
+    """Grouped GEMM of 16-bit operands in `out_dtype`: rhs (G, N, K) ("nk") or (G, K, N) ("kn").
     `group_starts` / `out_rows`: the kernel's packed output (groups read from their starts in
     lhs, written in order); `lhs_scale` (M,) / `rhs_scale` (G,): float32 factors its epilogue
     applies, lhs's first."""
@@ -517,7 +526,7 @@ def grouped_half_gemm(
         group_sizes,
         lhs_scale=lhs_scale,
         rhs_scale=rhs_scale,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
         rhs_layout=rhs_layout,
         group_starts=group_starts,
         out_rows=out_rows,
@@ -525,11 +534,11 @@ def grouped_half_gemm(
 
 
 def grouped_mxfp8_weights_gemm(
-    lhs, rhs_codes, rhs_scale_bytes, group_sizes, *, group_starts, out_rows: int
+    lhs, rhs_codes, rhs_scale_bytes, group_sizes, *, group_starts, out_rows: int, out_dtype=_F32
 ):
-    """float32 grouped GEMM of bf16 tokens (P, K) and MXFP8 weights (G, N, K) codes with their
-    (G, N, K/32) E8M0 bytes, the weights dequantized in the kernel's registers, written in the
-    tokens' order (the packed output); None where the kernel does not cover the operands."""
+    """Grouped GEMM in `out_dtype` of bf16 tokens (P, K) and MXFP8 weights (G, N, K) codes with
+    their (G, N, K/32) E8M0 bytes, the weights dequantized in the kernel's registers, written in
+    the tokens' order (the packed output); None where the kernel does not cover the operands."""
     if lhs.dtype != jnp.bfloat16 or not _is_fp8(rhs_codes) or rhs_scale_bytes.dtype != jnp.uint8:
         return None
     k = lhs.shape[-1]
@@ -540,7 +549,7 @@ def grouped_mxfp8_weights_gemm(
         rhs_codes,
         rhs_scale_bytes,
         group_sizes,
-        out_dtype=jnp.float32,
+        out_dtype=out_dtype,
         group_starts=group_starts,
         out_rows=out_rows,
     )

@@ -121,12 +121,24 @@ def forward_operands(
 
 
 def quantized_fprop(
-    qx: GroupedQuantizedTensor, qw: QuantizedTensor, layout: GroupLayout, *, token_order=False
+    qx: GroupedQuantizedTensor,
+    qw: QuantizedTensor,
+    layout: GroupLayout,
+    *,
+    token_order=False,
+    out_dtype=jnp.float32,
 ):
-    """float32 (P, N) forward GEMM of the quantized operands, in the aligned layout; with
-    `token_order`, (M, N) in the tokens' order (see `grouped_matmul_nt`)."""
+    """(P, N) forward GEMM of the quantized operands in `out_dtype`, in the aligned layout;
+    with `token_order`, (M, N) in the tokens' order (see `grouped_matmul_nt`)."""
     return grouped_matmul_nt(
-        qx, "rowwise", qw, "columnwise", layout, cols=qw.shape[1], token_order=token_order
+        qx,
+        "rowwise",
+        qw,
+        "columnwise",
+        layout,
+        cols=qw.shape[1],
+        token_order=token_order,
+        out_dtype=out_dtype,
     )
 
 
@@ -151,8 +163,12 @@ def backward_gemms(
     *,
     key: jax.Array | None,
     compute_dtype,
+    dx_dtype=jnp.float32,
+    dw_dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
-    """float32 (dx (M, K), dW (G, K, N)) of one grouped linear layer from its saved operands.
+    """(dx (M, K) in `dx_dtype`, dW (G, K, N) in `dw_dtype`) of one grouped linear layer from
+    its saved operands, each accumulated in float32 and rounded once (the defaults keep the
+    float32 sums, for callers that reduce them further).
 
     Mode None quantizes dy per group and runs both GEMMs quantized (a raw saved input is
     re-quantized, columnwise only); the overrides run them in `compute_dtype` on the raw dy.
@@ -165,9 +181,18 @@ def backward_gemms(
             qx = grouped_quantize(qx, recipe, "input", layout, rowwise=False, columnwise=True)
         in_features, out_features = saved_kernels.shape
         dx = grouped_matmul_nt(
-            qdy, "rowwise", saved_kernels, "rowwise", layout, cols=in_features, token_order=True
+            qdy,
+            "rowwise",
+            saved_kernels,
+            "rowwise",
+            layout,
+            cols=in_features,
+            token_order=True,
+            out_dtype=dx_dtype,
         )
-        dw = grouped_matmul_wgrad(qx, qdy, layout, rows=in_features, cols=out_features)
+        dw = grouped_matmul_wgrad(
+            qx, qdy, layout, rows=in_features, cols=out_features, out_dtype=dw_dtype
+        )
         return dx, dw
     if mode == "high_precision":
         x_values, kernel_values = saved_input, saved_kernels
@@ -176,7 +201,10 @@ def backward_gemms(
         kernel_values = jax.vmap(lambda q: q.dequantize("columnwise", compute_dtype))(saved_kernels)
     dy = dy.astype(compute_dtype)
     sizes = layout.group_sizes
-    return ragged_nt(dy, kernel_values, sizes), ragged_tn(x_values, dy, sizes)
+    return (
+        ragged_nt(dy, kernel_values, sizes, out_dtype=dx_dtype),
+        ragged_tn(x_values, dy, sizes, out_dtype=dw_dtype),
+    )
 
 
 def quantize_grad(dy, recipe: Recipe, layout: GroupLayout, key) -> GroupedQuantizedTensor:
@@ -227,9 +255,16 @@ def _grouped_dense_fwd(
         dtype=x.dtype,
         quantized_kernels=quantized_kernels,
     )
-    acc = quantized_fprop(qx, qw, layout, token_order=True)
+    # Without a bias the GEMM rounds its own output; a bias joins its float32 product first.
+    y = quantized_fprop(
+        qx,
+        qw,
+        layout,
+        token_order=True,
+        out_dtype=config.out_dtype if bias is None else jnp.float32,
+    )
     if bias is not None:
-        acc = acc + group_bias_rows(bias, layout.row_group)
+        y = y + group_bias_rows(bias, layout.row_group)
     saved_input, saved_kernels = saved_operands(x, kernels, qx, qw, recipe, save_original_input=soi)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),
@@ -237,7 +272,7 @@ def _grouped_dense_fwd(
         checkpoint_name(group_sizes, names.GROUP_SIZES),
         None if key is None else checkpoint_name(key, names.SR_KEY),
     )
-    return acc.astype(config.out_dtype), residuals
+    return y.astype(config.out_dtype), residuals
 
 
 def _grouped_dense_bwd(config: _GroupedDenseConfig, residuals, dy):
@@ -252,12 +287,14 @@ def _grouped_dense_bwd(config: _GroupedDenseConfig, residuals, dy):
         layout,
         key=key,
         compute_dtype=config.compute_dtype,
+        dx_dtype=config.x_dtype,
+        dw_dtype=config.kernel_dtype,
     )
     dbias = None
     if config.bias_dtype is not None:
         dbias = group_bias_grad(dy, layout.row_group, layout.num_groups, config.bias_dtype)
     # No cotangent for group_sizes, the key and the kept copies (their gradient is the kernels').
-    return dx.astype(config.x_dtype), dw.astype(config.kernel_dtype), dbias, None, None, None
+    return dx, dw, dbias, None, None, None
 
 
 _grouped_dense.defvjp(_grouped_dense_fwd, _grouped_dense_bwd)
@@ -342,11 +379,10 @@ def grouped_dense(
     out_dtype = jnp.promote_types(x.dtype, kernels.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        acc = ragged_nn(x, kernels, sizes)
-        if bias is not None:
-            row_group = group_layout(sizes, x.shape[0], 1).row_group
-            acc = acc + group_bias_rows(bias, row_group)
-        return acc.astype(out_dtype)
+        if bias is None:
+            return ragged_nn(x, kernels, sizes, out_dtype=out_dtype)
+        row_group = group_layout(sizes, x.shape[0], 1).row_group
+        return (ragged_nn(x, kernels, sizes) + group_bias_rows(bias, row_group)).astype(out_dtype)
     config = _GroupedDenseConfig(
         recipe=recipe,
         save_original_input=effective_save_original_input(recipe, save_original_input),

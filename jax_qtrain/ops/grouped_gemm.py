@@ -35,6 +35,7 @@ results equal the reference's up to float32 rounding.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Literal, get_args
 
 import jax
@@ -148,6 +149,15 @@ def _check_same_format(a_spec: QuantizerSpec, b_spec: QuantizerSpec) -> None:
         raise ValueError(f"formats differ ({a_spec.format} vs {b_spec.format})")
 
 
+def _kernel_out_dtype(out_dtype) -> jnp.dtype:
+    """What a Pallas grouped kernel writes for a result rounded once to `out_dtype` with nothing
+    applied after the kernel: bfloat16 rounded in its epilogue, not a float32 copy written,
+    re-read and rounded in another pass (as the dense GEMMs, ops/gemm.py
+    `_gemm_rounds_its_output`); float32 otherwise, for the caller to finish and round."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    return bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
+
+
 def _kernel_nt(
     lhs: GroupedQuantizedTensor,
     lhs_usage: Usage,
@@ -156,10 +166,12 @@ def _kernel_nt(
     layout: GroupLayout,
     cols: int,
     token_order: bool,
+    out_dtype,
 ) -> tuple[jax.Array, bool] | None:
     """grouped_matmul_nt on a native FP8 kernel: (out, whether out is in token order), or None
     where none covers the operands. The block-FP8 kernel writes the tokens' order itself when
-    asked (its packed output) and that path is enabled; the others write the aligned layout."""
+    asked (its packed output) and that path is enabled; the others write the aligned layout.
+    Both apply their scales in the epilogue, so they round to `out_dtype` there too."""
     if not rhs.has_usage(rhs_usage):
         return None
     a_data, a_scale_inv, _ = lhs.copy(lhs_usage)
@@ -171,7 +183,12 @@ def _kernel_nt(
     packed = False
     if fmt == "fp8":  # per-group scales: one per row slot of lhs, one per expert of rhs
         out = pallas_dispatch.grouped_fp8_gemm(
-            a_data, layout.per_slot(a_scale_inv), b_data, b_scale_inv, layout.aligned_sizes
+            a_data,
+            layout.per_slot(a_scale_inv),
+            b_data,
+            b_scale_inv,
+            layout.aligned_sizes,
+            out_dtype=_kernel_out_dtype(out_dtype),
         )
     elif fmt == "fp8_block" and (lhs.spec.block_shape, rhs.spec.block_shape) == (
         (1, 128),
@@ -185,6 +202,7 @@ def _kernel_nt(
             b_data,
             b_scale_inv,
             layout.group_sizes if packed else layout.aligned_sizes,
+            out_dtype=_kernel_out_dtype(out_dtype),
             **rows,
         )
     else:
@@ -201,26 +219,36 @@ def grouped_matmul_nt(
     *,
     cols: int,
     token_order: bool = False,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """float32 fprop/dgrad GEMM in the aligned layout: (P, cols), row block g times expert g;
-    with `token_order`, (M, cols) in the rows' original order instead (`layout.from_aligned`
-    of that: rows past the groups are zero), which the 16-bit kernel writes directly.
+    """fprop/dgrad GEMM in the aligned layout: (P, cols), row block g times expert g; with
+    `token_order`, (M, cols) in the rows' original order instead (`layout.from_aligned` of
+    that: rows past the groups are zero), which the 16-bit kernel writes directly.
 
     `lhs_usage`'s copy of lhs is (P, C'), `rhs_usage`'s copy of the experts is (G, N', C'');
-    the contraction runs over the shorter padded length (padding is zeros).
+    the contraction runs over the shorter padded length (padding is zeros). Accumulated in
+    float32 and rounded once to `out_dtype`: by the kernel where nothing is applied after it
+    (`_kernel_out_dtype`), else after the per-group factors.
     """
     _check_same_format(lhs.spec, rhs.spec)
+    return _grouped_nt_product(
+        lhs, lhs_usage, rhs, rhs_usage, layout, cols, token_order, out_dtype
+    ).astype(out_dtype)
+
+
+def _grouped_nt_product(lhs, lhs_usage, rhs, rhs_usage, layout, cols, token_order, out_dtype):
+    """grouped_matmul_nt's product, in `out_dtype` or in float32 for the caller to round."""
 
     def in_order(aligned_out):
         return layout.from_aligned(aligned_out) if token_order else aligned_out
 
     if pallas_dispatch.gemm_kernels_enabled():
-        on_kernel = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols, token_order)
+        on_kernel = _kernel_nt(lhs, lhs_usage, rhs, rhs_usage, layout, cols, token_order, out_dtype)
         if on_kernel is not None:
             out, in_token_order = on_kernel
             return out if in_token_order else in_order(out)
     if token_order:
-        out = _weights_in_registers_gemm(lhs, lhs_usage, rhs, rhs_usage, layout, cols)
+        out = _weights_in_registers_gemm(lhs, lhs_usage, rhs, rhs_usage, layout, cols, out_dtype)
         if out is not None:
             return out
     a_values, a_factor = _activation_operand(lhs, lhs_usage)
@@ -229,10 +257,19 @@ def grouped_matmul_nt(
     a_values = a_values[:, :depth]
     b_values = b_values[:, :cols, :depth].astype(a_values.dtype)
     if token_order:
-        out = _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, lhs.spec)
+        out = _token_order_values_gemm(
+            a_values, b_values, a_factor, b_factor, layout, lhs.spec, out_dtype
+        )
         if out is not None:
             return out
-    out = _exact_values_gemm(a_values, b_values, layout.aligned_sizes, _NT_RAGGED_ROWS)
+    no_factors = a_factor is None and b_factor is None
+    out = _exact_values_gemm(
+        a_values,
+        b_values,
+        layout.aligned_sizes,
+        _NT_RAGGED_ROWS,
+        out_dtype=out_dtype if no_factors else jnp.float32,
+    )
     out = _apply_factors(
         out, a_factor, b_factor, lambda f: layout.per_slot(f)[:, None], lhs.spec.format
     )
@@ -254,13 +291,15 @@ def _weights_in_registers_gemm(
     rhs_usage: Usage,
     layout: GroupLayout,
     cols: int,
+    out_dtype,
 ):
     """MXFP8 / NVFP4 fprop / dgrad with the experts' weights dequantized inside the GEMM kernel
     (their codes and scale bytes as stored; the tokens' bf16 values from the dequantize
     kernel), written in token order: no bf16 copy of the weights. MXFP8: the values of
     `_token_order_values_gemm`. NVFP4: the tokens in the kernel's even/odd column order, so the
     same products summed in another order; the per-group factors (S_dec) applied to the f32
-    output in `_apply_factors`' order. None where the path is not enabled
+    output in `_apply_factors`' order (so float32 from the kernel; MXFP8 rounds to `out_dtype`
+    in the kernel). None where the path is not enabled
     (kernels.gemm_path_enabled) or does not apply."""
     fmt = rhs.spec.format
     if fmt not in _WEIGHTS_IN_REGISTERS or lhs.spec.format != fmt:
@@ -284,6 +323,7 @@ def _weights_in_registers_gemm(
             codes[:, :cols, :depth],
             scale_inv[:, :cols, : depth // 32],
             layout.group_sizes,
+            out_dtype=_kernel_out_dtype(out_dtype),
             **rows,
         )
     a_data, a_scale_inv, a_amax = lhs.copy(lhs_usage)
@@ -312,11 +352,12 @@ def _weights_in_registers_gemm(
     return _apply_factors(out, a_factor, b_factor, lambda f: layout.per_row(f)[:, None], fmt)
 
 
-def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spec):
+def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spec, out_dtype):
     """The 16-bit kernel on exactly-dequantized (bf16) operands, reading each group's rows
     from its aligned slots and writing them in token order (its packed output): no
     `from_aligned` gather of the float32 result. The per-group factors (NVFP4's S_dec) are
-    applied in its epilogue, a's then b's as `_apply_factors` does. None where it does not
+    applied in its epilogue, a's then b's as `_apply_factors` does, and then the rounding to
+    `out_dtype` (`_kernel_out_dtype`). None where it does not
     apply (kernels off, values that are not bf16, or FP8, whose reference multiplies by the
     product of its two factors rather than by one after the other)."""
     if a_values.dtype != jnp.bfloat16 or not pallas_dispatch.gemm_kernels_enabled():
@@ -332,11 +373,18 @@ def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spe
         out_rows=layout.num_rows,
         lhs_scale=None if a_factor is None else layout.per_slot(a_factor),
         rhs_scale=b_factor,
+        out_dtype=_kernel_out_dtype(out_dtype),
     )
 
 
 def _fp8_block_wgrad_kernel(
-    lhs: GroupedQuantizedTensor, rhs: GroupedQuantizedTensor, layout: GroupLayout, *, rows, cols
+    lhs: GroupedQuantizedTensor,
+    rhs: GroupedQuantizedTensor,
+    layout: GroupLayout,
+    *,
+    rows,
+    cols,
+    out_dtype,
 ) -> jax.Array | None:
     """The block-FP8 wgrad on the FP8 wgrad kernel (two 1×128 token-block copies with
     power-of-2 scales, promoted per 128-token chunk), where the path "fp8_block_grouped_wgrad"
@@ -350,7 +398,12 @@ def _fp8_block_wgrad_kernel(
     a_data, a_scale_inv, _ = lhs.copy("columnwise")
     b_data, b_scale_inv, _ = rhs.copy("columnwise")
     return pallas_dispatch.grouped_fp8_block_wgrad_gemm(
-        a_data[:rows], a_scale_inv[:rows], b_data[:cols], b_scale_inv[:cols], layout.aligned_sizes
+        a_data[:rows],
+        a_scale_inv[:rows],
+        b_data[:cols],
+        b_scale_inv[:cols],
+        layout.aligned_sizes,
+        out_dtype=_kernel_out_dtype(out_dtype),
     )
 
 
@@ -361,11 +414,19 @@ def grouped_matmul_wgrad(
     *,
     rows: int,
     cols: int,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """float32 wgrad GEMM (G, rows, cols): the columnwise copies (K', P) and (N', P) contracted
-    over each group's slots. Hadamard-rotated copies are rotated alike, so the rotation cancels."""
+    """wgrad GEMM (G, rows, cols): the columnwise copies (K', P) and (N', P) contracted over
+    each group's slots, accumulated in float32 and rounded once to `out_dtype` (by the kernel
+    where nothing is applied after it, as in grouped_matmul_nt). Hadamard-rotated copies are
+    rotated alike, so the rotation cancels."""
     _check_same_format(lhs.spec, rhs.spec)
-    out = _fp8_block_wgrad_kernel(lhs, rhs, layout, rows=rows, cols=cols)
+    return _grouped_wgrad_product(lhs, rhs, layout, rows, cols, out_dtype).astype(out_dtype)
+
+
+def _grouped_wgrad_product(lhs, rhs, layout, rows, cols, out_dtype):
+    """grouped_matmul_wgrad's product, in `out_dtype` or in float32 for the caller to round."""
+    out = _fp8_block_wgrad_kernel(lhs, rhs, layout, rows=rows, cols=cols, out_dtype=out_dtype)
     if out is not None:
         return out
     if lhs.spec.format == "fp8" and pallas_dispatch.gemm_kernels_enabled():
@@ -376,28 +437,36 @@ def grouped_matmul_wgrad(
             return out * (a_scale_inv * b_scale_inv)[:, None, None]
     a_values, a_factor = _activation_operand(lhs, "columnwise")
     b_values, b_factor = _activation_operand(rhs, "columnwise")
+    no_factors = a_factor is None and b_factor is None
     out = _exact_values_gemm(
         a_values[:rows],
         b_values[:cols].astype(a_values.dtype),
         layout.aligned_sizes,
         _NT_RAGGED_CONTRACTION,
+        out_dtype=out_dtype if no_factors else jnp.float32,
     )
     return _apply_factors(out, a_factor, b_factor, lambda f: f[:, None, None], lhs.spec.format)
 
 
-def _exact_values_gemm(lhs, rhs, group_sizes, dimension_numbers) -> jax.Array:
-    """float32 grouped GEMM of exactly-dequantized operands: ragged rows (lhs (P, C), rhs
-    (G, N, C)) or a ragged contraction (wgrad: lhs (K, P), rhs (N, P)).
+def _exact_values_gemm(
+    lhs, rhs, group_sizes, dimension_numbers, *, out_dtype=jnp.float32
+) -> jax.Array:
+    """Grouped GEMM of exactly-dequantized operands: ragged rows (lhs (P, C), rhs (G, N, C)) or
+    a ragged contraction (wgrad: lhs (K, P), rhs (N, P)); in `out_dtype` from a kernel
+    (`_kernel_out_dtype`), float32 from ragged_dot.
 
     bfloat16 values (every format but FP8 block with float32 scales) run on the Pallas 16-bit
     kernels where enabled: the same products (exact in bf16) accumulated in float32, only in
     another order, and ~7× faster than ragged_dot on Hopper; float32 values run ragged_dot at
     HIGHEST precision (16-bit values too, off the GPU: `_ragged_dot`)."""
     if lhs.dtype == jnp.bfloat16 and pallas_dispatch.gemm_kernels_enabled():
+        kernel_dtype = _kernel_out_dtype(out_dtype)
         if dimension_numbers is _NT_RAGGED_ROWS:
-            out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="nk")
+            out = pallas_dispatch.grouped_half_gemm(
+                lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_dtype
+            )
         else:
-            out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes)
+            out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
         if out is not None:
             return out
     return _ragged_dot(
@@ -432,63 +501,80 @@ def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # 16-bit operands run on the Pallas kernels where enabled (ragged_dot is ~7x slower on Hopper).
-def ragged_nn(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """float32 (M, N): rows of group g times kernels[g] (G, K, N); rows past the groups are 0.
+# Each takes `out_dtype` (default float32): the float32 accumulator rounded once to it, by the
+# kernel (`_kernel_out_dtype`) or after ragged_dot.
+def ragged_nn(
+    x: jax.Array, kernels: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32
+) -> jax.Array:
+    """(M, N) in `out_dtype`: rows of group g times kernels[g] (G, K, N); rows past the groups
+    are 0.
 
     Differentiable (the Pallas kernels have no autodiff rule): dx and dkernels come from
-    ragged_nt and ragged_tn, with the cotangent cast to the operands' promoted dtype first."""
-    return _ragged_nn(*_promote(x, kernels), group_sizes)
+    ragged_nt and ragged_tn in the operands' promoted dtype, with the cotangent cast to it
+    first."""
+    return _ragged_nn(*_promote(x, kernels), group_sizes, jnp.dtype(out_dtype))
 
 
-def _ragged_nn_forward(lhs, rhs, group_sizes):
+def _ragged_nn_forward(lhs, rhs, group_sizes, out_dtype):
     if pallas_dispatch.gemm_kernels_enabled():
-        out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="kn")
+        out = pallas_dispatch.grouped_half_gemm(
+            lhs, rhs, group_sizes, rhs_layout="kn", out_dtype=_kernel_out_dtype(out_dtype)
+        )
         if out is not None:
-            return out
-    return _ragged_dot(lhs, rhs, group_sizes, _NN_RAGGED_ROWS)
+            return out.astype(out_dtype)
+    return _ragged_dot(lhs, rhs, group_sizes, _NN_RAGGED_ROWS).astype(out_dtype)
 
 
-@jax.custom_vjp
-def _ragged_nn(lhs, rhs, group_sizes):
-    return _ragged_nn_forward(lhs, rhs, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_nn(lhs, rhs, group_sizes, out_dtype):
+    return _ragged_nn_forward(lhs, rhs, group_sizes, out_dtype)
 
 
-def _ragged_nn_fwd(lhs, rhs, group_sizes):
+def _ragged_nn_fwd(lhs, rhs, group_sizes, out_dtype):
     """Residuals: (lhs, rhs, group_sizes), the operands the two backward GEMMs read."""
-    return _ragged_nn_forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+    return _ragged_nn_forward(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
 
 
-def _ragged_nn_bwd(residuals, cotangent):
+def _ragged_nn_bwd(out_dtype, residuals, cotangent):
+    del out_dtype
     lhs, rhs, group_sizes = residuals
     cotangent = cotangent.astype(lhs.dtype)
-    dlhs = ragged_nt(cotangent, rhs, group_sizes).astype(lhs.dtype)
-    drhs = ragged_tn(lhs, cotangent, group_sizes).astype(rhs.dtype)
+    dlhs = ragged_nt(cotangent, rhs, group_sizes, out_dtype=lhs.dtype)
+    drhs = ragged_tn(lhs, cotangent, group_sizes, out_dtype=rhs.dtype)
     return dlhs, drhs, None
 
 
 _ragged_nn.defvjp(_ragged_nn_fwd, _ragged_nn_bwd)
 
 
-def ragged_nt(dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """float32 (M, K): rows of group g times kernels[g]ᵀ, kernels (G, K, N)."""
+def ragged_nt(
+    dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32
+) -> jax.Array:
+    """(M, K) in `out_dtype`: rows of group g times kernels[g]ᵀ, kernels (G, K, N)."""
     lhs, rhs = _promote(dy, kernels)
     if pallas_dispatch.gemm_kernels_enabled():
-        out = pallas_dispatch.grouped_half_gemm(lhs, rhs, group_sizes, rhs_layout="nk")
+        out = pallas_dispatch.grouped_half_gemm(
+            lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=_kernel_out_dtype(out_dtype)
+        )
         if out is not None:
-            return out
-    return _ragged_dot(lhs, rhs, group_sizes, _NT_RAGGED_ROWS)
+            return out.astype(out_dtype)
+    return _ragged_dot(lhs, rhs, group_sizes, _NT_RAGGED_ROWS).astype(out_dtype)
 
 
-def ragged_tn(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """float32 (G, K, N): x[rows of g]ᵀ · dy[rows of g]."""
+def ragged_tn(
+    x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32
+) -> jax.Array:
+    """(G, K, N) in `out_dtype`: x[rows of g]ᵀ · dy[rows of g]."""
     lhs, rhs = _promote(x, dy)
     if pallas_dispatch.gemm_kernels_enabled():
         # x and dy as stored: the kernel reads them MN-major (no transposes, ~4 ms of a 44 ms
         # bf16 h200-preset step before it did, docs/benchmarks.md).
-        out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes, token_major=True)
+        out = pallas_dispatch.grouped_wgrad_gemm(
+            lhs, rhs, group_sizes, token_major=True, out_dtype=_kernel_out_dtype(out_dtype)
+        )
         if out is not None:
-            return out
-    return _ragged_dot(lhs, rhs, group_sizes, _TN_RAGGED_CONTRACTION)
+            return out.astype(out_dtype)
+    return _ragged_dot(lhs, rhs, group_sizes, _TN_RAGGED_CONTRACTION).astype(out_dtype)
 
 
 # --- the public op ----------------------------------------------------------------------------
@@ -571,7 +657,7 @@ def grouped_matmul(
     with gemms:
         if not quantized:
             plain_gemm = ragged_nt if transpose_rhs else ragged_nn
-            return plain_gemm(lhs, rhs, clamp_group_sizes(group_sizes, rows)).astype(out_dtype)
+            return plain_gemm(lhs, rhs, clamp_group_sizes(group_sizes, rows), out_dtype=out_dtype)
         layout = group_layout(group_sizes, rows, lhs.align)
         out = grouped_matmul_nt(
             lhs,
@@ -581,5 +667,6 @@ def grouped_matmul(
             layout,
             cols=cols,
             token_order=True,
+            out_dtype=out_dtype,
         )
-    return out.astype(out_dtype)
+    return out

@@ -116,13 +116,13 @@ def _grouped_mlp_fwd(x, fc1, fc2, probs, group_sizes, key, kept, config: _Groupe
         dtype=x.dtype,
         quantized_kernels=kept_fc1,
     )
-    h_aligned = quantized_fprop(qx, qw1, layout).astype(hidden)
+    h_aligned = quantized_fprop(qx, qw1, layout, out_dtype=hidden)
     probs_aligned = None if probs is None else layout.to_aligned(probs)
     a_aligned = scaled_activation(h_aligned, probs_aligned, config.activation, hidden)
     qa, qw2 = forward_operands(
         a_aligned, fc2, recipe, layout, save_original_input=soi, quantized_kernels=kept_fc2
     )
-    y = quantized_fprop(qa, qw2, layout, token_order=True).astype(config.out_dtype)
+    y = quantized_fprop(qa, qw2, layout, token_order=True, out_dtype=config.out_dtype)
 
     saved_x, saved_fc1 = saved_operands(x, fc1, qx, qw1, recipe, save_original_input=soi)
     saved_a, saved_fc2 = saved_operands(None, fc2, qa, qw2, recipe, save_original_input=soi)
@@ -158,9 +158,11 @@ def _grouped_mlp_bwd(config: _GroupedMLPConfig, residuals, dy):
         layout,
         key=fc2_key,
         compute_dtype=config.out_dtype,
+        dx_dtype=hidden,
+        dw_dtype=config.fc2_dtype,
     )
     _, activation_vjp = jax.vjp(activation_of, h, probs)
-    dh, dprobs = activation_vjp(da.astype(hidden))
+    dh, dprobs = activation_vjp(da)
     dx, dfc1 = backward_gemms(
         dh,
         saved_x,
@@ -169,11 +171,13 @@ def _grouped_mlp_bwd(config: _GroupedMLPConfig, residuals, dy):
         layout,
         key=fc1_key,
         compute_dtype=hidden,
+        dx_dtype=config.x_dtype,
+        dw_dtype=config.fc1_dtype,
     )
     return (
-        dx.astype(config.x_dtype),
-        dfc1.astype(config.fc1_dtype),
-        dfc2.astype(config.fc2_dtype),
+        dx,
+        dfc1,
+        dfc2,
         dprobs,
         None,
         None,
@@ -270,9 +274,9 @@ def grouped_mlp_reading(
     hidden = jnp.promote_types(x.dtype, fc1.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        h = ragged_nn(x, fc1, sizes).astype(hidden)
+        h = ragged_nn(x, fc1, sizes, out_dtype=hidden)
         a = scaled_activation(h, probs, activation, hidden)
-        return ragged_nn(a, fc2, sizes).astype(jnp.promote_types(hidden, fc2.dtype))
+        return ragged_nn(a, fc2, sizes, out_dtype=jnp.promote_types(hidden, fc2.dtype))
     config = _GroupedMLPConfig(
         recipe=recipe,
         activation=activation,

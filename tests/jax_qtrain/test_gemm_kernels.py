@@ -327,6 +327,89 @@ def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
     _grouped_case(monkeypatch, "fp8_block", 4096, 1024, [1000, 0, 1700, 1], gpu_backend="pallas")
 
 
+# What a bf16 grouped layer asks each GEMM kernel to write (fprop, dgrad, wgrad): bfloat16,
+# rounded in the epilogue, where nothing is applied after the kernel (ops/grouped_gemm.py
+# `_kernel_out_dtype`); float32 where per-group factors follow it (per-tensor FP8's wgrad
+# scales, NVFP4's S_dec after the weights-in-registers kernel and the wgrad) or a bias does.
+_BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+GROUPED_KERNEL_OUTPUTS = {
+    "bf16": [_BF16] * 3,
+    "bf16 with bias": [_F32, _BF16, _BF16],
+    "fp8": [_BF16, _BF16, _F32],
+    "fp8_block": [_BF16] * 3,
+    "mxfp8": [_BF16] * 3,
+    # On the GPU ("auto") the 16-bit kernel applies S_dec in its epilogue for fprop and dgrad.
+    "nvfp4": [_BF16, _BF16, _F32] if ON_GPU else [_F32] * 3,
+}
+
+
+def _log_kernel_out_dtypes(monkeypatch, adapters, log: list) -> None:
+    """Appends the `out_dtype` each `kernels.<adapter>` call that ran a kernel asked for."""
+    for name in adapters:
+        original = getattr(kernels, name)
+
+        def logged(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            if out is not None:
+                log.append(jnp.dtype(kwargs.get("out_dtype", jnp.float32)))
+            return out
+
+        monkeypatch.setattr(kernels, name, logged)
+
+
+def _grouped_output_case(monkeypatch, name, rows, features, group_sizes):
+    # A bf16 grouped layer's GEMM kernels round their own output where nothing follows them,
+    # instead of writing float32 for XLA to round in another pass: in the interpreter the same
+    # bits as asking every kernel for float32 (`_kernel_out_dtype` patched) and rounding after.
+    recipe, adapters = GROUPED_KERNELS[name.removesuffix(" with bias")]
+    gemm_adapters = sorted(set(adapters) - {"dequantize_bf16"})
+    grouped_gemm = importlib.import_module("jax_qtrain.ops.grouped_gemm")
+    groups = len(group_sizes)
+    kx, kw, kg, kb = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(kx, (rows, features), jnp.bfloat16)
+    w = jax.random.normal(kw, (groups, features, features), jnp.float32) * features**-0.5
+    w = w.astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (rows, features), jnp.bfloat16)
+    bias = jax.random.normal(kb, (groups, features), jnp.bfloat16) if "bias" in name else None
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+
+    def fwd_bwd(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: jq.grouped_dense(x, w, sizes, bias, recipe=recipe), x, w)
+        return (y, *vjp(dy))
+
+    runs = {}
+    for kernel_outputs in ("as the layer asks", "float32"):
+        asked = []
+        with monkeypatch.context() as patch:
+            _log_kernel_out_dtypes(patch, gemm_adapters, asked)
+            if kernel_outputs == "float32":
+                patch.setattr(grouped_gemm, "_kernel_out_dtype", lambda dtype: _F32)
+            with kernel_gemms():
+                runs[kernel_outputs] = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)  # traced anew
+        want_asked = GROUPED_KERNEL_OUTPUTS[name] if kernel_outputs != "float32" else [_F32] * 3
+        assert asked == want_asked, (kernel_outputs, asked)
+    for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
+        assert got.dtype == want.dtype == jnp.bfloat16
+    if ON_GPU:  # the kernel's tiling may depend on its output dtype: the order of float32 sums
+        assert_close(runs["as the layer asks"], runs["float32"])
+    else:
+        for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+            )
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS))
+def test_bf16_grouped_layer_takes_bf16_from_the_kernels(monkeypatch, name):
+    _grouped_output_case(monkeypatch, name, 256, 128, [100, 0, 128])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS))
+def test_bf16_grouped_layer_takes_bf16_from_the_kernels_gpu(monkeypatch, name):
+    _grouped_output_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
+
+
 def _auto_and_pallas_moe(monkeypatch, recipe, adapter: str):
     """(y, dx, dw) of the MoE layer under gemm_backend "auto" and under "pallas" (which takes
     the opt-in weights-in-registers paths), and whether each `kernels.<adapter>` call ran."""
