@@ -179,9 +179,12 @@ def _fsdp_grouped_dense_fwd(x, kernel_shard, bias, group_sizes, key, config: _Ex
     GROUP_SIZES, SR_KEY: saved_input is what `grouped_dense` saves for these rows, saved_kernel
     this device's shard of the experts (raw, or its quantized copy backward gathers)."""
     out_dtype = config.hidden_dtype
+    # As grouped_dense: without a bias the GEMM rounds its own output; a bias joins its float32
+    # product first.
+    gemm_dtype = out_dtype if bias is None else jnp.float32
     if config.recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        acc = ragged_nn(x, config.split.gather_raw(kernel_shard), sizes)
+        acc = ragged_nn(x, config.split.gather_raw(kernel_shard), sizes, out_dtype=gemm_dtype)
         row_group = group_layout(sizes, x.shape[0], 1).row_group
         saved_input, saved_kernel = x, kernel_shard
     else:
@@ -196,7 +199,7 @@ def _fsdp_grouped_dense_fwd(x, kernel_shard, bias, group_sizes, key, config: _Ex
             dtype=x.dtype,
             quantized_kernels=qw,
         )
-        acc = quantized_fprop(qx, qw, layout, token_order=True)
+        acc = quantized_fprop(qx, qw, layout, token_order=True, out_dtype=gemm_dtype)
         row_group = layout.row_group
         saved_input = saved_input_operand(x, qx, config.mode, config.save_original_input)
     if bias is not None:
@@ -217,7 +220,8 @@ def _fsdp_grouped_dense_bwd(config: _ExpertsConfig, residuals, dy):
         sizes = clamp_group_sizes(group_sizes, dy.shape[0])
         row_group = group_layout(sizes, dy.shape[0], 1).row_group
         dy_c = dy.astype(config.hidden_dtype)
-        dx, dw = ragged_nt(dy_c, kernels, sizes), ragged_tn(saved_input, dy_c, sizes)
+        dx = ragged_nt(dy_c, kernels, sizes, out_dtype=config.x_dtype)
+        dw = ragged_tn(saved_input, dy_c, sizes)  # float32: reduced over devices next
     else:
         layout = config.layout(group_sizes, dy.shape[0])
         row_group = layout.row_group
@@ -229,6 +233,7 @@ def _fsdp_grouped_dense_bwd(config: _ExpertsConfig, residuals, dy):
             layout,
             key=key,
             compute_dtype=config.hidden_dtype,
+            dx_dtype=config.x_dtype,  # (dw stays float32: reduced over devices next)
         )
     dbias = None
     if config.bias_dtype is not None:
@@ -237,7 +242,7 @@ def _fsdp_grouped_dense_bwd(config: _ExpertsConfig, residuals, dy):
         dbias = reductions.psum(
             dbias, config.batch_axis_names, deterministic=config.deterministic
         ).astype(config.bias_dtype)
-    return dx.astype(config.x_dtype), config.reduce_kernel_grad(dw), dbias, None, None
+    return dx, config.reduce_kernel_grad(dw), dbias, None, None
 
 
 _fsdp_grouped_dense.defvjp(_fsdp_grouped_dense_fwd, _fsdp_grouped_dense_bwd)
@@ -272,9 +277,9 @@ def _fsdp_grouped_mlp_fwd(
     hidden, activation_of = config.hidden_dtype, _activation(config)
     if config.recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        h = ragged_nn(x, config.split.gather_raw(fc1_shard), sizes).astype(hidden)
+        h = ragged_nn(x, config.split.gather_raw(fc1_shard), sizes, out_dtype=hidden)
         a = activation_of(h, probs)
-        y = ragged_nn(a, config.split.gather_raw(fc2_shard), sizes).astype(hidden)
+        y = ragged_nn(a, config.split.gather_raw(fc2_shard), sizes, out_dtype=hidden)
         saved_x, saved_fc1, saved_a, saved_fc2 = x, fc1_shard, None, fc2_shard
     else:
         recipe, soi, mode = config.recipe, config.save_original_input, config.mode
@@ -289,14 +294,14 @@ def _fsdp_grouped_mlp_fwd(
             dtype=x.dtype,
             quantized_kernels=qw1,
         )
-        h_aligned = quantized_fprop(qx, qw1, layout).astype(hidden)
+        h_aligned = quantized_fprop(qx, qw1, layout, out_dtype=hidden)
         probs_aligned = None if probs is None else layout.to_aligned(probs)
         a_aligned = activation_of(h_aligned, probs_aligned)
         qw2, saved_fc2 = config.fprop_kernels(fc2_shard, kept_fc2)
         qa, _ = forward_operands(
             a_aligned, None, recipe, layout, save_original_input=soi, quantized_kernels=qw2
         )
-        y = quantized_fprop(qa, qw2, layout, token_order=True).astype(hidden)
+        y = quantized_fprop(qa, qw2, layout, token_order=True, out_dtype=hidden)
         h = layout.from_aligned(h_aligned)
         saved_x = saved_input_operand(x, qx, mode, soi)
         saved_a = saved_input_operand(None, qa, mode, soi)
@@ -330,9 +335,10 @@ def _fsdp_grouped_mlp_bwd(config: _ExpertsConfig, residuals, dy):
         layout,
         key=fc2_key,
         compute_dtype=hidden,
+        dx_dtype=hidden,  # (the weight gradients stay float32: reduced over devices next)
     )
     _, activation_vjp = jax.vjp(activation_of, h, probs)
-    dh, dprobs = activation_vjp(da.astype(hidden))
+    dh, dprobs = activation_vjp(da)
     dx, dfc1 = backward_gemms(
         dh,
         saved_x,
@@ -341,9 +347,10 @@ def _fsdp_grouped_mlp_bwd(config: _ExpertsConfig, residuals, dy):
         layout,
         key=fc1_key,
         compute_dtype=hidden,
+        dx_dtype=config.x_dtype,
     )
     return (
-        dx.astype(config.x_dtype),
+        dx,
         config.reduce_kernel_grad(dfc1),
         config.reduce_kernel_grad(dfc2),
         dprobs,
