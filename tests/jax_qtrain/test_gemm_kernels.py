@@ -64,6 +64,22 @@ def assert_close(got, want, rtol=2e-5):
         assert np.linalg.norm(g32 - w32) <= bound * np.linalg.norm(w32) + 1e-30
 
 
+def assert_same_bf16_results(bf16_from_kernels, rounded_after):
+    """The layer's bf16 results with the kernels rounding their own output equal those with
+    float32 kernel outputs rounded afterwards: bit for bit in the interpreter; on the GPU to
+    `assert_close`, since the kernel's tiling may depend on its output dtype (the order of
+    float32 sums)."""
+    for got, want in zip(bf16_from_kernels, rounded_after, strict=True):
+        assert got.dtype == want.dtype == jnp.bfloat16
+    if ON_GPU:
+        assert_close(bf16_from_kernels, rounded_after)
+        return
+    for got, want in zip(bf16_from_kernels, rounded_after, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+        )
+
+
 def dense_fwd_bwd(x, w, dy, recipe):
     y, vjp = jax.vjp(lambda x, w: jq.dense(x, w, recipe=recipe), x, w)
     return (y, *vjp(dy))
@@ -158,15 +174,7 @@ def test_bf16_dense_fp8_block_layer_takes_bf16_from_the_kernels(monkeypatch, wgr
         asked = [k_["out_dtype"] for k_, ran_kernel in calls if ran_kernel]
         want_asked = jnp.bfloat16 if kernel_dtype == "as the layer asks" else jnp.float32
         assert asked == [want_asked] * 3, asked  # fprop, dgrad, wgrad
-    for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
-        assert got.dtype == want.dtype == jnp.bfloat16
-    if ON_GPU:  # the kernel's tiling may depend on its output dtype: the order of float32 sums
-        assert_close(runs["as the layer asks"], runs["float32"])
-    else:
-        for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
-            np.testing.assert_array_equal(
-                np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
-            )
+    assert_same_bf16_results(runs["as the layer asks"], runs["float32"])
 
 
 def exactly_summable_dense_operands(shape, seed):
@@ -397,15 +405,7 @@ def _grouped_output_case(monkeypatch, name, rows, features, group_sizes, *, comp
         assert asked == want_asked, (kernel_outputs, asked)
     if not compare:
         return
-    for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
-        assert got.dtype == want.dtype == jnp.bfloat16
-    if ON_GPU:  # the kernel's tiling may depend on its output dtype: the order of float32 sums
-        assert_close(runs["as the layer asks"], runs["float32"])
-    else:
-        for got, want in zip(runs["as the layer asks"], runs["float32"], strict=True):
-            np.testing.assert_array_equal(
-                np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
-            )
+    assert_same_bf16_results(runs["as the layer asks"], runs["float32"])
 
 
 @pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS))
