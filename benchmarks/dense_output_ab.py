@@ -42,11 +42,16 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import jax_qtrain as jq
-from benchmarks.timing import SMOKE_TIMING, device_description, interleaved_seconds, report
+from benchmarks.timing import (
+    SMOKE_TIMING,
+    device_description,
+    interleaved_seconds,
+    relative_difference,
+    report,
+)
 from jax_qtrain.ops.gemm import matmul_nt
 
 SHAPES = ((8192, 4096, 4096), (16384, 8192, 8192), (16384, 4096, 14336))  # M, K, N
@@ -102,11 +107,6 @@ def fp8_candidates() -> dict[str, Callable]:
         # scales are powers of 2).
         "XLA's scaled-FP8 pattern in bf16, bf16 out": scaled_pattern(jnp.bfloat16),
     }
-
-
-def relative_difference(got: jax.Array, want: jax.Array) -> float:
-    got, want = (np.asarray(a, np.float32) for a in (got, want))
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
 def run_group(group: str, shape, candidates, argument_sets, timing) -> list[dict]:

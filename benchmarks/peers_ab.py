@@ -76,6 +76,7 @@ from benchmarks.grouped_ab import DENSE_SIZE, SHAPES
 from benchmarks.timing import (
     device_description,
     interleaved_seconds,
+    relative_difference,
     report,
     same_bits_as_first,
 )
@@ -121,13 +122,6 @@ def _two_steps(config: GroupedMatmulConfig | None) -> GroupedMatmulConfig:
 xla_fp8_nt = jax.jit(
     lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 )
-
-
-def relative_difference(theirs, mine) -> float:
-    """max |theirs - mine| / max |mine|: how far a peer whose sums are ordered differently
-    (or whose quantizer differs) lands from ours, in the table's last column."""
-    theirs, mine = np.asarray(theirs, np.float32), np.asarray(mine, np.float32)
-    return float(np.max(np.abs(theirs - mine)) / np.max(np.abs(mine)))
 
 
 class _TorchResult:

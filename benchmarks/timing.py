@@ -59,6 +59,13 @@ def same_bits_as_first(
     return {name: bool(np.array_equal(output(name), expected, equal_nan=True)) for name in names}
 
 
+def relative_difference(got, want) -> float:
+    """max |got - want| / max |want| (float32): how far a candidate whose sums are ordered
+    differently (or whose quantizer differs) lands from the reference it is compared with."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
 def interleaved_seconds(
     candidates: dict[str, tuple[Callable, Sequence[tuple]]],
     *,

@@ -85,8 +85,9 @@ def _high_precision_dot(a: jax.Array, b: jax.Array, dimension_numbers, out_dtype
 
 def rounded_once(gemm: Callable[[jnp.dtype], jax.Array], bias, out_dtype) -> jax.Array:
     """`gemm(dtype) (+ bias)` rounded once to `out_dtype`: without a bias the GEMM rounds its own
-    output (`gemm(out_dtype)`); a bias is added to its float32 product before that one rounding
-    (as cuBLASLt's bias epilogue does)."""
+    output (`gemm(out_dtype)`); a bias (anything that broadcasts against the product: a layer's
+    (N,) bias, the grouped layers' per-row group biases) is added to its float32 product before
+    that one rounding (as cuBLASLt's bias epilogue does)."""
     if bias is None:
         return gemm(out_dtype)
     return _add_bias(gemm(jnp.float32), bias, out_dtype)

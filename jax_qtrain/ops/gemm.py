@@ -67,6 +67,16 @@ def accumulation_dtype(operand_dtype, out_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
+def kernel_out_dtype(out_dtype) -> jnp.dtype:
+    """What a Pallas GEMM kernel (the dense block-FP8 ones, the grouped ones) is asked to write
+    for a result rounded once to `out_dtype` with nothing applied after the kernel: bfloat16,
+    rounded in its epilogue after any scales it applies itself, rather than a float32 result
+    written, re-read and rounded in another pass; float32 otherwise (the kernels write only
+    these two), for the caller to finish and round."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    return bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
+
+
 def _copy(q: QuantizedTensor, usage: Usage):
     """(codes, scale_inv in the (lines, blocks) layout, global amax) of one stored copy."""
     if usage == "rowwise":
@@ -127,8 +137,7 @@ def _fp8_block_kernel(
     does not apply. A bfloat16 `out_dtype` is rounded in the kernel's epilogue, not written as
     float32 and rounded in another pass (the dense kernel's bf16 output equals cuBLASLt's
     block-scaled GEMM bit for bit: tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py)."""
-    # The kernel writes float32 or bfloat16; other dtypes are rounded from float32.
-    kernel_dtype = out_dtype if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+    kernel_dtype = kernel_out_dtype(out_dtype)
     if a.spec.block_shape != (1, 128):
         return None
     if b.spec.block_shape == (128, 128):

@@ -37,7 +37,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.formats import common
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.dense import effective_save_original_input, stochastic_rounding_key
+from jax_qtrain.ops.dense import (
+    effective_save_original_input,
+    rounded_once,
+    stochastic_rounding_key,
+)
 from jax_qtrain.ops.grouped_gemm import (
     grouped_matmul_nt,
     grouped_matmul_wgrad,
@@ -255,16 +259,11 @@ def _grouped_dense_fwd(
         dtype=x.dtype,
         quantized_kernels=quantized_kernels,
     )
-    # Without a bias the GEMM rounds its own output; a bias joins its float32 product first.
-    y = quantized_fprop(
-        qx,
-        qw,
-        layout,
-        token_order=True,
-        out_dtype=config.out_dtype if bias is None else jnp.float32,
+    y = rounded_once(
+        lambda dtype: quantized_fprop(qx, qw, layout, token_order=True, out_dtype=dtype),
+        None if bias is None else group_bias_rows(bias, layout.row_group),
+        config.out_dtype,
     )
-    if bias is not None:
-        y = y + group_bias_rows(bias, layout.row_group)
     saved_input, saved_kernels = saved_operands(x, kernels, qx, qw, recipe, save_original_input=soi)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),
@@ -272,7 +271,7 @@ def _grouped_dense_fwd(
         checkpoint_name(group_sizes, names.GROUP_SIZES),
         None if key is None else checkpoint_name(key, names.SR_KEY),
     )
-    return y.astype(config.out_dtype), residuals
+    return y, residuals
 
 
 def _grouped_dense_bwd(config: _GroupedDenseConfig, residuals, dy):
@@ -379,10 +378,12 @@ def grouped_dense(
     out_dtype = jnp.promote_types(x.dtype, kernels.dtype)
     if recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        if bias is None:
-            return ragged_nn(x, kernels, sizes, out_dtype=out_dtype)
-        row_group = group_layout(sizes, x.shape[0], 1).row_group
-        return (ragged_nn(x, kernels, sizes) + group_bias_rows(bias, row_group)).astype(out_dtype)
+        bias_rows = None
+        if bias is not None:
+            bias_rows = group_bias_rows(bias, group_layout(sizes, x.shape[0], 1).row_group)
+        return rounded_once(
+            lambda dtype: ragged_nn(x, kernels, sizes, out_dtype=dtype), bias_rows, out_dtype
+        )
     config = _GroupedDenseConfig(
         recipe=recipe,
         save_original_input=effective_save_original_input(recipe, save_original_input),

@@ -45,6 +45,7 @@ from jax import lax
 from jax_qtrain import kernels as pallas_dispatch
 from jax_qtrain.formats import fp8_block, mxfp8, nvfp4
 from jax_qtrain.formats.spec import QuantizerSpec
+from jax_qtrain.ops.gemm import kernel_out_dtype
 from jax_qtrain.ops.grouped_quantize import (
     GroupedQuantizedTensor,
     GroupLayout,
@@ -149,15 +150,6 @@ def _check_same_format(a_spec: QuantizerSpec, b_spec: QuantizerSpec) -> None:
         raise ValueError(f"formats differ ({a_spec.format} vs {b_spec.format})")
 
 
-def _kernel_out_dtype(out_dtype) -> jnp.dtype:
-    """What a Pallas grouped kernel writes for a result rounded once to `out_dtype` with nothing
-    applied after the kernel: bfloat16 rounded in its epilogue, not a float32 copy written,
-    re-read and rounded in another pass (as the dense GEMMs, ops/gemm.py
-    `_gemm_rounds_its_output`); float32 otherwise, for the caller to finish and round."""
-    bf16 = jnp.dtype(jnp.bfloat16)
-    return bf16 if jnp.dtype(out_dtype) == bf16 else jnp.dtype(jnp.float32)
-
-
 def _kernel_nt(
     lhs: GroupedQuantizedTensor,
     lhs_usage: Usage,
@@ -188,7 +180,7 @@ def _kernel_nt(
             b_data,
             b_scale_inv,
             layout.aligned_sizes,
-            out_dtype=_kernel_out_dtype(out_dtype),
+            out_dtype=kernel_out_dtype(out_dtype),
         )
     elif fmt == "fp8_block" and (lhs.spec.block_shape, rhs.spec.block_shape) == (
         (1, 128),
@@ -202,7 +194,7 @@ def _kernel_nt(
             b_data,
             b_scale_inv,
             layout.group_sizes if packed else layout.aligned_sizes,
-            out_dtype=_kernel_out_dtype(out_dtype),
+            out_dtype=kernel_out_dtype(out_dtype),
             **rows,
         )
     else:
@@ -228,7 +220,7 @@ def grouped_matmul_nt(
     `lhs_usage`'s copy of lhs is (P, C'), `rhs_usage`'s copy of the experts is (G, N', C'');
     the contraction runs over the shorter padded length (padding is zeros). Accumulated in
     float32 and rounded once to `out_dtype`: by the kernel where nothing is applied after it
-    (`_kernel_out_dtype`), else after the per-group factors.
+    (`kernel_out_dtype`), else after the per-group factors.
     """
     _check_same_format(lhs.spec, rhs.spec)
     return _grouped_nt_product(
@@ -323,7 +315,7 @@ def _weights_in_registers_gemm(
             codes[:, :cols, :depth],
             scale_inv[:, :cols, : depth // 32],
             layout.group_sizes,
-            out_dtype=_kernel_out_dtype(out_dtype),
+            out_dtype=kernel_out_dtype(out_dtype),
             **rows,
         )
     a_data, a_scale_inv, a_amax = lhs.copy(lhs_usage)
@@ -357,7 +349,7 @@ def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spe
     from its aligned slots and writing them in token order (its packed output): no
     `from_aligned` gather of the float32 result. The per-group factors (NVFP4's S_dec) are
     applied in its epilogue, a's then b's as `_apply_factors` does, and then the rounding to
-    `out_dtype` (`_kernel_out_dtype`). None where it does not
+    `out_dtype` (`kernel_out_dtype`). None where it does not
     apply (kernels off, values that are not bf16, or FP8, whose reference multiplies by the
     product of its two factors rather than by one after the other)."""
     if a_values.dtype != jnp.bfloat16 or not pallas_dispatch.gemm_kernels_enabled():
@@ -373,7 +365,7 @@ def _token_order_values_gemm(a_values, b_values, a_factor, b_factor, layout, spe
         out_rows=layout.num_rows,
         lhs_scale=None if a_factor is None else layout.per_slot(a_factor),
         rhs_scale=b_factor,
-        out_dtype=_kernel_out_dtype(out_dtype),
+        out_dtype=kernel_out_dtype(out_dtype),
     )
 
 
@@ -403,7 +395,7 @@ def _fp8_block_wgrad_kernel(
         b_data[:cols],
         b_scale_inv[:cols],
         layout.aligned_sizes,
-        out_dtype=_kernel_out_dtype(out_dtype),
+        out_dtype=kernel_out_dtype(out_dtype),
     )
 
 
@@ -453,14 +445,14 @@ def _exact_values_gemm(
 ) -> jax.Array:
     """Grouped GEMM of exactly-dequantized operands: ragged rows (lhs (P, C), rhs (G, N, C)) or
     a ragged contraction (wgrad: lhs (K, P), rhs (N, P)); in `out_dtype` from a kernel
-    (`_kernel_out_dtype`), float32 from ragged_dot.
+    (`kernel_out_dtype`), float32 from ragged_dot.
 
     bfloat16 values (every format but FP8 block with float32 scales) run on the Pallas 16-bit
     kernels where enabled: the same products (exact in bf16) accumulated in float32, only in
     another order, and ~7× faster than ragged_dot on Hopper; float32 values run ragged_dot at
     HIGHEST precision (16-bit values too, off the GPU: `_ragged_dot`)."""
     if lhs.dtype == jnp.bfloat16 and pallas_dispatch.gemm_kernels_enabled():
-        kernel_dtype = _kernel_out_dtype(out_dtype)
+        kernel_dtype = kernel_out_dtype(out_dtype)
         if dimension_numbers is _NT_RAGGED_ROWS:
             out = pallas_dispatch.grouped_half_gemm(
                 lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_dtype
@@ -502,7 +494,7 @@ def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # 16-bit operands run on the Pallas kernels where enabled (ragged_dot is ~7x slower on Hopper).
 # Each takes `out_dtype` (default float32): the float32 accumulator rounded once to it, by the
-# kernel (`_kernel_out_dtype`) or after ragged_dot.
+# kernel (`kernel_out_dtype`) or after ragged_dot.
 def ragged_nn(
     x: jax.Array, kernels: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32
 ) -> jax.Array:
@@ -518,7 +510,7 @@ def ragged_nn(
 def _ragged_nn_forward(lhs, rhs, group_sizes, out_dtype):
     if pallas_dispatch.gemm_kernels_enabled():
         out = pallas_dispatch.grouped_half_gemm(
-            lhs, rhs, group_sizes, rhs_layout="kn", out_dtype=_kernel_out_dtype(out_dtype)
+            lhs, rhs, group_sizes, rhs_layout="kn", out_dtype=kernel_out_dtype(out_dtype)
         )
         if out is not None:
             return out.astype(out_dtype)
@@ -554,7 +546,7 @@ def ragged_nt(
     lhs, rhs = _promote(dy, kernels)
     if pallas_dispatch.gemm_kernels_enabled():
         out = pallas_dispatch.grouped_half_gemm(
-            lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=_kernel_out_dtype(out_dtype)
+            lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_out_dtype(out_dtype)
         )
         if out is not None:
             return out.astype(out_dtype)
@@ -570,7 +562,7 @@ def ragged_tn(
         # x and dy as stored: the kernel reads them MN-major (no transposes, ~4 ms of a 44 ms
         # bf16 h200-preset step before it did, docs/benchmarks.md).
         out = pallas_dispatch.grouped_wgrad_gemm(
-            lhs, rhs, group_sizes, token_major=True, out_dtype=_kernel_out_dtype(out_dtype)
+            lhs, rhs, group_sizes, token_major=True, out_dtype=kernel_out_dtype(out_dtype)
         )
         if out is not None:
             return out.astype(out_dtype)

@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_qtrain.ops import residuals as names
 from jax_qtrain.ops.activations import check_activation, scaled_activation
 from jax_qtrain.ops.context import resolve_recipe
-from jax_qtrain.ops.dense import effective_save_original_input
+from jax_qtrain.ops.dense import effective_save_original_input, rounded_once
 from jax_qtrain.ops.grouped_dense import (
     backward_gemms,
     check_float,
@@ -178,13 +178,13 @@ def _fsdp_grouped_dense_fwd(x, kernel_shard, bias, group_sizes, key, config: _Ex
     """Forward. Residuals (saved_input, saved_kernel, group_sizes, key), named INPUT, KERNEL,
     GROUP_SIZES, SR_KEY: saved_input is what `grouped_dense` saves for these rows, saved_kernel
     this device's shard of the experts (raw, or its quantized copy backward gathers)."""
-    out_dtype = config.hidden_dtype
-    # As grouped_dense: without a bias the GEMM rounds its own output; a bias joins its float32
-    # product first.
-    gemm_dtype = out_dtype if bias is None else jnp.float32
     if config.recipe is None:
         sizes = clamp_group_sizes(group_sizes, x.shape[0])
-        acc = ragged_nn(x, config.split.gather_raw(kernel_shard), sizes, out_dtype=gemm_dtype)
+        kernels = config.split.gather_raw(kernel_shard)
+
+        def gemm(dtype):
+            return ragged_nn(x, kernels, sizes, out_dtype=dtype)
+
         row_group = group_layout(sizes, x.shape[0], 1).row_group
         saved_input, saved_kernel = x, kernel_shard
     else:
@@ -199,18 +199,21 @@ def _fsdp_grouped_dense_fwd(x, kernel_shard, bias, group_sizes, key, config: _Ex
             dtype=x.dtype,
             quantized_kernels=qw,
         )
-        acc = quantized_fprop(qx, qw, layout, token_order=True, out_dtype=gemm_dtype)
+
+        def gemm(dtype):
+            return quantized_fprop(qx, qw, layout, token_order=True, out_dtype=dtype)
+
         row_group = layout.row_group
         saved_input = saved_input_operand(x, qx, config.mode, config.save_original_input)
-    if bias is not None:
-        acc = acc + group_bias_rows(bias, row_group)
+    bias_rows = None if bias is None else group_bias_rows(bias, row_group)
+    y = rounded_once(gemm, bias_rows, config.hidden_dtype)
     residuals = (
         checkpoint_name(saved_input, names.INPUT),
         checkpoint_name(saved_kernel, names.KERNEL),
         checkpoint_name(group_sizes, names.GROUP_SIZES),
         None if key is None else checkpoint_name(key, names.SR_KEY),
     )
-    return acc.astype(out_dtype), residuals
+    return y, residuals
 
 
 def _fsdp_grouped_dense_bwd(config: _ExpertsConfig, residuals, dy):

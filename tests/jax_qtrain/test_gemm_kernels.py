@@ -336,9 +336,10 @@ def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
 
 
 # What a bf16 grouped layer asks each GEMM kernel to write (fprop, dgrad, wgrad): bfloat16,
-# rounded in the epilogue, where nothing is applied after the kernel (ops/grouped_gemm.py
-# `_kernel_out_dtype`); float32 where per-group factors follow it (per-tensor FP8's wgrad
-# scales, NVFP4's S_dec after the weights-in-registers kernel and the wgrad) or a bias does.
+# rounded in the epilogue, where nothing is applied after the kernel (ops/gemm.py
+# `kernel_out_dtype`, read by ops/grouped_gemm.py); float32 where per-group factors follow it
+# (per-tensor FP8's wgrad scales, NVFP4's S_dec after the weights-in-registers kernel and the
+# wgrad) or a bias does.
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 GROUPED_KERNEL_OUTPUTS = {
     "bf16": [_BF16] * 3,
@@ -368,7 +369,7 @@ def _log_kernel_out_dtypes(monkeypatch, adapters, log: list) -> None:
 def _grouped_output_case(monkeypatch, name, rows, features, group_sizes, *, compare: bool):
     # A bf16 grouped layer's GEMM kernels round their own output where nothing follows them,
     # instead of writing float32 for XLA to round in another pass: in the interpreter the same
-    # bits as asking every kernel for float32 (`_kernel_out_dtype` patched) and rounding after.
+    # bits as asking every kernel for float32 (`kernel_out_dtype` patched) and rounding after.
     # Without `compare` the layer is only traced (what it asks of the kernels is decided then).
     recipe, adapters = GROUPED_KERNELS[name.removesuffix(" with bias")]
     gemm_adapters = sorted(set(adapters) - {"dequantize_bf16"})
@@ -392,7 +393,7 @@ def _grouped_output_case(monkeypatch, name, rows, features, group_sizes, *, comp
         with monkeypatch.context() as patch:
             _log_kernel_out_dtypes(patch, gemm_adapters, asked)
             if kernel_outputs == "float32":
-                patch.setattr(grouped_gemm, "_kernel_out_dtype", lambda dtype: _F32)
+                patch.setattr(grouped_gemm, "kernel_out_dtype", lambda dtype: _F32)
             with kernel_gemms():
                 traced_anew = lambda *a: fwd_bwd(*a)  # a new function: no cached trace
                 run = (
