@@ -7,7 +7,10 @@ Until 2026-12-07 every Pallas grouped GEMM kernel the grouped layers ran wrote a
 which XLA read back and rounded to bf16 (per-group factors or a bias applied in float32 first,
 where there are any); the kernels can round in their epilogue instead (their `out_dtype`), and
 the layers now ask them to wherever nothing follows the kernel (ops/gemm.py
-`kernel_out_dtype`, read by ops/grouped_gemm.py). This times `jq.grouped_dense`
+`kernel_out_dtype`, read by ops/grouped_gemm.py); since stop 69 that includes the wgrad of
+per-tensor FP8 and NVFP4, whose per-group factors the wgrad kernel now applies itself (its
+`group_scale`; the old form keeps the float32 write and XLA's pass, the multiply moved into
+the kernel in both). This times `jq.grouped_dense`
 forward+backward on an FC1-shaped MoE layer (bench_moe's "8 experts": 16384 tokens,
 4096 → 3584, 8 balanced experts, bf16 x, kernels and dy), per recipe in both forms: "float32
 from the kernels" (the old form: grouped_gemm's `kernel_out_dtype` patched to float32 while

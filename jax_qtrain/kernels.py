@@ -460,17 +460,24 @@ def grouped_fp8_block_gemm(
     )
 
 
-def grouped_wgrad_gemm(lhs, rhs, group_sizes, *, token_major: bool = False, out_dtype=_F32):
-    """(G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ in `out_dtype`, lhs (K, M) and
-    rhs (N, M) token-contiguous, both FP8 or both the same 16-bit dtype (no scales: callers
-    apply them).
+def grouped_wgrad_gemm(
+    lhs, rhs, group_sizes, *, group_scale=None, token_major: bool = False, out_dtype=_F32
+):
+    """(G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ · group_scale[g] in `out_dtype`
+    (rounded once, after the scale), lhs (K, M) and rhs (N, M) token-contiguous, both FP8 or
+    both the same 16-bit dtype; `group_scale` (G,) float32 or None.
     `token_major`: lhs (M, K) and rhs (M, N) instead, 16-bit only (x and dy as stored, no
     transposes before the kernel)."""
     half = jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype
     if not (half or (_is_fp8(lhs, rhs) and not token_major)):
         return None
     return _pallas().grouped_matmul_wgrad(
-        lhs, rhs, group_sizes, out_dtype=out_dtype, token_major=token_major
+        lhs,
+        rhs,
+        group_sizes,
+        group_scale=group_scale,
+        out_dtype=out_dtype,
+        token_major=token_major,
     )
 
 

@@ -25,13 +25,17 @@ Zeroing both keeps non-finite values of neighbouring groups (or of unused rows p
 Operand types: bf16/f16, or FP8 e4m3/e5m2 (mixed allowed) with optional f32 scales
 applied to the f32 accumulator: lhs ``()`` or ``(K,)`` and rhs ``()`` or ``(N,)``
 (per-tensor, or per row of the stored operand — scales that are constant along
-the contraction). Or FP8 with 1x128 block scales along the tokens on both operands
-(``lhs_block_scale (K, M/128)``, ``rhs_block_scale (N, M/128)``: the block-FP8 recipe's
-columnwise copies of x and dy): each 128-token chunk is one scale block, its wgmma goes into a
-fresh accumulator and is promoted into the f32 sum as ``main += chunk * (lhs_scale[row] *
-rhs_scale[col])``, the forward block-FP8 kernel's split accumulator with the rhs scale per
-column (both scale stages stream with the chunks). Run-time group sizes are clamped as in
-the forward kernels: negative sizes count as 0 and the running sum is truncated at ``M``.
+the contraction), and ``group_scale`` ``(G,)`` or ``(F, G)``: F factors per group applied
+after them, one after another (a grouped per-tensor FP8 wgrad's two per-group scales,
+multiplied; NVFP4's two global decode scales in turn): the output then leaves the kernel
+final, in bf16 if asked, with no XLA pass over the float32 result. Or FP8 with 1x128 block
+scales along the tokens on both operands (``lhs_block_scale (K, M/128)``, ``rhs_block_scale
+(N, M/128)``: the block-FP8 recipe's columnwise copies of x and dy): each 128-token chunk is
+one scale block, its wgmma goes into a fresh accumulator and is promoted into the f32 sum as
+``main += chunk * (lhs_scale[row] * rhs_scale[col])``, the forward block-FP8 kernel's split
+accumulator with the rhs scale per column (both scale stages stream with the chunks).
+Run-time group sizes are clamped as in the forward kernels: negative sizes count as 0 and the
+running sum is truncated at ``M``.
 """
 
 from __future__ import annotations
@@ -277,6 +281,7 @@ def grouped_matmul_wgrad(
     *,
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
+    group_scale: jax.Array | None = None,
     out_dtype: jnp.dtype = jnp.float32,
     token_major: bool = False,
     config: GroupedWgradConfig | None = None,
@@ -284,7 +289,8 @@ def grouped_matmul_wgrad(
     lhs_block_scale: jax.Array | None = None,
     rhs_block_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """``out[g] = (lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ) * scales`` for every group.
+    """``out[g] = (lhs[:, tokens of g] @ rhs[:, tokens of g]ᵀ) * scales`` for every group,
+    rounded once to ``out_dtype`` after the last scale.
 
     Args:
       lhs: (K, M) bf16/f16 or FP8, token-contiguous (columnwise copy of x); (M, K) bf16/f16
@@ -294,6 +300,8 @@ def grouped_matmul_wgrad(
       group_sizes: (G,) int32 tokens per group; tokens are sorted by group.
       lhs_scale: optional f32 scale of lhs, () or (K,).
       rhs_scale: optional f32 scale of rhs, () or (N,).
+      group_scale: optional f32 factors of each group's output, (G,) or (F, G) for F of them,
+        applied after lhs_scale and rhs_scale, the first first; not with the block scales.
       out_dtype: float32 (default) or bfloat16.
       token_major: the operands' token axis is their first (major) one: x and dy as the
         forward pass stores them, 16-bit only.
@@ -348,10 +356,23 @@ def grouped_matmul_wgrad(
             raise ValueError(
                 f"rhs_scale must have shape () or ({num_out_cols},), got {tuple(rhs_scale.shape)}"
             )
+    if group_scale is not None:
+        common.check_dtype("group_scale", group_scale, (jnp.float32,))
+        if group_scale.ndim not in (1, 2) or group_scale.shape[-1] != num_groups:
+            raise ValueError(
+                f"group_scale must have shape ({num_groups},) or (F, {num_groups}), got "
+                f"{tuple(group_scale.shape)}"
+            )
+        group_scale = group_scale.reshape(-1, num_groups)
     block_scaled = lhs_block_scale is not None or rhs_block_scale is not None
     if block_scaled:
         _check_block_scales(
-            lhs, rhs, lhs_block_scale, rhs_block_scale, lhs_scale, rhs_scale, token_major
+            lhs,
+            rhs,
+            lhs_block_scale,
+            rhs_block_scale,
+            (lhs_scale, rhs_scale, group_scale),
+            token_major,
         )
     sizes = (lhs.dtype.itemsize, rhs.dtype.itemsize, out_dtype.itemsize)
     if config is None:
@@ -410,6 +431,8 @@ def grouped_matmul_wgrad(
             if rhs_scale.ndim == 0
             else common.pad_axis(rhs_scale, 0, common.round_up(cols_p, 2 * tile_n))
         )
+    if group_scale is not None:
+        operands.append(group_scale)
 
     if block_scaled:
         # (M/128, K) and (M/128, N): one token block's scales for consecutive rows, one TMA
@@ -430,6 +453,7 @@ def grouped_matmul_wgrad(
         valid_tokens=num_tokens,
         lhs_scale_kind=lhs_scale_kind,
         rhs_scale_kind=rhs_scale_kind,
+        num_group_factors=0 if group_scale is None else group_scale.shape[0],
         block_scaled=block_scaled,
         out_dtype=out_dtype,
         token_major=token_major,
@@ -442,12 +466,14 @@ def grouped_matmul_wgrad(
 
 
 def _check_block_scales(
-    lhs, rhs, lhs_block_scale, rhs_block_scale, lhs_scale, rhs_scale, token_major
+    lhs, rhs, lhs_block_scale, rhs_block_scale, other_scales, token_major
 ) -> None:
     if lhs_block_scale is None or rhs_block_scale is None:
         raise ValueError("lhs_block_scale and rhs_block_scale go together: got only one")
-    if lhs_scale is not None or rhs_scale is not None:
-        raise ValueError("lhs_scale / rhs_scale do not combine with 1x128 block scales")
+    if any(scale is not None for scale in other_scales):
+        raise ValueError(
+            "lhs_scale / rhs_scale / group_scale do not combine with 1x128 block scales"
+        )
     if token_major or jnp.dtype(lhs.dtype) not in common.FP8_DTYPES:
         raise TypeError(
             "1x128 block scales need FP8 token-contiguous operands, got "
@@ -566,6 +592,7 @@ def _wgrad_call(
     valid_tokens,
     lhs_scale_kind,
     rhs_scale_kind,
+    num_group_factors,
     block_scaled,
     out_dtype,
     token_major,
@@ -615,6 +642,7 @@ def _wgrad_call(
         out_gmem = refs[-1]
         lhs_scale_ref = scale_refs.pop(0) if lhs_scale_kind else None
         rhs_scale_ref = scale_refs.pop(0) if rhs_scale_kind else None
+        group_scale_ref = scale_refs.pop(0) if num_group_factors else None
         block_scale_refs = tuple(scale_refs) if block_scaled else ()
 
         def make_pipeline(step_fn, compute_context, num_steps):
@@ -697,7 +725,7 @@ def _wgrad_call(
                         out_rows.at[:, pl.ds(tile.col0 + chunk * epi_tile_n, epi_tile_n)],
                     )
 
-            def scale(values):
+            def scale(tile: _Tile, values):
                 if lhs_scale_kind == "tensor":
                     values = values * lhs_scale_ref[0]
                 elif lhs_scale_kind == "row":
@@ -710,6 +738,8 @@ def _wgrad_call(
                     plgpu.barrier_wait(vec_barriers.at[_NUM_CONSUMERS + wg])
                     col_scale = plgpu.load(col_vec_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
                     values = values * lax.broadcast_in_dim(col_scale, values.shape, [1])
+                for factor in range(num_group_factors):
+                    values = values * group_scale_ref[factor, tile.group]
                 return values
 
             def prefetch_vectors(tile: _Tile):
@@ -743,7 +773,7 @@ def _wgrad_call(
                     return acc_ref[...]
 
                 values = pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), jnp.float32))
-                store_tile(tile, scale(values))
+                store_tile(tile, scale(tile, values))
 
             def compute_step(tile: _Tile, t, lhs_smem, rhs_smem, *scale_stages_and_carry):
                 """Token step `t` of `tile` on the stage in shared memory: the foreign tokens of

@@ -133,15 +133,20 @@ def _expert_operand(q: QuantizedTensor, usage: Usage):
     return jax.vmap(lambda d, s, a: _exact_operand(q.spec, d, s, a))(*fields)
 
 
-def _apply_factors(out, a_factor, b_factor, spread, fmt: str):
-    """Multiply by the per-group factors, in gemm.matmul_nt's order: FP8 multiplies by the
-    product of the two scale_invs, the others by each factor in turn. `spread` maps (G,)
-    factors onto `out`'s rows or groups."""
+def _factors_in_order(a_factor, b_factor, fmt: str) -> list[jax.Array]:
+    """The per-group factors a product is multiplied by, in gemm.matmul_nt's order: FP8's is
+    the product of its two scale_invs, the others' each factor in turn (none for formats
+    without them)."""
     if fmt == "fp8":
-        return out * spread(a_factor * b_factor)
-    for factor in (a_factor, b_factor):
-        if factor is not None:
-            out = out * spread(factor)
+        return [a_factor * b_factor]
+    return [factor for factor in (a_factor, b_factor) if factor is not None]
+
+
+def _apply_factors(out, a_factor, b_factor, spread, fmt: str):
+    """Multiply by the per-group factors (`_factors_in_order`); `spread` maps (G,) factors
+    onto `out`'s rows or groups."""
+    for factor in _factors_in_order(a_factor, b_factor, fmt):
+        out = out * spread(factor)
     return out
 
 
@@ -417,35 +422,44 @@ def grouped_matmul_wgrad(
 
 
 def _grouped_wgrad_product(lhs, rhs, layout, rows, cols, out_dtype):
-    """grouped_matmul_wgrad's product, in `out_dtype` or in float32 for the caller to round."""
+    """grouped_matmul_wgrad's product, in `out_dtype` or in float32 for the caller to round.
+    The per-group factors (per-tensor FP8's scales, NVFP4's S_dec) are the wgrad kernel's
+    `group_scale`, applied in its epilogue before the rounding."""
     out = _fp8_block_wgrad_kernel(lhs, rhs, layout, rows=rows, cols=cols, out_dtype=out_dtype)
     if out is not None:
         return out
     if lhs.spec.format == "fp8" and pallas_dispatch.gemm_kernels_enabled():
         a_data, a_scale_inv, _ = lhs.copy("columnwise")
         b_data, b_scale_inv, _ = rhs.copy("columnwise")
-        out = pallas_dispatch.grouped_wgrad_gemm(a_data[:rows], b_data[:cols], layout.aligned_sizes)
-        if out is not None:  # the per-group scales, in the reference's order
-            return out * (a_scale_inv * b_scale_inv)[:, None, None]
+        out = pallas_dispatch.grouped_wgrad_gemm(
+            a_data[:rows],
+            b_data[:cols],
+            layout.aligned_sizes,
+            group_scale=jnp.stack(_factors_in_order(a_scale_inv, b_scale_inv, "fp8")),
+            out_dtype=kernel_out_dtype(out_dtype),
+        )
+        if out is not None:
+            return out
     a_values, a_factor = _activation_operand(lhs, "columnwise")
     b_values, b_factor = _activation_operand(rhs, "columnwise")
-    no_factors = a_factor is None and b_factor is None
-    out = _exact_values_gemm(
+    return _exact_values_gemm(
         a_values[:rows],
         b_values[:cols].astype(a_values.dtype),
         layout.aligned_sizes,
         _NT_RAGGED_CONTRACTION,
-        out_dtype=out_dtype if no_factors else jnp.float32,
+        group_factors=_factors_in_order(a_factor, b_factor, lhs.spec.format),
+        out_dtype=out_dtype,
     )
-    return _apply_factors(out, a_factor, b_factor, lambda f: f[:, None, None], lhs.spec.format)
 
 
 def _exact_values_gemm(
-    lhs, rhs, group_sizes, dimension_numbers, *, out_dtype=jnp.float32
+    lhs, rhs, group_sizes, dimension_numbers, *, group_factors=(), out_dtype=jnp.float32
 ) -> jax.Array:
     """Grouped GEMM of exactly-dequantized operands: ragged rows (lhs (P, C), rhs (G, N, C)) or
     a ragged contraction (wgrad: lhs (K, P), rhs (N, P)); in `out_dtype` from a kernel
-    (`kernel_out_dtype`), float32 from ragged_dot.
+    (`kernel_out_dtype`), float32 from ragged_dot. `group_factors` (the contraction only):
+    (G,) factors each group's product is multiplied by in turn before the rounding, by the
+    wgrad kernel in its epilogue or after ragged_dot.
 
     bfloat16 values (every format but FP8 block with float32 scales) run on the Pallas 16-bit
     kernels where enabled: the same products (exact in bf16) accumulated in float32, only in
@@ -458,12 +472,21 @@ def _exact_values_gemm(
                 lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_dtype
             )
         else:
-            out = pallas_dispatch.grouped_wgrad_gemm(lhs, rhs, group_sizes, out_dtype=kernel_dtype)
+            out = pallas_dispatch.grouped_wgrad_gemm(
+                lhs,
+                rhs,
+                group_sizes,
+                group_scale=jnp.stack(group_factors) if group_factors else None,
+                out_dtype=kernel_dtype,
+            )
         if out is not None:
             return out
-    return _ragged_dot(
+    out = _ragged_dot(
         lhs, rhs, group_sizes, dimension_numbers, float32_precision=lax.Precision.HIGHEST
     )
+    for factor in group_factors:
+        out = out * factor[:, None, None]
+    return out
 
 
 def _ragged_dot(lhs, rhs, group_sizes, dimension_numbers, *, float32_precision=None) -> jax.Array:

@@ -313,6 +313,10 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="a
         assert sorted(orders) == ["even_odd"] * 2 + ["natural"] * 2
         blocks = [kw["block_rows"] for kw in keywords["grouped_nvfp4_weights_gemm"]]
         assert blocks == [16, 16]
+    if name in ("fp8", "nvfp4"):  # the per-group factors in the wgrad kernel's epilogue
+        (wgrad,) = keywords["grouped_wgrad_gemm"]
+        factors = {"fp8": 1, "nvfp4": 2}[name]  # FP8's product, NVFP4's two S_dec in turn
+        assert wgrad["group_scale"].shape == (factors, len(group_sizes))
     assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 
@@ -338,17 +342,17 @@ def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
 # What a bf16 grouped layer asks each GEMM kernel to write (fprop, dgrad, wgrad): bfloat16,
 # rounded in the epilogue, where nothing is applied after the kernel (ops/gemm.py
 # `kernel_out_dtype`, read by ops/grouped_gemm.py); float32 where per-group factors follow it
-# (per-tensor FP8's wgrad scales, NVFP4's S_dec after the weights-in-registers kernel and the
-# wgrad) or a bias does.
+# (NVFP4's S_dec after the weights-in-registers kernel) or a bias does. (The wgrad kernel
+# applies per-tensor FP8's and NVFP4's per-group factors itself since stop 69: `group_scale`.)
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 GROUPED_KERNEL_OUTPUTS = {
     "bf16": [_BF16] * 3,
     "bf16 with bias": [_F32, _BF16, _BF16],
-    "fp8": [_BF16, _BF16, _F32],
+    "fp8": [_BF16] * 3,
     "fp8_block": [_BF16] * 3,
     "mxfp8": [_BF16] * 3,
     # On the GPU ("auto") the 16-bit kernel applies S_dec in its epilogue for fprop and dgrad.
-    "nvfp4": [_BF16, _BF16, _F32] if ON_GPU else [_F32] * 3,
+    "nvfp4": [_BF16] * 3 if ON_GPU else [_F32, _F32, _BF16],
 }
 
 

@@ -1242,6 +1242,62 @@ def test_fp8_mixed_wgrad_with_scales_bf16_out():
     assert_close(out, ref, rel=2**-7)
 
 
+@pytest.mark.parametrize("num_factors", [1, 2])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, BF16], ids=["float32", "bfloat16"])
+def test_fp8_wgrad_group_scales_are_applied_last_then_rounded_once(out_dtype, num_factors):
+    # The per-group factors (jax_qtrain passes per-tensor FP8's two scales as their product,
+    # NVFP4's two global decode scales as two factors) are the epilogue's last, after the
+    # per-row and per-tensor scales and one after another, and the output is rounded once
+    # after them: the same bits as the float32 output scaled and rounded by XLA, the order of
+    # jax_qtrain's reference. Factors far apart, so a wrong group's shows.
+    sizes = jnp.asarray([50, 0, 77, 40], jnp.int32)
+    k = keys(4, seed=9)
+    lhs = random_fp8(k[0], (128, 208), E4M3)
+    rhs = random_fp8(k[1], (192, 208), E5M2)
+    lhs_scale = jax.random.uniform(k[2], (128,), jnp.float32, 0.25, 4.0)
+    factors = 2.0 ** jax.random.uniform(k[3], (num_factors, 4), jnp.float32, -12.0, 12.0)
+    run = functools.partial(
+        grouped_matmul_wgrad,
+        lhs,
+        rhs,
+        sizes,
+        lhs_scale=lhs_scale,
+        rhs_scale=jnp.float32(0.5),
+        # Both pipelines (one per tile, and the defaults' one from tile to tile).
+        config=dataclasses.replace(tiny_wgrad(128), persistent_pipeline=num_factors == 2),
+        interpret=True,
+    )
+    want = run()
+    for factor in factors:
+        want = want * factor[:, None, None]
+    want = want.astype(out_dtype)
+    got = run(group_scale=factors[0] if num_factors == 1 else factors, out_dtype=out_dtype)
+    assert got.shape == (4, 128, 192) and got.dtype == out_dtype
+    bits = np.uint32 if out_dtype == jnp.float32 else np.uint16
+    np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
+    assert not np.asarray(got[1]).any()  # the empty group
+
+
+def test_wgrad_group_scale_refusals():
+    lhs, rhs = jnp.zeros((128, 256), E4M3), jnp.zeros((64, 256), E4M3)
+    sizes = jnp.asarray([100, 156], jnp.int32)
+    for shape in ((3,), (2, 3), (1, 2, 2), ()):
+        with pytest.raises(ValueError, match=r"group_scale must have shape \(2,\) or \(F, 2\)"):
+            grouped_matmul_wgrad(lhs, rhs, sizes, group_scale=jnp.ones(shape, jnp.float32))
+    with pytest.raises(TypeError, match=r"group_scale must have dtype in \(float32\)"):
+        grouped_matmul_wgrad(lhs, rhs, sizes, group_scale=jnp.ones((2,), BF16))
+    block_scale = jnp.ones((128, 2), jnp.float32)
+    with pytest.raises(ValueError, match="group_scale do not combine with 1x128 block scales"):
+        grouped_matmul_wgrad(
+            lhs,
+            rhs,
+            sizes,
+            group_scale=jnp.ones((2,), jnp.float32),
+            lhs_block_scale=block_scale,
+            rhs_block_scale=block_scale[:64],
+        )
+
+
 def block_scaled_wgrad_operands(seed: int):
     """A block-FP8 wgrad's two columnwise copies over 384 tokens (three 1x128 scale blocks):
     lhs (128, 384) and rhs (192, 384) E4M3, with power-of-two scales far apart, (128, 3) and
@@ -2078,6 +2134,16 @@ CROSS_LOWERING_CASES = {
     "bf16_wgrad": (
         lambda a, b, g: grouped_matmul_wgrad(a, b, g),
         (S((K, M), BF16), S((N, M), BF16), SIZES),
+    ),
+    # Per-tensor FP8's wgrad: the per-group scales' product in the epilogue, bf16 out.
+    "fp8_wgrad_group_scales": (
+        lambda a, b, g, s: grouped_matmul_wgrad(a, b, g, group_scale=s, out_dtype=BF16),
+        (S((K, M), E4M3), S((N, M), E5M2), SIZES, S((G,), F32)),
+    ),
+    # NVFP4's wgrad on the 16-bit kernel: its two global decode scales in turn, bf16 out.
+    "bf16_wgrad_two_group_factors": (
+        lambda a, b, g, s: grouped_matmul_wgrad(a, b, g, group_scale=s, out_dtype=BF16),
+        (S((K, M), BF16), S((N, M), BF16), SIZES, S((2, G), F32)),
     ),
     # Block FP8's wgrad: 1x128 token blocks on both copies, the scales streamed per chunk.
     "fp8_wgrad_1x128_block_scales": (

@@ -214,6 +214,27 @@ def test_gpu_wgrad(operands):
     assert_close(out, ref_ragged_contraction(lhs_ref, rhs_ref, sizes), rel=rel)
 
 
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["float32", "bfloat16"])
+def test_gpu_fp8_wgrad_group_scale_is_applied_last_then_rounded_once(out_dtype):
+    # A grouped per-tensor FP8 wgrad's per-group scales in the epilogue (what jax_qtrain asks
+    # since stop 69): the same bits as the kernel's float32 output scaled and rounded by XLA
+    # afterwards (which the layer did before), with the defaults of both output dtypes on G8
+    # with skewed and empty groups.
+    tokens = 8192
+    sizes = jnp.asarray([2800, 0, 128, 1, 0, 3000, 2000, 263], jnp.int32)
+    k = keys(3, seed=37)
+    lhs = random_fp8(k[0], (1024, tokens), E4M3)
+    rhs = random_fp8(k[1], (1024, tokens), E5M2)
+    group_scale = 2.0 ** jax.random.uniform(k[2], (8,), F32, -12.0, 12.0)
+    unscaled = jax.jit(grouped_matmul_wgrad)(lhs, rhs, sizes)
+    want = jax.jit(lambda out, s: (out * s[:, None, None]).astype(out_dtype))(unscaled, group_scale)
+    got = jax.jit(
+        lambda a, b, g, s: grouped_matmul_wgrad(a, b, g, group_scale=s, out_dtype=out_dtype)
+    )(lhs, rhs, sizes, group_scale)
+    bits = np.uint32 if out_dtype == F32 else np.uint16
+    np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
+
+
 @pytest.mark.parametrize("num_sms", [None, 8])
 @pytest.mark.parametrize(
     "operands", ["bf16", "bf16_token_major", "fp8", "fp8_3_stages", "block_fp8"]
