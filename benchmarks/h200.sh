@@ -22,17 +22,16 @@
 #                                      nvfp4 nvfp4_sr mxfp8 fp8_block_128x128)
 #   bash benchmarks/h200.sh pending    the `gpu` tests of kernel paths awaiting their verification
 #                                      ($PENDING_TESTS, a pytest -k expression, in $PENDING_FILES)
-#                                      and their timing (defaults: the wgrad gpu tests (stop
-#                                      60's FP8 depth rule, the persistent pipeline, block FP8
-#                                      against cuBLASLt; all passed on the H200 in stop 63
-#                                      and on an H100 in stop 64);
-#                                      peers_ab's case groups in $PENDING_PEERS (none by
-#                                      default: grouped_mx and grouped_mx_layer ran on the H200
-#                                      in stop 63); grouped_ab's fp8_wgrad_depth and
-#                                      wgrad_persistent sets (stop 64 ran both again: nothing
-#                                      in them awaits a GPU now; point PENDING_* at new work); then
-#                                      whatever PENDING_RESOURCES / PENDING_AB / PENDING_BENCH
-#                                      name)
+#                                      and their timing. Defaults (stops 67-69, none run on a
+#                                      GPU yet): the kernels rounding their own bf16 output
+#                                      (test_gemm_kernels.py's and test_dense_gpu.py's gpu
+#                                      tests) and the wgrad kernel's group_scale, then
+#                                      $PENDING_SCRIPTS (benchmarks/<name>.py OUT, each under
+#                                      what is left of $PENDING_DEADLINE_S; default
+#                                      grouped_output_ab then dense_output_ab); then
+#                                      whatever PENDING_PEERS / PENDING_RESOURCES / PENDING_AB /
+#                                      PENDING_GROUPED_AB (stop 64 ran the last sets: none by
+#                                      default) / PENDING_BENCH name
 #   bash benchmarks/h200.sh peers      our grouped / dense / MXFP8 / block-FP8 GEMMs against
 #                                      torch, jax's Mosaic GPU kernels and XLA in alternation
 #                                      (benchmarks/peers_ab.py; PEERS_CASES picks its --cases),
@@ -116,9 +115,8 @@ elif [[ $STAGE == quantize ]]; then
   done
   cat "$scratch"/quantize_ab*.md > "$OUT/quantize_ab.md" 2>/dev/null
 elif [[ $STAGE == pending ]]; then
-  # The gpu tests of kernel paths awaiting their verification, then their timing. Defaults:
-  # the wgrad gpu tests (stop 60's FP8 depth rule in the persistent-pipeline bit test; bits
-  # against cuBLASLt per expert; the layers under "pallas"), then
+  # The gpu tests of kernel paths awaiting their verification, then their timing (the defaults
+  # are in the header), then
   # peers_ab's case groups ($PENDING_PEERS), ptxas resources ($PENDING_RESOURCES, e.g.
   # "weights in registers"), quantize_ab's variants if any ($PENDING_AB, e.g. nvfp4_weight), grouped_ab sets
   # ($PENDING_GROUPED_AB: "set" or "set:arg", each under its own timeout, a set skipped when
@@ -126,12 +124,23 @@ elif [[ $STAGE == pending ]]; then
   # they are timed, so a cut set still reports) and bench_quantize's case groups
   # ($PENDING_BENCH, e.g. extra). Point PENDING_* at the next path.
   timeout "${TEST_BUDGET:-300}" python3 -m pytest -m gpu -v -n "${WORKERS:-12}" -p no:cacheprovider \
-    -rfE -k "${PENDING_TESTS:-wgrad}" \
-    ${PENDING_FILES:-tests/pallas_kernels/test_block_fp8_vs_cublas_gpu.py \
-    tests/pallas_kernels/test_grouped_matmul_gpu.py tests/jax_qtrain/test_gemm_kernels.py} \
+    -rfE -k "${PENDING_TESTS:-test_gemm_kernels or test_dense_gpu or group_scale}" \
+    ${PENDING_FILES:-tests/jax_qtrain/test_gemm_kernels.py tests/jax_qtrain/test_dense_gpu.py \
+    tests/pallas_kernels/test_grouped_matmul_gpu.py} \
     > "$OUT/gpu_pending_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_pending_tests.log"
   tail -3 "$OUT/gpu_pending_tests.log"
+  # Each script's table prints as it is timed, so a script cut at its limit still reports.
+  for script in ${PENDING_SCRIPTS-grouped_output_ab dense_output_ab}; do
+    left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
+    if (( left < 60 )); then
+      echo "$script: skipped, ${left} s left"
+      continue
+    fi
+    mkdir -p "$OUT/ab"
+    timeout "$left" python3 "benchmarks/$script.py" "$OUT/ab" 2>&1 \
+      | tee "$OUT/ab/$script.log" | tail -20
+  done
   # ptxas's resources of the kernels named by $PENDING_RESOURCES (the in-register kernels:
   # do the second step's A registers spill? A refusal writes ptxas_error.txt into the
   # archive).
@@ -147,8 +156,7 @@ elif [[ $STAGE == pending ]]; then
   for kernel in ${PENDING_AB:-}; do
     timeout "${AB_BUDGET:-120}" python3 benchmarks/quantize_ab.py "$OUT/ab" --kernel "$kernel" 2>&1 | tail -12
   done
-  # (Defaults: stop 60's FP8 depth sweep, then every wgrad kind around its default.)
-  for entry in ${PENDING_GROUPED_AB-fp8_wgrad_depth wgrad_persistent}; do
+  for entry in ${PENDING_GROUPED_AB-}; do
     left=$(( ${PENDING_DEADLINE_S:-580} - SECONDS ))
     if (( left < ${GROUPED_AB_MIN_S:-120} )); then
       echo "grouped_ab ${entry%%:*}: skipped, ${left} s left"
