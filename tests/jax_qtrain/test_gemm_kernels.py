@@ -9,6 +9,7 @@ rounding (relative error ≲ 1e-5 of the output norm), not bit for bit.
 import contextlib
 import functools
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_qtrain as jq
+from benchmarks.h200_lowering import export_for_h200
 from jax_qtrain import kernels
 from tests.jax_qtrain.adversarial import adversarial_matrix
 
@@ -94,6 +96,15 @@ def test_gemm_backend_setting():
     with pytest.raises(ValueError, match="gemm backend"):
         with kernels.gemm_backend("cublas"):
             pass
+
+
+def _mosaic_result_types(module_text: str) -> list[str]:
+    """The result types of every Mosaic GPU kernel call in an exported module's text."""
+    types = []
+    for line in module_text.splitlines():
+        if "stablehlo.custom_call @mosaic_gpu" in line:
+            types += re.findall(r"tensor<[^>]*>", line.rsplit("->", 1)[1])
+    return types
 
 
 def dense_operands(shape, seed):
@@ -175,6 +186,27 @@ def test_bf16_dense_fp8_block_layer_takes_bf16_from_the_kernels(monkeypatch, wgr
         want_asked = jnp.bfloat16 if kernel_dtype == "as the layer asks" else jnp.float32
         assert asked == [want_asked] * 3, asked  # fprop, dgrad, wgrad
     assert_same_bf16_results(runs["as the layer asks"], runs["float32"])
+
+
+def test_bf16_dense_fp8_block_layer_lowers_for_h200_as_auto_runs_it(monkeypatch):
+    # What "auto" runs on a GPU (kernels.on_gpu patched), exported for an H200 from this host at
+    # a layer shape of bench_dense's size (M, K, N all different): the block-FP8 fprop, dgrad
+    # and wgrad kernels lower with the configs that shape gets, and each writes its bf16 result
+    # itself (y, dx, dW), no float32 one.
+    rows, features, out_features = 8192, 4096, 3072
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+    spec = jax.ShapeDtypeStruct
+    exported = export_for_h200(
+        lambda x, w, dy: dense_fwd_bwd(x, w, dy, jq.Float8BlockScaling()),
+        spec((rows, features), jnp.bfloat16),
+        spec((features, out_features), jnp.bfloat16),
+        spec((rows, out_features), jnp.bfloat16),
+    )
+    results = _mosaic_result_types(exported.mlir_module())
+    # (dW from the MoE wgrad kernel with one group: (1, K, N).)
+    for shape in ((rows, out_features), (rows, features), (1, features, out_features)):
+        dims = "x".join(map(str, shape))
+        assert f"tensor<{dims}xbf16>" in results and f"tensor<{dims}xf32>" not in results, shape
 
 
 def exactly_summable_dense_operands(shape, seed):
@@ -345,15 +377,19 @@ def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
 # (NVFP4's S_dec after the weights-in-registers kernel) or a bias does. (The wgrad kernel
 # applies per-tensor FP8's and NVFP4's per-group factors itself since stop 69: `group_scale`.)
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-GROUPED_KERNEL_OUTPUTS = {
+GROUPED_KERNEL_OUTPUTS_AUTO = {  # what "auto" asks on a GPU
     "bf16": [_BF16] * 3,
     "bf16 with bias": [_F32, _BF16, _BF16],
     "fp8": [_BF16] * 3,
     "fp8_block": [_BF16] * 3,
     "mxfp8": [_BF16] * 3,
-    # On the GPU ("auto") the 16-bit kernel applies S_dec in its epilogue for fprop and dgrad.
-    "nvfp4": [_BF16] * 3 if ON_GPU else [_F32, _F32, _BF16],
+    "nvfp4": [_BF16] * 3,  # S_dec in the 16-bit kernel's epilogue, all three GEMMs
 }
+# In the interpreter (always "pallas") NVFP4's fprop and dgrad take the opt-in
+# weights-in-registers kernel, whose S_dec is applied after it.
+GROUPED_KERNEL_OUTPUTS = GROUPED_KERNEL_OUTPUTS_AUTO | (
+    {} if ON_GPU else {"nvfp4": [_F32, _F32, _BF16]}
+)
 
 
 def _log_kernel_out_dtypes(monkeypatch, adapters, log: list) -> None:
@@ -425,6 +461,45 @@ def test_bf16_grouped_layer_takes_bf16_from_the_kernels(monkeypatch, name):
 @pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS))
 def test_bf16_grouped_layer_takes_bf16_from_the_kernels_gpu(monkeypatch, name):
     _grouped_output_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1], compare=True)
+
+
+# bench_moe's "8 experts" FC1 (grouped_output_ab's shape): tokens, in and out features, experts.
+MOE_FC1_SHAPE = (16384, 4096, 3584, 8)
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS_AUTO))
+def test_bf16_grouped_layer_lowers_for_h200_as_auto_runs_it(monkeypatch, name):
+    # What "auto" runs on a GPU (kernels.on_gpu patched: the quantize kernels and the GEMM
+    # kernels, not the opt-in paths), exported for an H200 from this host at a real MoE shape:
+    # every Mosaic GPU kernel of the layer's forward and backward lowers with the configs its
+    # shapes and output dtypes get (the interpreter's tiny shapes pick others), and y, dx and
+    # dW come out of the fprop, dgrad and wgrad kernels in the dtypes the layer asks for.
+    recipe = GROUPED_KERNELS[name.removesuffix(" with bias")][0]
+    tokens, features, out_features, experts = MOE_FC1_SHAPE
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+
+    def fwd_bwd(x, w, sizes, dy, bias):
+        y, vjp = jax.vjp(lambda x, w: jq.grouped_dense(x, w, sizes, bias, recipe=recipe), x, w)
+        return (y, *vjp(dy))
+
+    spec = jax.ShapeDtypeStruct
+    bias = spec((experts, out_features), jnp.bfloat16) if "bias" in name else None
+    exported = export_for_h200(
+        fwd_bwd,
+        spec((tokens, features), jnp.bfloat16),
+        spec((experts, features, out_features), jnp.bfloat16),
+        spec((experts,), jnp.int32),
+        spec((tokens, out_features), jnp.bfloat16),
+        bias,
+    )
+    results = _mosaic_result_types(exported.mlir_module())
+    shapes = ((tokens, out_features), (tokens, features), (experts, features, out_features))
+    for shape, dtype in zip(shapes, GROUPED_KERNEL_OUTPUTS_AUTO[name], strict=True):
+        dims = "x".join(map(str, shape))
+        want = f"tensor<{dims}x{'bf16' if dtype == _BF16 else 'f32'}>"
+        assert want in results, (shape, dtype, sorted(set(results)))
+        other = f"tensor<{dims}x{'f32' if dtype == _BF16 else 'bf16'}>"
+        assert other not in results, (shape, dtype)
 
 
 def _auto_and_pallas_moe(monkeypatch, recipe, adapter: str):
