@@ -7,15 +7,16 @@ Until 2026-12-07 every Pallas grouped GEMM kernel the grouped layers ran wrote a
 which XLA read back and rounded to bf16 (per-group factors or a bias applied in float32 first,
 where there are any); the kernels can round in their epilogue instead (their `out_dtype`), and
 the layers now ask them to wherever nothing follows the kernel (ops/gemm.py
-`kernel_out_dtype`, read by ops/grouped_gemm.py); since stop 69 that includes the wgrad of
-per-tensor FP8 and NVFP4, whose per-group factors the wgrad kernel now applies itself (its
-`group_scale`; the old form keeps the float32 write and XLA's pass, the multiply moved into
-the kernel in both). This times `jq.grouped_dense`
+`kernel_out_dtype`, read by ops/grouped_gemm.py). Per-tensor FP8's and NVFP4's wgrad still
+write float32 under "auto": their per-group factors follow the kernel, unless the opt-in path
+"wgrad_group_scale" (stop 69, awaiting its gpu tests) has the kernel apply them (its
+`group_scale`) and round. This times `jq.grouped_dense`
 forward+backward on an FC1-shaped MoE layer (bench_moe's "8 experts": 16384 tokens,
 4096 → 3584, 8 balanced experts, bf16 x, kernels and dy), per recipe in both forms: "float32
 from the kernels" (the old form: grouped_gemm's `kernel_out_dtype` patched to float32 while
-tracing) and "as the layer asks" (the library's form). Each
-candidate is compiled under its form before timing (the choice is made at trace time).
+tracing), "as the layer asks" (the library's form) and, for those two recipes, "with the
+wgrad group_scale" (the opt-in path taken). Each candidate is compiled under its form before
+timing (the choice is made at trace time).
 
 The second form's outputs are compared with the first's as the largest difference over the
 largest magnitude (the kernels' tiling may depend on the output dtype, which may change the
@@ -55,7 +56,9 @@ RECIPES = {
     "mxfp8": jq.MXFP8BlockScaling(),
     "nvfp4": jq.NVFP4BlockScaling(),
 }
-FORMS = ("float32 from the kernels", "as the layer asks")
+FORMS = ("float32 from the kernels", "as the layer asks", "with the wgrad group_scale")
+# The recipes whose wgrad has per-group factors: the third form differs for them only.
+GROUP_FACTOR_RECIPES = ("fp8", "nvfp4")
 
 
 def operand_sets(tokens, features, out_features, experts, sets=2):
@@ -83,13 +86,13 @@ def fwd_bwd(recipe):
 
 def compiled(recipe, form: str, args):
     """`fwd_bwd(recipe)` compiled in `form` (the choice is read while tracing)."""
-    patch = (
-        unittest.mock.patch.object(
-            grouped_gemm, "kernel_out_dtype", lambda dtype: jnp.dtype(jnp.float32)
-        )
-        if form == FORMS[0]
-        else contextlib.nullcontext()
-    )
+    patch = contextlib.nullcontext()
+    if form == FORMS[0]:
+        float32 = lambda dtype: jnp.dtype(jnp.float32)
+        patch = unittest.mock.patch.object(grouped_gemm, "kernel_out_dtype", float32)
+    elif form == FORMS[2]:
+        opt_in = kernels._OPT_IN_GEMM_PATHS - {"wgrad_group_scale"}
+        patch = unittest.mock.patch.object(kernels, "_OPT_IN_GEMM_PATHS", opt_in)
     with patch:
         return jax.jit(fwd_bwd(recipe)).lower(*args).compile()
 
@@ -101,7 +104,8 @@ def run(shape, recipe_names, timing) -> list[dict]:
     rows = []
     for name, recipe in named_subset(RECIPES, recipe_names, "recipes").items():
         candidates, outputs = {}, {}
-        for form in FORMS:
+        forms = FORMS if name in GROUP_FACTOR_RECIPES else FORMS[:2]
+        for form in forms:
             start = time.perf_counter()
             candidates[form] = compiled(recipe, form, sets[0])
             outputs[form] = jax.block_until_ready(candidates[form](*sets[0]))
@@ -109,8 +113,8 @@ def run(shape, recipe_names, timing) -> list[dict]:
                 f"{name} / {form}: compiled and ran in {time.perf_counter() - start:.1f} s",
                 flush=True,
             )
-        seconds = interleaved_seconds({form: (candidates[form], sets) for form in FORMS}, **timing)
-        for form in FORMS:
+        seconds = interleaved_seconds({form: (candidates[form], sets) for form in forms}, **timing)
+        for form in forms:
             rows.append(
                 {
                     "shape": f"T={tokens} {features}->{out_features} E={experts}",

@@ -396,9 +396,17 @@ def gemm_kernels_enabled() -> bool:
 # (test_dense_fp8_block_wgrad_on_either_kernel_gpu; both equal cuBLASLt's), and 1.10-1.14x
 # faster at 8192³ (855 vs 749 TFLOP/s in grouped_ab's alternation; 795-798 vs 721-725 beside
 # cuBLASLt's 852-858 in peers_ab's), so "auto" takes it.
+# Opt-in since stop 69, awaiting its gpu tests: the grouped wgrad kernel applying per-tensor
+# FP8's per-group scales and NVFP4's S_dec in its epilogue ("wgrad_group_scale", the kernel's
+# `group_scale`) and rounding its own bf16 output, instead of a float32 output that XLA scales
+# and rounds (tests/pallas_kernels/test_grouped_matmul_gpu.py::
+# test_gpu_fp8_wgrad_group_scale_is_applied_last_then_rounded_once, tests/jax_qtrain/
+# test_gemm_kernels.py::test_grouped_dense_with_the_wgrad_group_scale_path_gpu; timed by
+# benchmarks/grouped_output_ab.py).
 _OPT_IN_GEMM_PATHS: set[str] = {
     "mxfp8_weights_in_registers",
     "nvfp4_weights_in_registers",
+    "wgrad_group_scale",
 }
 
 

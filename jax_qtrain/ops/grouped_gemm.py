@@ -422,22 +422,15 @@ def grouped_matmul_wgrad(
 
 
 def _grouped_wgrad_product(lhs, rhs, layout, rows, cols, out_dtype):
-    """grouped_matmul_wgrad's product, in `out_dtype` or in float32 for the caller to round.
-    The per-group factors (per-tensor FP8's scales, NVFP4's S_dec) are the wgrad kernel's
-    `group_scale`, applied in its epilogue before the rounding."""
+    """grouped_matmul_wgrad's product, in `out_dtype` or in float32 for the caller to round."""
     out = _fp8_block_wgrad_kernel(lhs, rhs, layout, rows=rows, cols=cols, out_dtype=out_dtype)
     if out is not None:
         return out
     if lhs.spec.format == "fp8" and pallas_dispatch.gemm_kernels_enabled():
         a_data, a_scale_inv, _ = lhs.copy("columnwise")
         b_data, b_scale_inv, _ = rhs.copy("columnwise")
-        out = pallas_dispatch.grouped_wgrad_gemm(
-            a_data[:rows],
-            b_data[:cols],
-            layout.aligned_sizes,
-            group_scale=jnp.stack(_factors_in_order(a_scale_inv, b_scale_inv, "fp8")),
-            out_dtype=kernel_out_dtype(out_dtype),
-        )
+        factors = _factors_in_order(a_scale_inv, b_scale_inv, "fp8")
+        out = _wgrad_kernel(a_data[:rows], b_data[:cols], layout.aligned_sizes, factors, out_dtype)
         if out is not None:
             return out
     a_values, a_factor = _activation_operand(lhs, "columnwise")
@@ -452,33 +445,47 @@ def _grouped_wgrad_product(lhs, rhs, layout, rows, cols, out_dtype):
     )
 
 
+def _wgrad_kernel(lhs, rhs, group_sizes, group_factors, out_dtype) -> jax.Array | None:
+    """The wgrad kernel's (G, K, N) product times the per-group factors in turn (`(G,)` each):
+    applied in its epilogue (`group_scale`) and rounded there to `out_dtype`
+    (`kernel_out_dtype`) where the path "wgrad_group_scale" is on, else after it, on its
+    float32 output (for the caller to round). None where the kernel does not cover the
+    operands."""
+    in_kernel = not group_factors or pallas_dispatch.gemm_path_enabled("wgrad_group_scale")
+    out = pallas_dispatch.grouped_wgrad_gemm(
+        lhs,
+        rhs,
+        group_sizes,
+        group_scale=jnp.stack(group_factors) if group_factors and in_kernel else None,
+        out_dtype=kernel_out_dtype(out_dtype) if in_kernel else jnp.float32,
+    )
+    if out is None or in_kernel:
+        return out
+    for factor in group_factors:
+        out = out * factor[:, None, None]
+    return out
+
+
 def _exact_values_gemm(
     lhs, rhs, group_sizes, dimension_numbers, *, group_factors=(), out_dtype=jnp.float32
 ) -> jax.Array:
     """Grouped GEMM of exactly-dequantized operands: ragged rows (lhs (P, C), rhs (G, N, C)) or
     a ragged contraction (wgrad: lhs (K, P), rhs (N, P)); in `out_dtype` from a kernel
     (`kernel_out_dtype`), float32 from ragged_dot. `group_factors` (the contraction only):
-    (G,) factors each group's product is multiplied by in turn before the rounding, by the
-    wgrad kernel in its epilogue or after ragged_dot.
+    (G,) factors each group's product is multiplied by in turn before the rounding (by the
+    wgrad kernel: `_wgrad_kernel`; or after ragged_dot).
 
     bfloat16 values (every format but FP8 block with float32 scales) run on the Pallas 16-bit
     kernels where enabled: the same products (exact in bf16) accumulated in float32, only in
     another order, and ~7× faster than ragged_dot on Hopper; float32 values run ragged_dot at
     HIGHEST precision (16-bit values too, off the GPU: `_ragged_dot`)."""
     if lhs.dtype == jnp.bfloat16 and pallas_dispatch.gemm_kernels_enabled():
-        kernel_dtype = kernel_out_dtype(out_dtype)
         if dimension_numbers is _NT_RAGGED_ROWS:
             out = pallas_dispatch.grouped_half_gemm(
-                lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_dtype
+                lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=kernel_out_dtype(out_dtype)
             )
         else:
-            out = pallas_dispatch.grouped_wgrad_gemm(
-                lhs,
-                rhs,
-                group_sizes,
-                group_scale=jnp.stack(group_factors) if group_factors else None,
-                out_dtype=kernel_dtype,
-            )
+            out = _wgrad_kernel(lhs, rhs, group_sizes, group_factors, out_dtype)
         if out is not None:
             return out
     out = _ragged_dot(

@@ -318,7 +318,8 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="a
     )
     dy = jax.random.normal(kg, (rows, features), jnp.bfloat16)
     sizes = jnp.asarray(group_sizes, jnp.int32)
-    run = jax.jit(grouped_fwd_bwd, static_argnums=4)
+    # A new function: a trace cached under other monkeypatches (the opt-in paths) is not reused.
+    run = jax.jit(lambda *args: grouped_fwd_bwd(*args), static_argnums=4)
     with kernels.gemm_backend("reference"):
         want = run(x, w, sizes, dy, recipe)
     keywords = {adapter: [] for adapter in set(expected)}
@@ -327,6 +328,7 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="a
     }
     with kernel_gemms(gpu_backend):
         got = run(x, w, sizes, dy, recipe)
+        group_scale_path = kernels.gemm_path_enabled("wgrad_group_scale")
     for adapter in set(expected):
         assert calls[adapter] == [True] * expected.count(adapter), adapter
     # fprop and dgrad read the aligned layout and write the tokens' order (no gather after
@@ -345,10 +347,13 @@ def _grouped_case(monkeypatch, name, rows, features, group_sizes, gpu_backend="a
         assert sorted(orders) == ["even_odd"] * 2 + ["natural"] * 2
         blocks = [kw["block_rows"] for kw in keywords["grouped_nvfp4_weights_gemm"]]
         assert blocks == [16, 16]
-    if name in ("fp8", "nvfp4"):  # the per-group factors in the wgrad kernel's epilogue
+    if name in ("fp8", "nvfp4"):  # the per-group factors: in the wgrad kernel's epilogue?
         (wgrad,) = keywords["grouped_wgrad_gemm"]
         factors = {"fp8": 1, "nvfp4": 2}[name]  # FP8's product, NVFP4's two S_dec in turn
-        assert wgrad["group_scale"].shape == (factors, len(group_sizes))
+        if group_scale_path:
+            assert wgrad["group_scale"].shape == (factors, len(group_sizes))
+        else:
+            assert wgrad["group_scale"] is None
     assert_close(got, want)
     assert not np.asarray(got[0], np.float32)[sum(group_sizes) :].any()  # rows past the groups
 
@@ -364,6 +369,31 @@ def test_grouped_dense_on_the_kernels_gpu(monkeypatch, name):
     _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
 
 
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_grouped_dense_on_the_kernels_without_the_wgrad_group_scale_path(monkeypatch, name):
+    # "auto"'s wgrad on a GPU until the opt-in path is verified (the interpreter runs "pallas",
+    # which takes it): the per-group factors applied to the kernel's float32 output.
+    enabled = kernels.gemm_path_enabled
+    monkeypatch.setattr(
+        kernels, "gemm_path_enabled", lambda path: path != "wgrad_group_scale" and enabled(path)
+    )
+    _grouped_case(monkeypatch, name, 256, 128, [100, 0, 128])
+
+
+def take_wgrad_group_scale(monkeypatch) -> None:
+    """The opt-in path "wgrad_group_scale" taken under "auto" too."""
+    opt_in = kernels._OPT_IN_GEMM_PATHS - {"wgrad_group_scale"}
+    monkeypatch.setattr(kernels, "_OPT_IN_GEMM_PATHS", opt_in)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_grouped_dense_with_the_wgrad_group_scale_path_gpu(monkeypatch, name):
+    # Stop 69's opt-in path: the per-group factors in the wgrad kernel's epilogue, under "auto".
+    take_wgrad_group_scale(monkeypatch)
+    _grouped_case(monkeypatch, name, 4096, 1024, [1000, 0, 1700, 1])
+
+
 @pytest.mark.gpu
 def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
     # The block-FP8 wgrad kernel ("fp8_block_grouped_wgrad") under "pallas" too (stop 53:
@@ -374,21 +404,23 @@ def test_grouped_dense_fp8_block_wgrad_on_the_kernel_gpu(monkeypatch):
 # What a bf16 grouped layer asks each GEMM kernel to write (fprop, dgrad, wgrad): bfloat16,
 # rounded in the epilogue, where nothing is applied after the kernel (ops/gemm.py
 # `kernel_out_dtype`, read by ops/grouped_gemm.py); float32 where per-group factors follow it
-# (NVFP4's S_dec after the weights-in-registers kernel) or a bias does. (The wgrad kernel
-# applies per-tensor FP8's and NVFP4's per-group factors itself since stop 69: `group_scale`.)
+# (per-tensor FP8's and NVFP4's wgrad unless the opt-in path "wgrad_group_scale" has the
+# kernel apply them, NVFP4's S_dec after the weights-in-registers kernel) or a bias does.
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 GROUPED_KERNEL_OUTPUTS_AUTO = {  # what "auto" asks on a GPU
     "bf16": [_BF16] * 3,
     "bf16 with bias": [_F32, _BF16, _BF16],
-    "fp8": [_BF16] * 3,
+    "fp8": [_BF16, _BF16, _F32],
     "fp8_block": [_BF16] * 3,
     "mxfp8": [_BF16] * 3,
-    "nvfp4": [_BF16] * 3,  # S_dec in the 16-bit kernel's epilogue, all three GEMMs
+    "nvfp4": [_BF16, _BF16, _F32],  # S_dec in the 16-bit kernel's epilogue for fprop and dgrad
 }
-# In the interpreter (always "pallas") NVFP4's fprop and dgrad take the opt-in
-# weights-in-registers kernel, whose S_dec is applied after it.
+# With the opt-in path "wgrad_group_scale" the wgrad kernel applies the per-group factors too.
+WITH_WGRAD_GROUP_SCALE = {"fp8": [_BF16] * 3, "nvfp4": [_BF16] * 3}
+# In the interpreter (always "pallas", which takes the opt-in paths) NVFP4's fprop and dgrad
+# run on the weights-in-registers kernel, whose S_dec is applied after it.
 GROUPED_KERNEL_OUTPUTS = GROUPED_KERNEL_OUTPUTS_AUTO | (
-    {} if ON_GPU else {"nvfp4": [_F32, _F32, _BF16]}
+    {} if ON_GPU else {"fp8": [_BF16] * 3, "nvfp4": [_F32, _F32, _BF16]}
 )
 
 
@@ -467,16 +499,25 @@ def test_bf16_grouped_layer_takes_bf16_from_the_kernels_gpu(monkeypatch, name):
 MOE_FC1_SHAPE = (16384, 4096, 3584, 8)
 
 
-@pytest.mark.parametrize("name", sorted(GROUPED_KERNEL_OUTPUTS_AUTO))
-def test_bf16_grouped_layer_lowers_for_h200_as_auto_runs_it(monkeypatch, name):
+@pytest.mark.parametrize(
+    ("name", "wgrad_group_scale"),
+    [(name, False) for name in sorted(GROUPED_KERNEL_OUTPUTS_AUTO)]
+    + [(name, True) for name in sorted(WITH_WGRAD_GROUP_SCALE)],
+)
+def test_bf16_grouped_layer_lowers_for_h200_as_auto_runs_it(monkeypatch, name, wgrad_group_scale):
     # What "auto" runs on a GPU (kernels.on_gpu patched: the quantize kernels and the GEMM
-    # kernels, not the opt-in paths), exported for an H200 from this host at a real MoE shape:
-    # every Mosaic GPU kernel of the layer's forward and backward lowers with the configs its
-    # shapes and output dtypes get (the interpreter's tiny shapes pick others), and y, dx and
-    # dW come out of the fprop, dgrad and wgrad kernels in the dtypes the layer asks for.
+    # kernels, not the opt-in paths but "wgrad_group_scale" where asked), exported for an H200
+    # from this host at a real MoE shape: every Mosaic GPU kernel of the layer's forward and
+    # backward lowers with the configs its shapes and output dtypes get (the interpreter's tiny
+    # shapes pick others), and y, dx and dW come out of the fprop, dgrad and wgrad kernels in
+    # the dtypes the layer asks for.
     recipe = GROUPED_KERNELS[name.removesuffix(" with bias")][0]
     tokens, features, out_features, experts = MOE_FC1_SHAPE
     monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+    kernel_outputs = GROUPED_KERNEL_OUTPUTS_AUTO[name]
+    if wgrad_group_scale:
+        take_wgrad_group_scale(monkeypatch)
+        kernel_outputs = WITH_WGRAD_GROUP_SCALE[name]
 
     def fwd_bwd(x, w, sizes, dy, bias):
         y, vjp = jax.vjp(lambda x, w: jq.grouped_dense(x, w, sizes, bias, recipe=recipe), x, w)
@@ -494,7 +535,7 @@ def test_bf16_grouped_layer_lowers_for_h200_as_auto_runs_it(monkeypatch, name):
     )
     results = _mosaic_result_types(exported.mlir_module())
     shapes = ((tokens, out_features), (tokens, features), (experts, features, out_features))
-    for shape, dtype in zip(shapes, GROUPED_KERNEL_OUTPUTS_AUTO[name], strict=True):
+    for shape, dtype in zip(shapes, kernel_outputs, strict=True):
         dims = "x".join(map(str, shape))
         want = f"tensor<{dims}x{'bf16' if dtype == _BF16 else 'f32'}>"
         assert want in results, (shape, dtype, sorted(set(results)))
