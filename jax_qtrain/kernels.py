@@ -471,9 +471,10 @@ def grouped_fp8_block_gemm(
 def grouped_wgrad_gemm(
     lhs, rhs, group_sizes, *, group_scale=None, token_major: bool = False, out_dtype=_F32
 ):
-    """(G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ · group_scale[g] in `out_dtype`
-    (rounded once, after the scale), lhs (K, M) and rhs (N, M) token-contiguous, both FP8 or
-    both the same 16-bit dtype; `group_scale` (G,) float32 or None.
+    """(G, K, N) = lhs[:, tokens of g] · rhs[:, tokens of g]ᵀ, times each group's factors in
+    `group_scale` ((F, G) or (G,) float32, or None) in turn, in `out_dtype` (rounded once,
+    after them), lhs (K, M) and rhs (N, M) token-contiguous, both FP8 or both the same 16-bit
+    dtype.
     `token_major`: lhs (M, K) and rhs (M, N) instead, 16-bit only (x and dy as stored, no
     transposes before the kernel)."""
     half = jnp.dtype(lhs.dtype) in _HALF and lhs.dtype == rhs.dtype
